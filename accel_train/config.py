@@ -1,0 +1,293 @@
+"""Run configuration: a tree of typed dataclasses, loaded from YAML with dotted `key=value` overrides.
+
+    cfg = load_config("configs/train/default.yaml", ["train.lr=1e-4", "lora.r=16"])
+
+Unknown keys and values of the wrong type or range raise `ConfigError` naming the key (and the closest
+valid key), before anything expensive happens. Each field's docstring is its help text (`--help`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import yaml
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Editable installs and checkouts keep configs/ beside the package; wheels carry it inside.
+CONFIGS_DIR = next(
+    (p for p in (PACKAGE_DIR / "configs", PACKAGE_DIR.parent / "configs") if p.is_dir()), PACKAGE_DIR.parent / "configs"
+)
+TINY_MODEL = str(CONFIGS_DIR / "model" / "tiny-llama")
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration; the message is one line that names the key."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = TINY_MODEL
+    """Local model folder or Hugging Face hub id, loaded with `AutoModelFor...`."""
+    random_init: bool = True
+    """Build the model from its config.json with random weights instead of loading weights (the tiny default)."""
+    num_labels: Optional[int] = None
+    """Classes for seq_cls; None reads them from the dataset's label column."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Dtype the weights are loaded in; mixed precision is chosen separately (train.mixed_precision)."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository (only for models that need it)."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    """Train a LoRA adapter (peft); false means full fine-tuning."""
+    r: int = 8
+    """LoRA rank."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt; ["all-linear"] means every linear layer but the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full and saved with the adapter (e.g. a classifier head)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:reverse"
+    """Local .jsonl/.json/.csv/.parquet file, a `save_to_disk` folder, a hub dataset name, or builtin:NAME."""
+    train_split: str = "train"
+    """Split used for training."""
+    eval_split: Optional[str] = None
+    """Split used for evaluation; None carves eval_fraction out of the training split."""
+    eval_fraction: float = 0.1
+    """Share of the training split held out for evaluation when eval_split is None (0 disables eval)."""
+    prompt_field: str = "prompt"
+    """causal_lm: column with the prompt (used with response_field)."""
+    response_field: str = "response"
+    """causal_lm: column with the target text; loss is computed on these tokens only."""
+    messages_field: str = "messages"
+    """causal_lm: column with chat messages ([{role, content}, ...]); the last assistant turn is the target."""
+    text_field: str = "text"
+    """seq_cls: column with the input text."""
+    label_field: str = "label"
+    """seq_cls: column with the integer class label."""
+    max_length: int = 512
+    """Sequences are truncated to this many tokens."""
+    max_samples: Optional[int] = None
+    """Use at most this many training samples (handy for quick runs)."""
+    builtin_size: int = 3000
+    """Number of samples a builtin:NAME dataset generates."""
+
+
+@dataclass
+class TrainConfig:
+    per_device_batch_size: int = 16
+    """Samples per micro-batch on each process."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step. Effective batch = per_device_batch_size x grad_accum_steps x processes."""
+    epochs: int = 10
+    """Passes over the training data."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (overrides epochs when set)."""
+    lr: float = 3e-3
+    """Peak learning rate (reached after warmup)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = 10
+    """Optimizer steps of linear warmup."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value; None disables clipping."""
+    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = None
+    """Autocast precision; None takes the value from `accelerate launch` / its config file."""
+    log_every: int = 10
+    """Log the training loss every N optimizer steps."""
+    eval_every: Optional[int] = None
+    """Evaluate every N optimizer steps (and always at the end); None evaluates only at the end."""
+    eval_batch_size: int = 64
+    """Samples per evaluation batch on each process."""
+    dist_timeout_s: int = 600
+    """Timeout of the process group's collectives, in seconds (torchrun's default is ten minutes)."""
+    debug_collectives: bool = False
+    """Check that all ranks issue matching collectives (ACCELERATE_DEBUG_MODE, TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+
+
+@dataclass
+class EvalConfig:
+    metrics: list[str] = field(default_factory=lambda: ["accuracy"])
+    """`evaluate` metrics; bundled ones (accuracy) load offline, other names load from the hub."""
+
+
+@dataclass
+class Config:
+    task: Literal["causal_lm", "seq_cls"] = "causal_lm"
+    """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification."""
+    output_dir: str = "outputs/default"
+    """Where the adapter, config.yaml and logs are written."""
+    seed: int = 42
+    """Seed for weights, LoRA init, data order and dropout."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        positive = {
+            "train.per_device_batch_size": self.train.per_device_batch_size,
+            "train.grad_accum_steps": self.train.grad_accum_steps,
+            "train.epochs": self.train.epochs,
+            "train.lr": self.train.lr,
+            "train.log_every": self.train.log_every,
+            "train.eval_batch_size": self.train.eval_batch_size,
+            "train.dist_timeout_s": self.train.dist_timeout_s,
+            "data.max_length": self.data.max_length,
+            "data.builtin_size": self.data.builtin_size,
+            "lora.r": self.lora.r,
+        }
+        for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
+                              ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),
+                              ("model.num_labels", self.model.num_labels)):
+            if optional is not None:
+                positive[key] = optional
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        for key, value in (("train.warmup_steps", self.train.warmup_steps), ("train.weight_decay", self.train.weight_decay),
+                           ("lora.dropout", self.lora.dropout)):
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        if not 0 <= self.data.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- dotted `key=value` overrides, checked against the dataclass tree."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of config keys, got {type(raw).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value) if value else ""
+    return _build(Config, raw, prefix="")
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+    kwargs = {}
+    for name in names:
+        if name not in raw:
+            continue
+        hint, value = hints[name], raw[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _check(value, hint, key: str):
+    """Return `value` as type `hint`, or raise ConfigError naming `key`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0] if len(inner) == 1 else hint, key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin is list:
+        if isinstance(value, str):  # a single name is accepted where a list is expected
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_check(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _type_name(hint) -> str:
+    text = str(hint).replace("typing.", "").replace("NoneType", "None")
+    return hint.__name__ if isinstance(hint, type) else text
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------------- help
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def help_text(cls=Config, prefix: str = "", defaults=None) -> str:
+    """One line per config key: name, type, default and doc, generated from the dataclasses."""
+    defaults = defaults if defaults is not None else cls()
+    docs, hints, lines = field_docs(cls), typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.append(help_text(hints[f.name], f"{prefix}{f.name}.", value))
+        else:
+            lines.append(f"  {prefix}{f.name} ({_type_name(hints[f.name])}, default {value!r}): {docs.get(f.name, '')}")
+    return "\n".join(lines)

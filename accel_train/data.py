@@ -1,0 +1,175 @@
+"""Data: load with `datasets`, tokenize per task, and build dataloaders with dynamic padding.
+
+Sources (`data.path`): a local .jsonl/.json/.csv/.parquet file, a `save_to_disk` folder, a hub dataset
+name, or `builtin:NAME` (generated here, so tests and the default run need no network).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from datasets import ClassLabel, Dataset, DatasetDict, load_dataset, load_from_disk
+from torch.utils.data import DataLoader
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
+
+from accel_train.config import Config, ConfigError
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
+
+
+# ---------------------------------------------------------------------------------------------------- built-in data
+
+
+def _reverse(rng: random.Random) -> dict:
+    """causal_lm: reverse a short word. A tiny random model visibly learns it in a minute on a CPU."""
+    word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6)))
+    return {"prompt": f"reverse {word}", "response": word[::-1]}
+
+
+_POS, _NEG = ["good", "great", "fun", "nice", "happy"], ["bad", "sad", "dull", "awful", "poor"]
+_FILL = ["the", "film", "was", "a", "plot", "and", "very", "it"]
+
+
+def _sentiment(rng: random.Random) -> dict:
+    """seq_cls: label 1 when the text holds more positive than negative words (ties never occur)."""
+    n_pos, n_neg = rng.choice([(2, 1), (1, 2), (1, 0), (0, 1), (3, 1), (1, 3)])
+    words = [rng.choice(_POS) for _ in range(n_pos)] + [rng.choice(_NEG) for _ in range(n_neg)]
+    words += [rng.choice(_FILL) for _ in range(rng.randint(2, 5))]
+    rng.shuffle(words)
+    return {"text": " ".join(words), "label": int(n_pos > n_neg)}
+
+
+BUILTIN = {"reverse": _reverse, "sentiment": _sentiment}
+
+
+def builtin_dataset(name: str, size: int) -> Dataset:
+    # Fixed generator seed: the data is the same whatever the run's seed, so runs are comparable.
+    rng = random.Random(1234)
+    return Dataset.from_list([BUILTIN[name](rng) for _ in range(size)])
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def check_source(cfg: Config) -> None:
+    """Cheap checks on data.path, run before any process group, model or dataset is built."""
+    path = cfg.data.path
+    if path.startswith("builtin:"):
+        if path.removeprefix("builtin:") not in BUILTIN:
+            raise ConfigError(f"data.path: unknown built-in dataset {path!r}; available: "
+                              + ", ".join(f"builtin:{n}" for n in BUILTIN))
+        return
+    local = Path(path).expanduser()
+    looks_local = local.suffix in FILE_BUILDERS or path.startswith((".", "/", "~"))
+    if looks_local and not local.exists():
+        raise ConfigError(f"data.path: data file not found: {path}")
+    if local.is_file() and local.suffix not in FILE_BUILDERS:
+        raise ConfigError(f"data.path: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
+
+
+def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
+    """Return (train, eval) raw datasets; eval is carved out of train when no eval split is named."""
+    d = cfg.data
+    if d.path.startswith("builtin:"):
+        loaded = DatasetDict(train=builtin_dataset(d.path.removeprefix("builtin:"), d.builtin_size))
+    else:
+        local = Path(d.path).expanduser()
+        if local.is_file():
+            loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)})
+        elif (local / "dataset_dict.json").exists() or (local / "dataset_info.json").exists():
+            loaded = load_from_disk(str(local))
+        else:  # a hub dataset name (or a local folder of data files, which load_dataset also reads)
+            loaded = load_dataset(d.path)
+    if isinstance(loaded, Dataset):
+        loaded = DatasetDict(train=loaded)
+    for split in (d.train_split, d.eval_split):
+        if split is not None and split not in loaded:
+            raise ConfigError(f"data: split {split!r} not in {d.path}; splits found: {', '.join(loaded)}")
+    train = loaded[d.train_split]
+    if d.eval_split is not None:
+        evaluation = loaded[d.eval_split]
+    elif d.eval_fraction > 0:
+        parts = train.train_test_split(test_size=d.eval_fraction, seed=cfg.seed)
+        train, evaluation = parts["train"], parts["test"]
+    else:
+        evaluation = None
+    if d.max_samples is not None:
+        train = train.select(range(min(d.max_samples, len(train))))
+    return train, evaluation
+
+
+def num_labels(cfg: Config, train: Dataset) -> int:
+    if cfg.model.num_labels is not None:
+        return cfg.model.num_labels
+    feature = train.features.get(cfg.data.label_field)
+    if isinstance(feature, ClassLabel):
+        return feature.num_classes
+    return int(max(train[cfg.data.label_field])) + 1
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizing
+
+
+def _chat(example: dict, cfg: Config) -> list[dict]:
+    d = cfg.data
+    if d.messages_field in example and example[d.messages_field]:
+        return list(example[d.messages_field])
+    return [{"role": "user", "content": example[d.prompt_field]},
+            {"role": "assistant", "content": example[d.response_field]}]
+
+
+def tokenize_causal(example: dict, tokenizer, cfg: Config) -> dict:
+    """Prompt tokens get label IGNORE_INDEX, so the loss covers the final assistant turn only."""
+    messages = _chat(example, cfg)
+    if tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)["input_ids"]
+        full = tokenizer.apply_chat_template(messages)["input_ids"]
+    else:
+        text = "\n".join(m["content"] for m in messages[:-1]) + "\n"
+        prompt = tokenizer(text)["input_ids"]
+        full = prompt + tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        full = full + [tokenizer.eos_token_id]
+    full = full[: cfg.data.max_length]
+    labels = [IGNORE_INDEX] * min(len(prompt), len(full)) + full[len(prompt):]
+    return {"input_ids": full, "attention_mask": [1] * len(full), "labels": labels}
+
+
+def tokenize_cls(example: dict, tokenizer, cfg: Config) -> dict:
+    out = tokenizer(example[cfg.data.text_field], truncation=True, max_length=cfg.data.max_length)
+    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
+            "labels": int(example[cfg.data.label_field])}
+
+
+def tokenize(ds: Dataset, tokenizer, cfg: Config) -> Dataset:
+    fn = tokenize_causal if cfg.task == "causal_lm" else tokenize_cls
+    ds = ds.map(fn, fn_kwargs={"tokenizer": tokenizer, "cfg": cfg}, remove_columns=ds.column_names,
+                desc="tokenizing")
+    if cfg.task == "causal_lm":  # truncation can leave a sample with no target token: it would teach nothing
+        ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels")
+    return ds
+
+
+def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffle: bool) -> DataLoader:
+    # Dynamic padding: each batch is padded to its own longest sequence, labels with IGNORE_INDEX.
+    if cfg.task == "causal_lm":
+        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+    else:
+        collate = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate)
+
+
+def required_columns(cfg: Config) -> list[str]:
+    d = cfg.data
+    return [d.text_field, d.label_field] if cfg.task == "seq_cls" else [d.prompt_field, d.response_field]
+
+
+def check_columns(cfg: Config, ds: Dataset) -> None:
+    cols = ds.column_names
+    if cfg.task == "causal_lm" and cfg.data.messages_field in cols:
+        return
+    missing = [c for c in required_columns(cfg) if c not in cols]
+    if missing:
+        raise ConfigError(f"data: {cfg.data.path} lacks column(s) {', '.join(missing)} needed by task {cfg.task}; "
+                          f"columns found: {', '.join(cols)} (set data.*_field to map them)")

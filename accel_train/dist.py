@@ -1,0 +1,73 @@
+"""All rank and world-size logic lives here, so that train.py reads like single-process code.
+
+Rules that keep multi-process runs from hanging:
+- every decision that could differ between ranks (end of data, stop, a bad loss) goes through `agree_*`, a
+  collective that all ranks issue at the same point of the loop;
+- with one process no collective runs (accelerate's reduce/gather are no-ops there).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+
+from accel_train.config import Config
+
+
+class LaunchError(RuntimeError):
+    """The processes started by the launcher did not form the process group they were meant to."""
+
+
+def launched_world_size() -> int:
+    """Processes the launcher (accelerate launch, torchrun, notebook_launcher) started, from its environment."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    """Read the rank environment, choose the device and, with several processes, join the process group."""
+    world = launched_world_size()
+    if cfg.train.debug_collectives:
+        # accelerate checks shapes of gather/reduce across ranks; torch checks every collective's signature.
+        os.environ["ACCELERATE_DEBUG_MODE"] = "1"
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        torch.distributed.set_debug_level_from_env()
+    # accelerate forms a CPU (gloo) group only when told cpu=True. Without it, N processes launched on a
+    # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
+    cpu = world > 1 and not torch.accelerator.is_available()
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_steps=cfg.train.grad_accum_steps,
+        # The scheduler is stepped once per optimizer step by train.py; accelerate's default would step it
+        # once per process, which is right only for schedules built for num_processes times more steps.
+        step_scheduler_with_optimizer=False,
+        # Seedable sampler: one shuffle per epoch from (seed, epoch), the same on every rank, then sharded.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s))],
+    )
+    if accelerator.num_processes != world:
+        raise LaunchError(
+            f"the launcher started {world} processes but accelerate formed a group of {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); each process would train alone. Check the accelerate config "
+            "(distributed_type, num_processes) against the devices of this machine."
+        )
+    return accelerator
+
+
+def agree_max(accelerator: Accelerator, values: list[float]) -> list[float]:
+    """Element-wise maximum over ranks: used for "does any rank still have data / want to stop"."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(t, reduction="max").tolist()
+
+
+def teardown(accelerator: Accelerator | None) -> None:
+    """End trackers and destroy the process group; safe to call in `finally` whatever happened."""
+    if accelerator is not None:
+        accelerator.end_training()
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

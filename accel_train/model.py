@@ -1,0 +1,61 @@
+"""Model and tokenizer: `AutoModelFor...` from a local folder or hub id, optionally wrapped in a peft LoRA adapter."""
+
+from __future__ import annotations
+
+import peft
+import torch
+from accelerate.logging import get_logger
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from accel_train.config import Config
+
+logger = get_logger(__name__)
+
+AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification}
+PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS}
+
+
+def build_tokenizer(cfg: Config):
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Padding positions are masked out of attention and loss, so any token will do; eos is the convention.
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning(f"tokenizer has no pad token; using eos token {tokenizer.eos_token!r} for padding")
+    return tokenizer
+
+
+def build_model(cfg: Config, tokenizer, num_labels: int | None = None) -> torch.nn.Module:
+    m = cfg.model
+    auto = AUTO_CLASS[cfg.task]
+    extra = {"num_labels": num_labels} if cfg.task == "seq_cls" else {}
+    dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
+    if m.random_init:
+        config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **extra)
+        model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+    else:
+        model = auto.from_pretrained(m.name_or_path, dtype=dtype, trust_remote_code=m.trust_remote_code, **extra)
+    if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained)."""
+    if not cfg.lora.enabled:
+        return model
+    targets = cfg.lora.target_modules
+    lora = peft.LoraConfig(
+        task_type=PEFT_TASK[cfg.task],
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        modules_to_save=cfg.lora.modules_to_save or None,
+    )
+    return peft.get_peft_model(model, lora)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

@@ -1,0 +1,283 @@
+"""Fine-tune a Hugging Face model (LoRA or full) with a hand-written loop around `accelerate.Accelerator`.
+
+Launch it any of these ways; it is the same loop and the same result:
+
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml accel_train/train.py [--config FILE] [key=value ...]
+    torchrun --nproc_per_node 2 accel_train/train.py [--config FILE] [key=value ...]
+    python -m accel_train [--config FILE] [key=value ...]          # one process: breakpoints work
+    notebook_launcher(accel_train.train.main, (["key=value", ...],), num_processes=2)   # from Jupyter
+
+Per rank: parse config -> read rank env, choose device, join the process group (accelerate) -> data ->
+model -> DDP (accelerator.prepare) -> train -> save on the main process -> barrier -> teardown in `finally`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from contextlib import nullcontext
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from transformers import get_scheduler
+
+from accel_train import data as data_lib
+from accel_train.config import Config, ConfigError, help_text, load_config, save_config
+from accel_train.dist import LaunchError, make_accelerator, teardown
+from accel_train.metrics import load_metric
+from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
+
+logger = get_logger("accel_train")
+IGNORE = data_lib.IGNORE_INDEX
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Sum (not mean) of the per-target cross-entropy: next-token for causal_lm, per-sample for seq_cls."""
+    if task == "causal_lm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def count_targets(batch: dict, task: str) -> int:
+    """Targets the loss of this batch is summed over (response tokens after the shift, or samples)."""
+    return int((batch["labels"][:, 1:] != IGNORE).sum()) if task == "causal_lm" else batch["labels"].numel()
+
+
+def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, total_steps: int,
+        log_file) -> dict:
+    """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
+    accum, task = cfg.train.grad_accum_steps, cfg.task
+    step, epoch, last = 0, 0, {}
+    loss_since_log = torch.zeros((), device=accelerator.device)  # local sum of target losses since the last log
+    targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
+    replay = None  # a micro-batch to run with weight 0 when this rank has run out of data (see below)
+    model.train()
+    while step < total_steps:
+        train_dl.set_epoch(epoch)  # new shuffle per epoch, identical on every rank before sharding
+        batches = iter(train_dl)
+        while step < total_steps:
+            # Fetch the whole window first: the loss is normalised by the number of targets in the window
+            # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
+            window = list(islice(batches, accum))
+            local = torch.tensor([[sum(count_targets(b, task) for b in window), len(window),
+                                   sum(int(b["attention_mask"].sum()) for b in window)]], device=accelerator.device)
+            stats = accelerator.gather(local)  # one collective per step; every rank learns every rank's counts
+            n_micro = int(stats[:, 1].max())
+            if n_micro == 0:  # all ranks agree the epoch is over
+                break
+            targets = int(stats[:, 0].sum())
+            replay = window[-1] if window else replay
+            # DDP averages gradients over ranks and accelerator.backward divides by accum, so this scale makes
+            # the gradient that of sum(target losses) / targets over the whole effective batch.
+            scale = accelerator.num_processes * accum / targets
+            for i in range(n_micro):
+                # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
+                # all ranks then run the same forwards and backwards, hence the same collectives.
+                batch, weight = (window[i], 1.0) if i < len(window) else (replay, 0.0)
+                sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
+                with nullcontext() if sync else accelerator.no_sync(model):
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    loss = loss_sum(logits, batch["labels"], task) * weight
+                    accelerator.backward(loss * scale)
+                loss_since_log += loss.detach()
+            grad_norm = (accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                         if cfg.train.max_grad_norm else None)  # global norm: gradients are synchronized here
+            optimizer.step()
+            scheduler.step()  # once per optimizer step, whatever the number of processes
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            targets_since_log += targets
+            tokens_since_log += int(stats[:, 2].sum())
+
+            if step % cfg.train.log_every == 0 or step == total_steps:
+                # .item() only here: it waits for the device, which the hot path above never does.
+                loss = accelerator.reduce(loss_since_log, reduction="sum").item() / targets_since_log
+                elapsed = time.perf_counter() - t_log
+                last = {"step": step, "epoch": epoch, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                        "tokens_per_sec": tokens_since_log / elapsed}
+                log(accelerator, log_file, last)
+                loss_since_log.zero_()
+                targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
+            if eval_dl is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
+                log(accelerator, log_file, {"step": step, "epoch": epoch, **evaluate(cfg, accelerator, model, eval_dl,
+                                                                                     metrics)})
+        epoch += 1
+    final = evaluate(cfg, accelerator, model, eval_dl, metrics) if eval_dl is not None else {}
+    if final:
+        log(accelerator, log_file, {"step": step, "epoch": epoch, **final})
+    return {**last, **final}
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, accelerator, model, eval_dl, metrics) -> dict:
+    """Loss over every eval target, and `evaluate` metrics on argmax predictions (tokens or classes)."""
+    model.eval()
+    total_loss, total_targets = 0.0, 0
+    for batch in eval_dl:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        labels = batch["labels"]
+        if cfg.task == "causal_lm":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+            per_sample = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none").sum(1)
+            preds = logits.argmax(-1)
+            # Sequence lengths differ between ranks: pad to a common length before gathering.
+            preds, labels = (accelerator.pad_across_processes(t, dim=1, pad_index=IGNORE) for t in (preds, labels))
+            n_targets = (labels != IGNORE).sum(1)
+        else:
+            per_sample = F.cross_entropy(logits, labels, reduction="none")
+            preds, n_targets = logits.argmax(-1), torch.ones_like(labels)
+        # gather_for_metrics drops the samples that were repeated to give every rank a full last batch.
+        per_sample, n_targets, preds, labels = accelerator.gather_for_metrics((per_sample, n_targets, preds, labels))
+        total_loss += float(per_sample.sum())
+        total_targets += int(n_targets.sum())
+        keep = labels != IGNORE
+        for metric in metrics.values():
+            metric.add_batch(predictions=preds[keep].cpu(), references=labels[keep].cpu())
+    model.train()
+    results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": len(eval_dl.dataset)}
+    if cfg.task == "causal_lm":
+        results["eval_perplexity"] = math.exp(min(results["eval_loss"], 50.0))
+    for metric in metrics.values():
+        results.update({f"eval_{k}": v for k, v in metric.compute().items()})
+    return results
+
+
+def log(accelerator, log_file, record: dict) -> None:
+    """Main process only: one line to the console and one JSON line to metrics.jsonl (flushed: survives a crash)."""
+    if not accelerator.is_main_process:
+        return
+    logger.info(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+    log_file.write(json.dumps(record) + "\n")
+    log_file.flush()
+
+
+def save(cfg: Config, accelerator, model, tokenizer) -> Path:
+    """Main process writes the adapter (or full model); every rank then meets at a barrier."""
+    out = Path(cfg.output_dir)
+    target = out / ("adapter" if cfg.lora.enabled else "model")
+    state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank must call it
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        if cfg.lora.enabled and cfg.model.random_init:
+            # A random base cannot be re-downloaded: point the adapter at the copy saved before training.
+            unwrapped.peft_config["default"].base_model_name_or_path = str((out / "base_model").resolve())
+        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(target)
+    accelerator.wait_for_everyone()
+    return target
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run one training job; returns the final metrics. Raises ConfigError on bad configuration."""
+    cfg = parse_args(argv)
+    data_lib.check_source(cfg)  # cheap checks before any process group, download or model
+    accelerator = None
+    try:
+        accelerator = make_accelerator(cfg)
+        logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+        set_seed(cfg.seed)
+        out = Path(cfg.output_dir)
+
+        # ---- data: tokenized once per machine (main process first, the others then read datasets' cache)
+        tokenizer = build_tokenizer(cfg)
+        with accelerator.main_process_first():
+            train_raw, eval_raw = data_lib.load_splits(cfg)
+            data_lib.check_columns(cfg, train_raw)
+            n_labels = data_lib.num_labels(cfg, train_raw) if cfg.task == "seq_cls" else None
+            train_ds = data_lib.tokenize(train_raw, tokenizer, cfg)
+            eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg) if eval_raw is not None else None
+        batch, procs, accum = cfg.train.per_device_batch_size, accelerator.num_processes, cfg.train.grad_accum_steps
+        micro_batches = math.ceil(len(train_ds) / batch)  # over all ranks, per epoch
+        if micro_batches < procs:
+            raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
+                              f"train.per_device_batch_size={batch} for each of the {procs} processes")
+        train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True)
+        eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
+                   if eval_ds is not None and len(eval_ds) else None)
+
+        # ---- model, optimizer, schedule
+        model = build_model(cfg, tokenizer, n_labels)
+        if accelerator.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.yaml")
+            if cfg.lora.enabled and cfg.model.random_init:  # the adapter is useless without its random base
+                model.save_pretrained(out / "base_model")
+                tokenizer.save_pretrained(out / "base_model")
+        model = apply_lora(cfg, model)
+        steps_per_epoch = math.ceil(micro_batches / (procs * accum))
+        total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                      weight_decay=cfg.train.weight_decay)
+        scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
+                                  num_training_steps=total_steps)
+        # Training batches are not evened out across ranks (that would repeat samples); fit() handles the
+        # uneven last window. Evaluation batches are, and gather_for_metrics drops the repeats.
+        accelerator.even_batches = False
+        train_dl = accelerator.prepare(train_dl)
+        accelerator.even_batches = True
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        eval_dl = accelerator.prepare(eval_dl) if eval_dl is not None else None
+        metrics = {name: load_metric(name) for name in cfg.eval.metrics}
+
+        trainable, total = count_parameters(model)
+        logger.info(f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
+                    f"mixed precision {accelerator.mixed_precision}; {trainable:,} of {total:,} parameters trainable; "
+                    f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} eval samples; "
+                    f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {total_steps} steps")
+
+        # ---- train, then save
+        t0 = time.perf_counter()
+        with open(out / "metrics.jsonl", "a") if accelerator.is_main_process else nullcontext() as log_file:
+            results = fit(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, total_steps,
+                          log_file)
+        target = save(cfg, accelerator, model, tokenizer)
+        results["train_seconds"] = time.perf_counter() - t0
+        logger.info("final: " + ", ".join(f"{k}={v:.4g}" for k, v in results.items() if isinstance(v, float))
+                    + f"; saved to {target}")
+        return results
+    finally:
+        teardown(accelerator)
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="accel_train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.",
+    )
+    parser.add_argument("--config", help="YAML config file (configs/train/*.yaml); defaults apply to missing keys")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and every config key")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-4")
+    args = parser.parse_args(argv)
+    if args.help:
+        print(parser.format_help() + "\nconfig keys:\n" + help_text())
+        sys.exit(0)
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+        sys.exit(0)
+    return cfg
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry: configuration and launch errors become one line on stderr and exit status 2."""
+    try:
+        main(argv)
+    except (ConfigError, LaunchError) as e:
+        print(f"accel_train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,57 @@
+"""Shared helpers: tests launch accel_train the way users do (python -m, accelerate launch, torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ACCEL_CONFIGS = REPO / "configs" / "accelerate"
+TRAIN_CONFIGS = REPO / "configs" / "train"
+
+# Nothing may touch the network: models, tokenizers, datasets and metrics all come from this repo.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run a command as a user would from the repo root; output is kept for assertions and failure reports."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    print(f"$ {' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def python_m(*args, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "accel_train", *args], **kw)
+
+
+def accelerate_launch(config: str, *args, **kw) -> subprocess.CompletedProcess:
+    return run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / config,
+                "--main_process_port", str(free_port()), "accel_train/train.py", *args], **kw)
+
+
+def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+@pytest.fixture
+def tmp_out(tmp_path: Path) -> Path:
+    return tmp_path / "run"

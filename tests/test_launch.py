@@ -1,0 +1,83 @@
+"""The default run, launched the ways users launch it, trains, learns and leaves a loadable adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BIN, accelerate_launch, free_port, python_m, read_metrics, run
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from accel_train import data as data_lib
+from accel_train.config import load_config
+from accel_train.train import loss_sum
+
+
+def eval_loss_from_saved(out) -> float:
+    """Rebuild base + adapter from disk, as a user would, and recompute the run's eval loss."""
+    cfg = load_config(out / "config.yaml")
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    model = PeftModel.from_pretrained(base, out / "adapter").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "adapter")
+    _, eval_raw = data_lib.load_splits(cfg)
+    dl = data_lib.make_dataloader(data_lib.tokenize(eval_raw, tokenizer, cfg), tokenizer, cfg, 64, shuffle=False)
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for b in dl:
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            total += float(loss_sum(logits, b["labels"], cfg.task))
+            targets += int((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum())
+    return total / targets
+
+
+def check_default_run(proc, out, processes: int):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert f"{processes} process(es)" in log
+    train, evals = read_metrics(out)
+    steps = [r["step"] for r in train]
+    assert steps == sorted(set(steps)), "one log line per step: a second rank must not log too"
+    # Learning, not noise: the reverse task starts near log(vocab) and ends far below it.
+    assert train[0]["loss"] > 3.0 and train[-1]["loss"] < 0.5 * train[0]["loss"]
+    final = evals[-1]
+    assert final["eval_accuracy"] > 0.8  # chance is 1/52 per token
+    assert final["eval_samples"] == 300
+    assert (out / "config.yaml").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    # The saved adapter is the trained model: it reproduces the final eval loss computed in training.
+    assert eval_loss_from_saved(out) == pytest.approx(final["eval_loss"], rel=1e-4)
+    return train, final
+
+
+def test_default_one_process(tmp_out):
+    proc = python_m(f"output_dir={tmp_out}")
+    check_default_run(proc, tmp_out, processes=1)
+
+
+def test_default_two_processes_accelerate_launch(tmp_out):
+    proc = accelerate_launch("cpu_2proc.yaml", f"output_dir={tmp_out}")
+    train, _ = check_default_run(proc, tmp_out, processes=2)
+    # Two ranks share each epoch: half the optimizer steps of one process at the same per-device batch.
+    assert train[-1]["step"] == 850
+
+
+def test_torchrun(tmp_out):
+    proc = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "accel_train/train.py",
+                f"output_dir={tmp_out}", "train.epochs=2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
+    train, evals = read_metrics(tmp_out)
+    assert train[-1]["step"] == 170 and evals[-1]["eval_samples"] == 300
+
+
+def test_gpu_config_on_cpu_machine_forms_one_gloo_group(tmp_out):
+    """The 2-GPU config on a machine without GPUs: one 2-rank CPU group, never two separate trainings."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: the config runs on them instead")
+    proc = accelerate_launch("2gpu.yaml", f"output_dir={tmp_out}", "train.max_steps=5", "train.log_every=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
+    train, _ = read_metrics(tmp_out)
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
