@@ -29,6 +29,9 @@ CONFIGS_DIR = next(
 TINY_MODEL = str(CONFIGS_DIR / "model" / "tiny-llama")
 
 
+YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
+
 class ConfigError(ValueError):
     """A problem with the user's configuration; the message is one line that names the key."""
 
@@ -211,7 +214,8 @@ def _build(cls, raw: dict, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
+            close = difflib.get_close_matches(str(key), names, n=1) or [
+                n for n in names if str(key).startswith(n) or n.startswith(str(key))]  # lora.rank -> lora.r
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"unknown config key {prefix}{key}{hint}")
     kwargs = {}
@@ -235,6 +239,8 @@ def _check(value, hint, key: str):
         inner = [a for a in args if a is not type(None)]
         return _check(value, inner[0] if len(inner) == 1 else hint, key)
     if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads unquoted no/off/yes/on as booleans
+            value = next((a for a in args if str(a).lower() in (YAML_BOOL_WORDS[value])), value)
         if value not in args:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
@@ -246,6 +252,11 @@ def _check(value, hint, key: str):
         return [_check(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -95,18 +95,20 @@ def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
         train, evaluation = parts["train"], parts["test"]
     else:
         evaluation = None
-    if d.max_samples is not None:
-        train = train.select(range(min(d.max_samples, len(train))))
+    if d.max_samples is not None:  # a seeded random subset: files are often sorted (by label, by source)
+        train = train.shuffle(seed=cfg.seed).select(range(min(d.max_samples, len(train))))
     return train, evaluation
 
 
-def num_labels(cfg: Config, train: Dataset) -> int:
+def num_labels(cfg: Config, *splits: Dataset | None) -> int:
+    """model.num_labels, else the dataset's ClassLabel, else the largest label seen in any split + 1."""
     if cfg.model.num_labels is not None:
         return cfg.model.num_labels
-    feature = train.features.get(cfg.data.label_field)
+    splits = [s for s in splits if s is not None]
+    feature = splits[0].features.get(cfg.data.label_field)
     if isinstance(feature, ClassLabel):
         return feature.num_classes
-    return int(max(train[cfg.data.label_field])) + 1
+    return max(int(max(s[cfg.data.label_field])) for s in splits if len(s)) + 1
 
 
 # ---------------------------------------------------------------------------------------------------- tokenizing
@@ -114,10 +116,11 @@ def num_labels(cfg: Config, train: Dataset) -> int:
 
 def _chat(example: dict, cfg: Config) -> list[dict]:
     d = cfg.data
+    # str(): datasets reads a column of numbers ("42") as ints, which a chat template cannot concatenate
     if d.messages_field in example and example[d.messages_field]:
-        return list(example[d.messages_field])
-    return [{"role": "user", "content": example[d.prompt_field]},
-            {"role": "assistant", "content": example[d.response_field]}]
+        return [{**m, "content": str(m["content"])} for m in example[d.messages_field]]
+    return [{"role": "user", "content": str(example[d.prompt_field])},
+            {"role": "assistant", "content": str(example[d.response_field])}]
 
 
 def tokenize_causal(example: dict, tokenizer, cfg: Config) -> dict:
@@ -126,6 +129,10 @@ def tokenize_causal(example: dict, tokenizer, cfg: Config) -> dict:
     if tokenizer.chat_template:
         prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)["input_ids"]
         full = tokenizer.apply_chat_template(messages)["input_ids"]
+        if full[: len(prompt)] != prompt:
+            raise ConfigError("the tokenizer's chat template renders the prompt differently inside the full "
+                              "conversation, so the response tokens cannot be located; use prompt/response "
+                              "data with a tokenizer without chat template, or another template")
     else:
         text = "\n".join(m["content"] for m in messages[:-1]) + "\n"
         prompt = tokenizer(text)["input_ids"]

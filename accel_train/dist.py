@@ -59,10 +59,16 @@ def make_accelerator(cfg: Config) -> Accelerator:
     return accelerator
 
 
-def agree_max(accelerator: Accelerator, values: list[float]) -> list[float]:
-    """Element-wise maximum over ranks: used for "does any rank still have data / want to stop"."""
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    return accelerator.reduce(t, reduction="max").tolist()
+def prepare_dataloaders(accelerator: Accelerator, train_dl, eval_dl=None):
+    """Shard the dataloaders over ranks: round-robin batches of one seeded shuffle per epoch.
+
+    Training batches are not evened out across ranks, since that would train twice on some samples; the loop
+    handles the uneven last window. Evaluation batches are, and gather_for_metrics drops the repeats.
+    """
+    accelerator.even_batches = False
+    train_dl = accelerator.prepare(train_dl)
+    accelerator.even_batches = True
+    return train_dl, accelerator.prepare(eval_dl) if eval_dl is not None else None
 
 
 def teardown(accelerator: Accelerator | None) -> None:

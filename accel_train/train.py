@@ -33,7 +33,7 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train.config import Config, ConfigError, help_text, load_config, save_config
-from accel_train.dist import LaunchError, make_accelerator, teardown
+from accel_train.dist import LaunchError, make_accelerator, prepare_dataloaders, teardown
 from accel_train.metrics import load_metric
 from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 
@@ -90,8 +90,12 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
                     loss = loss_sum(logits, batch["labels"], task) * weight
                     accelerator.backward(loss * scale)
                 loss_since_log += loss.detach()
-            grad_norm = (accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-                         if cfg.train.max_grad_norm else None)  # global norm: gradients are synchronized here
+            # Gradients are synchronized here, so this is the global norm, the same number on every rank:
+            # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1}")
+            lr = scheduler.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
             scheduler.step()  # once per optimizer step, whatever the number of processes
             optimizer.zero_grad(set_to_none=True)
@@ -103,8 +107,7 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
                 # .item() only here: it waits for the device, which the hot path above never does.
                 loss = accelerator.reduce(loss_since_log, reduction="sum").item() / targets_since_log
                 elapsed = time.perf_counter() - t_log
-                last = {"step": step, "epoch": epoch, "loss": loss, "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                last = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                         "tokens_per_sec": tokens_since_log / elapsed}
                 log(accelerator, log_file, last)
                 loss_since_log.zero_()
@@ -115,7 +118,7 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
         epoch += 1
     final = evaluate(cfg, accelerator, model, eval_dl, metrics) if eval_dl is not None else {}
     if final:
-        log(accelerator, log_file, {"step": step, "epoch": epoch, **final})
+        log(accelerator, log_file, {"step": step, "epoch": epoch - 1, **final})
     return {**last, **final}
 
 
@@ -123,7 +126,7 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
 def evaluate(cfg: Config, accelerator, model, eval_dl, metrics) -> dict:
     """Loss over every eval target, and `evaluate` metrics on argmax predictions (tokens or classes)."""
     model.eval()
-    total_loss, total_targets = 0.0, 0
+    total_loss, total_targets, samples = 0.0, 0, 0
     for batch in eval_dl:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
         labels = batch["labels"]
@@ -141,11 +144,12 @@ def evaluate(cfg: Config, accelerator, model, eval_dl, metrics) -> dict:
         per_sample, n_targets, preds, labels = accelerator.gather_for_metrics((per_sample, n_targets, preds, labels))
         total_loss += float(per_sample.sum())
         total_targets += int(n_targets.sum())
+        samples += len(per_sample)
         keep = labels != IGNORE
         for metric in metrics.values():
             metric.add_batch(predictions=preds[keep].cpu(), references=labels[keep].cpu())
     model.train()
-    results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": len(eval_dl.dataset)}
+    results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": samples}
     if cfg.task == "causal_lm":
         results["eval_perplexity"] = math.exp(min(results["eval_loss"], 50.0))
     for metric in metrics.values():
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         with accelerator.main_process_first():
             train_raw, eval_raw = data_lib.load_splits(cfg)
             data_lib.check_columns(cfg, train_raw)
-            n_labels = data_lib.num_labels(cfg, train_raw) if cfg.task == "seq_cls" else None
+            n_labels = data_lib.num_labels(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
             train_ds = data_lib.tokenize(train_raw, tokenizer, cfg)
             eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg) if eval_raw is not None else None
         batch, procs, accum = cfg.train.per_device_batch_size, accelerator.num_processes, cfg.train.grad_accum_steps
@@ -221,13 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
                                       weight_decay=cfg.train.weight_decay)
         scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                   num_training_steps=total_steps)
-        # Training batches are not evened out across ranks (that would repeat samples); fit() handles the
-        # uneven last window. Evaluation batches are, and gather_for_metrics drops the repeats.
-        accelerator.even_batches = False
-        train_dl = accelerator.prepare(train_dl)
-        accelerator.even_batches = True
+        train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-        eval_dl = accelerator.prepare(eval_dl) if eval_dl is not None else None
         metrics = {name: load_metric(name) for name in cfg.eval.metrics}
 
         trainable, total = count_parameters(model)

@@ -1,0 +1,91 @@
+"""Config schema: every shipped YAML loads, overrides are typed, and mistakes are named clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+import yaml
+from conftest import ACCEL_CONFIGS, TRAIN_CONFIGS
+
+from accel_train.config import Config, ConfigError, help_text, load_config
+
+
+@pytest.mark.parametrize("path", sorted(TRAIN_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_train_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert load_config(TRAIN_CONFIGS / "default.yaml") == Config()
+
+
+@pytest.mark.parametrize("path", sorted(ACCEL_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_load_in_accelerate(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(path))
+    raw = yaml.safe_load(path.read_text())
+    assert cfg.num_processes == raw["num_processes"] and cfg.distributed_type.value == raw["distributed_type"]
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["train.lr=1e-4", "lora.r=16", "train.max_grad_norm=null", "lora.target_modules=[q_proj,v_proj]",
+                             "train.mixed_precision=bf16", "data.path=x.jsonl", "train.epochs=2"])
+    assert cfg.train.lr == 1e-4 and cfg.lora.r == 16 and cfg.train.max_grad_norm is None
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.train.mixed_precision == "bf16"
+    assert cfg.train.epochs == 2 and isinstance(cfg.train.lr, float)
+
+
+def test_override_beats_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 0.5\n  epochs: 3\n")
+    cfg = load_config(f, ["train.lr=0.25"])
+    assert cfg.train.lr == 0.25 and cfg.train.epochs == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lrr=1"], "unknown config key train.lrr; did you mean train.lr?"),
+    (["trian.lr=1"], "unknown config key trian; did you mean train?"),
+    (["train.epochs=two"], "train.epochs must be int, got 'two'"),
+    (["train.epochs=1.5"], "train.epochs must be int"),
+    (["lora.enabled=maybe"], "lora.enabled must be bool"),
+    (["task=translation"], "task must be one of 'causal_lm', 'seq_cls', got 'translation'"),
+    (["train.lr=0"], "train.lr must be > 0, got 0.0"),
+    (["train.per_device_batch_size=0"], "train.per_device_batch_size must be > 0"),
+    (["data.max_length=-1"], "data.max_length must be > 0"),
+    (["lora.r=0"], "lora.r must be > 0"),
+    (["train.lr"], "not of the form key=value"),
+])
+def test_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_help_lists_every_field_with_doc():
+    text = help_text()
+
+    def walk(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+
+    for key in walk(Config):
+        line = next((ln for ln in text.splitlines() if ln.strip().startswith(key + " (")), None)
+        assert line is not None, f"--help misses {key}"
+        assert line.split("): ", 1)[1].strip(), f"--help has no doc for {key}"

@@ -1,0 +1,347 @@
+"""Data: loading every supported source, loss masking per task, truncation, dynamic padding, clear errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+from transformers import AutoTokenizer
+
+from accel_train import data as data_lib
+from accel_train.config import TINY_MODEL, ConfigError, load_config
+from accel_train.data import IGNORE_INDEX
+
+
+def make_cfg(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def assistant_id(tok) -> int:
+    return tok.convert_tokens_to_ids("<|assistant|>")
+
+
+def targets(sample: dict) -> list[int]:
+    """The input ids the loss is computed on."""
+    return [i for i, lab in zip(sample["input_ids"], sample["labels"]) if lab != IGNORE_INDEX]
+
+
+def assert_only_tail_labelled(sample: dict, start: int):
+    """Labels are IGNORE_INDEX before `start` and equal the input ids from `start` on."""
+    assert len(sample["labels"]) == len(sample["input_ids"]) == len(sample["attention_mask"])
+    assert sample["labels"][:start] == [IGNORE_INDEX] * start
+    assert sample["labels"][start:] == sample["input_ids"][start:]
+    assert sample["attention_mask"] == [1] * len(sample["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------------- tokenize_causal
+
+
+def test_prompt_response_row_masks_prompt_and_generation_prompt(tok):
+    cfg = make_cfg()
+    out = data_lib.tokenize_causal({"prompt": "reverse abc", "response": "cba"}, tok, cfg)
+
+    messages = [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+    assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
+    # Everything up to and including the `<|assistant|>` generation prompt is masked ...
+    start = out["input_ids"].index(assistant_id(tok)) + 1
+    assert_only_tail_labelled(out, start)
+    # ... and the loss covers exactly the response and the closing eos.
+    assert targets(out) == ids(tok, "cba") + [tok.eos_token_id]
+    assert out["input_ids"][-1] == tok.eos_token_id
+
+
+def test_messages_column_labels_only_the_last_assistant_turn(tok):
+    cfg = make_cfg()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+    # Through tokenize(), so the messages come back the way `datasets` stores them (a list of structs).
+    out = data_lib.tokenize(Dataset.from_list([{"messages": messages}]), tok, cfg)[0]
+
+    assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
+    last_assistant = max(i for i, t in enumerate(out["input_ids"]) if t == assistant_id(tok))
+    assert_only_tail_labelled(out, last_assistant + 1)
+    assert targets(out) == ids(tok, "cd") + [tok.eos_token_id]  # not "yo": the earlier turn is context
+
+
+def test_without_chat_template_the_prompt_text_is_masked(tok):
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    cfg = make_cfg()
+    out = data_lib.tokenize_causal({"prompt": "reverse abc", "response": "cba"}, plain, cfg)
+
+    prompt_ids = plain("reverse abc\n")["input_ids"]
+    assert out["input_ids"] == prompt_ids + ids(plain, "cba") + [plain.eos_token_id]
+    assert_only_tail_labelled(out, len(prompt_ids))
+    assert targets(out) == ids(plain, "cba") + [plain.eos_token_id]
+    assert assistant_id(plain) not in out["input_ids"]  # no chat markup without a template
+    assert tok.chat_template  # the shared tokenizer was not touched
+
+
+def test_truncation_drops_samples_without_targets_and_cuts_long_responses(tok):
+    short = {"prompt": "ab", "response": "ba"}  # <|user|> a b <|assistant|> b a </s>: 7 tokens
+    long = {"prompt": "reverse abcdefghij", "response": "jihgfedcba"}  # 20 prompt tokens
+    raw = Dataset.from_list([short, long])
+    long_prompt_len = len(data_lib.tokenize_causal(long, tok, make_cfg())["input_ids"]) - len("jihgfedcba") - 1
+    assert long_prompt_len == 20
+
+    # Shorter than the long prompt: that sample keeps no target token and is dropped; the short one is intact.
+    for max_length in (12, long_prompt_len):
+        cfg = make_cfg(f"data.max_length={max_length}")
+        out = data_lib.tokenize(raw, tok, cfg)
+        assert len(out) == 1, max_length
+        assert targets(out[0]) == ids(tok, "ba") + [tok.eos_token_id]
+
+    # A length that cuts the response keeps the sample, cut to max_length, with the surviving response labelled.
+    cfg = make_cfg(f"data.max_length={long_prompt_len + 3}")
+    out = data_lib.tokenize(raw, tok, cfg)
+    assert len(out) == 2
+    cut = out[1]
+    assert len(cut["input_ids"]) == len(cut["labels"]) == len(cut["attention_mask"]) == long_prompt_len + 3
+    assert_only_tail_labelled(cut, long_prompt_len)
+    assert targets(cut) == ids(tok, "jih")  # the eos was cut off with the rest of the response
+
+
+def test_numeric_looking_csv_values_are_tokenized_as_text(tmp_path, tok):
+    """BUG (data.py): `datasets` infers int64 for a CSV column of numbers, e.g. arithmetic answers; the chat
+    template then concatenates str + int and tokenizing fails with a bare TypeError."""
+    path = tmp_path / "sums.csv"
+    path.write_text("prompt,response\nwhat is 2+2,4\nwhat is 3+4,7\n")
+    cfg = make_cfg(f"data.path={path}", "data.eval_fraction=0")
+    train, _ = data_lib.load_splits(cfg)
+    out = data_lib.tokenize(train, tok, cfg)
+    assert [targets(s) for s in out] == [ids(tok, "4") + [tok.eos_token_id], ids(tok, "7") + [tok.eos_token_id]]
+
+
+# ---------------------------------------------------------------------------------------------------- load_splits
+
+ROWS = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(20)]
+
+
+def _write_jsonl(path_dir):
+    path = path_dir / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _write_json(path_dir):
+    path = path_dir / "data.json"
+    Dataset.from_list(ROWS).to_json(path)  # JSON lines, which the json builder reads from a .json file too
+    return path
+
+
+def _write_csv(path_dir):
+    path = path_dir / "data.csv"
+    Dataset.from_list(ROWS).to_csv(path)
+    return path
+
+
+def _write_parquet(path_dir):
+    path = path_dir / "data.parquet"
+    Dataset.from_list(ROWS).to_parquet(path)
+    return path
+
+
+def _write_dataset_folder(path_dir):
+    path = path_dir / "ds"
+    Dataset.from_list(ROWS).save_to_disk(path)
+    return path
+
+
+def _write_dataset_dict_folder(path_dir):
+    path = path_dir / "dd"
+    DatasetDict(train=Dataset.from_list(ROWS), test=Dataset.from_list([{"prompt": "t", "response": "u"}] * 3)
+                ).save_to_disk(path)
+    return path
+
+
+WRITERS = [_write_jsonl, _write_json, _write_csv, _write_parquet, _write_dataset_folder, _write_dataset_dict_folder]
+
+
+@pytest.mark.parametrize("write", WRITERS, ids=lambda w: w.__name__.removeprefix("_write_"))
+def test_load_splits_reads_local_sources_and_carves_eval(tmp_path, write):
+    path = write(tmp_path)
+
+    def split(seed):
+        train, evaluation = data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_fraction=0.25", f"seed={seed}"))
+        return train.to_list(), evaluation.to_list()
+
+    train, evaluation = split(seed=1)
+    assert (len(train), len(evaluation)) == (15, 5)
+    assert sorted(train + evaluation, key=lambda r: int(r["prompt"][1:])) == ROWS  # a partition, values intact
+    assert split(seed=1) == (train, evaluation)  # same seed, same split
+    assert sorted(r["prompt"] for r in split(seed=2)[1]) != sorted(r["prompt"] for r in evaluation)
+
+
+def test_load_splits_uses_a_named_eval_split_and_caps_train(tmp_path):
+    path = _write_dataset_dict_folder(tmp_path)
+    train, evaluation = data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_split=test"))
+    assert train.to_list() == ROWS  # nothing carved out when an eval split is named
+    assert evaluation.to_list() == [{"prompt": "t", "response": "u"}] * 3
+
+    train, evaluation = data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_split=test", "data.max_samples=4"))
+    capped = train.to_list()
+    assert len(capped) == 4 and all(r in ROWS for r in capped) and len({r["prompt"] for r in capped}) == 4
+    assert len(evaluation) == 3  # max_samples caps train only
+
+    train, _ = data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_split=test", "data.max_samples=1000"))
+    assert len(train) == len(ROWS)
+
+    with pytest.raises(ConfigError) as e:
+        data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_split=validation"))
+    assert "'validation'" in str(e.value) and "train, test" in str(e.value)
+
+
+def test_load_splits_without_eval(tmp_path):
+    path = _write_jsonl(tmp_path)
+    train, evaluation = data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_fraction=0"))
+    assert evaluation is None and train.to_list() == ROWS
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+@pytest.mark.parametrize("path", ["/nope/x.jsonl", "./missing.csv"])
+def test_check_source_names_a_missing_file(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        data_lib.check_source(make_cfg(f"data.path={path}"))
+    assert "not found" in str(e.value) and path in str(e.value)
+
+
+def test_check_source_lists_builtins_for_an_unknown_one():
+    with pytest.raises(ConfigError) as e:
+        data_lib.check_source(make_cfg("data.path=builtin:foo"))
+    assert "builtin:foo" in str(e.value) and "builtin:reverse" in str(e.value) and "builtin:sentiment" in str(e.value)
+
+
+def test_check_source_rejects_an_unsupported_file_type(tmp_path):
+    txt = tmp_path / "data.txt"
+    txt.write_text("hello\n")
+    with pytest.raises(ConfigError) as e:
+        data_lib.check_source(make_cfg(f"data.path={txt}"))
+    assert "'.txt'" in str(e.value) and ".jsonl" in str(e.value)
+
+
+def test_check_source_accepts_valid_sources(tmp_path):
+    for path in ("builtin:reverse", "builtin:sentiment", _write_jsonl(tmp_path), _write_dataset_folder(tmp_path)):
+        data_lib.check_source(make_cfg(f"data.path={path}"))  # no error
+
+
+def test_check_columns_names_missing_and_found_columns():
+    ds = Dataset.from_list([{"text": "good film", "score": 1}])
+    with pytest.raises(ConfigError) as e:
+        data_lib.check_columns(make_cfg("task=seq_cls", "data.path=reviews.csv"), ds)
+    message = str(e.value)
+    assert "lacks column(s) label" in message and "columns found: text, score" in message and "reviews.csv" in message
+
+    data_lib.check_columns(make_cfg("task=seq_cls", "data.label_field=score"), ds)  # mapped: no error
+    data_lib.check_columns(make_cfg(), Dataset.from_list([{"messages": [{"role": "user", "content": "x"}]}]))
+    with pytest.raises(ConfigError, match="lacks column\\(s\\) response"):
+        data_lib.check_columns(make_cfg(), Dataset.from_list([{"prompt": "x"}]))
+
+
+def test_num_labels_from_classlabel_max_label_or_override():
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "neutral", "pos"])})
+    with_classlabel = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}, features=features)
+    assert data_lib.num_labels(make_cfg("task=seq_cls"), with_classlabel) == 3  # the feature, not the labels seen
+
+    plain = Dataset.from_dict({"text": ["a", "b", "c"], "label": [0, 4, 1]})
+    assert data_lib.num_labels(make_cfg("task=seq_cls"), plain) == 5
+
+    assert data_lib.num_labels(make_cfg("task=seq_cls", "model.num_labels=7"), with_classlabel) == 7
+    assert data_lib.num_labels(make_cfg("task=seq_cls", "model.num_labels=7"), plain) == 7
+
+
+def test_num_labels_sees_every_class_when_max_samples_caps_a_sorted_train_split(tmp_path):
+    """BUG (data.py): with an eval split named, max_samples keeps the first rows of train in file order; on a
+    label-sorted dataset (IMDB's train split is) they hold one class only, so num_labels, called on that capped
+    train split as train.py does, returns 1: a 1-label head, which transformers trains as regression."""
+    path = tmp_path / "reviews"
+    DatasetDict(train=Dataset.from_dict({"text": [f"t{i}" for i in range(20)], "label": [0] * 10 + [1] * 10}),
+                test=Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})).save_to_disk(path)
+    cfg = make_cfg("task=seq_cls", f"data.path={path}", "data.eval_split=test", "data.max_samples=10")
+    train, evaluation = data_lib.load_splits(cfg)
+    assert len(train) == 10
+    assert data_lib.num_labels(cfg, train) == 2
+
+
+# ---------------------------------------------------------------------------------------------------- dataloaders
+
+
+def test_causal_batches_are_padded_per_batch(tok):
+    cfg = make_cfg()
+    rows = [{"prompt": "ab", "response": "b"}, {"prompt": "abcd", "response": "dc"},
+            {"prompt": "abcdefgh", "response": "hg"}, {"prompt": "abcdefghij", "response": "jihgf"}]
+    ds = data_lib.tokenize(Dataset.from_list(rows), tok, cfg)
+    lengths = [len(x) for x in ds["input_ids"]]
+    assert lengths == sorted(set(lengths))  # distinct lengths, so padding shows
+
+    batches = list(data_lib.make_dataloader(ds, tok, cfg, batch_size=2, shuffle=False))
+    assert len(batches) == 2
+    for b, batch in enumerate(batches):
+        samples = [ds[2 * b], ds[2 * b + 1]]
+        width = max(lengths[2 * b: 2 * b + 2])
+        assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (2, width)
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            mask = batch["attention_mask"][row]
+            real = mask.bool()
+            assert int(mask.sum()) == n
+            assert batch["input_ids"][row][real].tolist() == sample["input_ids"]
+            assert batch["labels"][row][real].tolist() == sample["labels"]
+            assert (batch["labels"][row][~real] == IGNORE_INDEX).all()
+            assert (batch["input_ids"][row][~real] == tok.pad_token_id).all()
+    assert batches[0]["input_ids"].shape[1] < batches[1]["input_ids"].shape[1]  # not padded to a global length
+
+
+def test_seq_cls_batches_are_padded_per_batch(tok):
+    cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment")
+    raw = data_lib.builtin_dataset("sentiment", 8)
+    ds = data_lib.tokenize(raw, tok, cfg)
+    batch = next(iter(data_lib.make_dataloader(ds, tok, cfg, batch_size=4, shuffle=False)))
+    assert batch["labels"].tolist() == raw["label"][:4]
+    lengths = [len(x) for x in ds["input_ids"][:4]]
+    assert batch["input_ids"].shape == (4, max(lengths))
+    assert batch["attention_mask"].sum(dim=1).tolist() == lengths
+    assert batch["input_ids"].dtype == torch.long
+
+
+# ---------------------------------------------------------------------------------------------------- built-in data
+
+
+def test_builtin_datasets_are_deterministic():
+    for name in data_lib.BUILTIN:
+        assert data_lib.builtin_dataset(name, 50).to_list() == data_lib.builtin_dataset(name, 50).to_list()
+    # The run's seed changes the train/eval split, never the data itself.
+    splits = [data_lib.load_splits(make_cfg("data.builtin_size=40", f"seed={seed}")) for seed in (1, 2)]
+    everything = [sorted(map(json.dumps, train.to_list() + evaluation.to_list())) for train, evaluation in splits]
+    assert everything[0] == everything[1]
+    assert splits[0][1].to_list() != splits[1][1].to_list()
+
+
+def test_builtin_reverse_responses_are_reversed_words():
+    for row in data_lib.builtin_dataset("reverse", 200):
+        verb, word = row["prompt"].split(" ")
+        assert verb == "reverse" and 3 <= len(word) <= 6 and row["response"] == word[::-1]
+
+
+def test_builtin_sentiment_labels_follow_the_word_counts():
+    rows = data_lib.builtin_dataset("sentiment", 300).to_list()
+    for row in rows:
+        words = row["text"].split()
+        n_pos = sum(w in data_lib._POS for w in words)
+        n_neg = sum(w in data_lib._NEG for w in words)
+        assert n_pos != n_neg and row["label"] == int(n_pos > n_neg), row
+    assert {r["label"] for r in rows} == {0, 1}
