@@ -8,7 +8,9 @@ Rules that keep multi-process runs from hanging:
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -77,3 +79,17 @@ def teardown(accelerator: Accelerator | None) -> None:
         accelerator.end_training()
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """Leave with `code`. After a multi-process run, skip interpreter finalization: torch's gloo worker threads
+    can still be releasing the tensors of the last collectives then, which needs the GIL and aborts the
+    process (SIGABRT, "terminate called without an active exception") after a run that succeeded; see
+    pytorch/pytorch#179291. Everything is flushed and the process group is already destroyed by then.
+    """
+    if launched_world_size() > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

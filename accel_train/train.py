@@ -33,7 +33,7 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train.config import Config, ConfigError, help_text, load_config, save_config
-from accel_train.dist import LaunchError, make_accelerator, prepare_dataloaders, teardown
+from accel_train.dist import LaunchError, exit_process, make_accelerator, prepare_dataloaders, teardown
 from accel_train.metrics import load_metric
 from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 
@@ -271,11 +271,13 @@ def parse_args(argv: list[str] | None) -> Config:
 
 def cli(argv: list[str] | None = None) -> None:
     """Console entry: configuration and launch errors become one line on stderr and exit status 2."""
+    code = 0
     try:
         main(argv)
     except (ConfigError, LaunchError) as e:
         print(f"accel_train: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    exit_process(code)
 
 
 if __name__ == "__main__":

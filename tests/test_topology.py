@@ -18,7 +18,9 @@ import sys
 
 import pytest
 from conftest import ACCEL_CONFIGS, BIN, accelerate_launch, free_port, python_m, read_metrics, run
+import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accel_train import data as data_lib
 from accel_train.config import load_config
@@ -36,7 +38,7 @@ TOPOLOGIES = {
 # them to 1e-6, and step 1 equals the loss of the untrained model on the first 4 samples of the seeded
 # shuffle computed with plain PyTorch (test_step_one_matches_plain_pytorch). Re-record after a change of
 # torch or transformers that alters kernels; a change in accel_train must not move them.
-GOLDEN = None
+GOLDEN = [4.523598, 5.177033, 5.266999, 3.855102]
 
 
 def write_data(path):
@@ -96,6 +98,34 @@ def test_eval_counts_every_sample_once(runs, name):
     assert ev["eval_samples"] == N_EVAL
     # duplicated samples (2 ranks x 2 batches of 4 = 8 slots for 7 samples) would shift the loss
     assert ev["eval_loss"] == pytest.approx(runs["A"]["eval"]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["A", "C"])
+def test_golden_losses(runs, name):
+    losses = [r["loss"] for r in runs[name]["train"][:4]]
+    assert losses == pytest.approx(GOLDEN, rel=1e-5)
+
+
+def test_step_one_matches_plain_pytorch(runs):
+    """Step 1's loss is the untrained model's: recompute it without accelerate, from the saved base weights,
+    on the first 4 samples of the seeded shuffle (accelerate's seedable sampler: randperm seeded with seed+epoch)."""
+    out = runs["A"]["out"]
+    cfg = load_config(out / "config.yaml")
+    train, _ = data_lib.load_splits(cfg)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    tokenizer = AutoTokenizer.from_pretrained(out / "base_model")
+    model = AutoModelForCausalLM.from_pretrained(out / "base_model").eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in order[:4]:
+            row = train[i]
+            messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+            prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)["input_ids"]
+            ids = torch.tensor([tokenizer.apply_chat_template(messages)["input_ids"]])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # positions that predict the response
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, len(prompt):], reduction="sum"))
+            count += ids.shape[1] - len(prompt)
+    assert total / count == pytest.approx(GOLDEN[0], rel=1e-5)
 
 
 def test_lr_schedule_steps_once_per_optimizer_step(runs):

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from accel_train import data as data_lib
 from accel_train.config import load_config
-from accel_train.dist import make_accelerator, prepare_dataloaders, teardown
+from accel_train.dist import exit_process, make_accelerator, prepare_dataloaders, teardown
 
 out, n_train, n_eval, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = load_config(None, sys.argv[5:])
@@ -36,5 +36,7 @@ try:
     gathered = [i for b in eval_dl for i in accelerator.gather_for_metrics(b["input_ids"][:, 0]).tolist()]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps({"train": epochs, "eval": gathered}))
+    accelerator.wait_for_everyone()  # as train.py does: meet before tearing the group down
 finally:
     teardown(accelerator)
+exit_process(0)
