@@ -129,6 +129,14 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save_every: Optional[int] = None
+    """Save a resumable checkpoint every N optimizer steps (one is also saved on SIGTERM/SIGINT); None: never."""
+    keep_last: int = 2
+    """Complete checkpoints kept in output_dir/checkpoints; older ones are deleted once a newer one is complete."""
+
+
+@dataclass
 class EvalConfig:
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
     """`evaluate` metrics; bundled ones (accuracy) load offline, other names load from the hub."""
@@ -142,11 +150,18 @@ class Config:
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
     """Seed for weights, LoRA init, data order and dropout."""
+    resume_from: Optional[str] = None
+    """Continue a run: "latest" (newest complete checkpoint in output_dir) or a checkpoint folder."""
+    overwrite: bool = False
+    """Delete what output_dir holds and start afresh (without it, an existing run is never touched)."""
+    merge: bool = False
+    """After training, also write output_dir/merged: base + LoRA merged, loadable without peft."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         positive = {
@@ -160,9 +175,11 @@ class Config:
             "data.max_length": self.data.max_length,
             "data.builtin_size": self.data.builtin_size,
             "lora.r": self.lora.r,
+            "checkpoint.keep_last": self.checkpoint.keep_last,
         }
         for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
                               ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),
+                              ("checkpoint.save_every", self.checkpoint.save_every),
                               ("model.num_labels", self.model.num_labels)):
             if optional is not None:
                 positive[key] = optional

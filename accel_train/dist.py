@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -71,6 +72,36 @@ def prepare_dataloaders(accelerator: Accelerator, train_dl, eval_dl=None):
     train_dl = accelerator.prepare(train_dl)
     accelerator.even_batches = True
     return train_dl, accelerator.prepare(eval_dl) if eval_dl is not None else None
+
+
+class Preemption:
+    """SIGTERM/SIGINT on this rank ask for a checkpoint and a stop. The loop shares the request with the other
+    ranks at its next step (one collective it runs anyway), so every rank stops at the same step."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def install(self) -> "Preemption":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving a checkpoint."""
+
+    def __init__(self, signum: int, checkpoint):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved: {checkpoint} "
+                         "(continue with resume_from=latest)")
+        self.signum = signum
 
 
 def teardown(accelerator: Accelerator | None) -> None:

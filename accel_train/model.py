@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import peft
 import torch
 from accelerate.logging import get_logger
@@ -24,12 +26,15 @@ def build_tokenizer(cfg: Config):
     return tokenizer
 
 
-def build_model(cfg: Config, tokenizer, num_labels: int | None = None) -> torch.nn.Module:
+def build_model(cfg: Config, tokenizer, num_labels: int | None = None, weights_from=None) -> torch.nn.Module:
+    """The base model: from `weights_from` when given (a run's saved random base), else as model.* says."""
     m = cfg.model
     auto = AUTO_CLASS[cfg.task]
     extra = {"num_labels": num_labels} if cfg.task == "seq_cls" else {}
     dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
-    if m.random_init:
+    if weights_from is not None:
+        model = auto.from_pretrained(weights_from, dtype=dtype, **extra)
+    elif m.random_init:
         config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **extra)
         model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
@@ -59,3 +64,14 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
+
+
+def load_trained(path, auto_cls, peft_cls):
+    """(model, tokenizer) from a run's output_dir (merged/, model/ or adapter/, first found) or such a folder."""
+    path = Path(path)
+    for sub in ("merged", "model", "adapter"):
+        if (path / sub).is_dir():
+            path = path / sub
+            break
+    cls = peft_cls if (path / "adapter_config.json").is_file() else auto_cls
+    return cls.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -32,8 +33,13 @@ from accelerate.utils import set_seed
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
+from accel_train import faults
 from accel_train.config import Config, ConfigError, help_text, load_config, save_config
-from accel_train.dist import LaunchError, exit_process, make_accelerator, prepare_dataloaders, teardown
+from accel_train.checkpoint import (TrainState, check_output_dir, load_checkpoint, resolve_resume, save_checkpoint)
+from accel_train.checkpoint import register_hooks as register_checkpoint_hooks
+from accel_train.dist import (LaunchError, Preempted, Preemption, exit_process, make_accelerator,
+                              prepare_dataloaders, teardown)
+from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
 from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 
@@ -53,25 +59,31 @@ def count_targets(batch: dict, task: str) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum()) if task == "causal_lm" else batch["labels"].numel()
 
 
-def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, total_steps: int,
-        log_file) -> dict:
+def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state: TrainState,
+        total_steps: int, log_file, preemption: Preemption) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
-    accum, task = cfg.train.grad_accum_steps, cfg.task
-    step, epoch, last = 0, 0, {}
+    accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
+    last = {}
     loss_since_log = torch.zeros((), device=accelerator.device)  # local sum of target losses since the last log
     targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
     replay = None  # a micro-batch to run with weight 0 when this rank has run out of data (see below)
     model.train()
-    while step < total_steps:
-        train_dl.set_epoch(epoch)  # new shuffle per epoch, identical on every rank before sharding
-        batches = iter(train_dl)
-        while step < total_steps:
+    while state.step < total_steps:
+        train_dl.set_epoch(state.epoch)  # new shuffle per epoch, identical on every rank before sharding
+        # On resume, skip what this epoch's steps consumed: the same samples whatever the number of processes.
+        loader = accelerator.skip_first_batches(train_dl, state.step_in_epoch * accum)
+        loader.set_epoch(state.epoch)
+        batches = iter(loader)
+        while state.step < total_steps:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             window = list(islice(batches, accum))
             local = torch.tensor([[sum(count_targets(b, task) for b in window), len(window),
-                                   sum(int(b["attention_mask"].sum()) for b in window)]], device=accelerator.device)
+                                   sum(int(b["attention_mask"].sum()) for b in window), preemption.signum]],
+                                 device=accelerator.device)
             stats = accelerator.gather(local)  # one collective per step; every rank learns every rank's counts
+            if stats[:, 3].max() > 0:  # a signal reached some rank: every rank stops here, after the same step
+                raise Preempted(int(stats[:, 3].max()), save_checkpoint(accelerator, cfg, state))
             n_micro = int(stats[:, 1].max())
             if n_micro == 0:  # all ranks agree the epoch is over
                 break
@@ -81,6 +93,7 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             # the gradient that of sum(target losses) / targets over the whole effective batch.
             scale = accelerator.num_processes * accum / targets
             for i in range(n_micro):
+                faults.inject(state.step + 1, i, rank)
                 # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
                 # all ranks then run the same forwards and backwards, hence the same collectives.
                 batch, weight = (window[i], 1.0) if i < len(window) else (replay, 0.0)
@@ -94,31 +107,37 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
             if not math.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1}")
+                raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}) at step {state.step + 1}")
             lr = scheduler.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
             scheduler.step()  # once per optimizer step, whatever the number of processes
             optimizer.zero_grad(set_to_none=True)
-            step += 1
+            state.step += 1
+            state.step_in_epoch += 1
             targets_since_log += targets
             tokens_since_log += int(stats[:, 2].sum())
 
-            if step % cfg.train.log_every == 0 or step == total_steps:
-                # .item() only here: it waits for the device, which the hot path above never does.
+            if state.step % cfg.train.log_every == 0 or state.step == total_steps:
                 loss = accelerator.reduce(loss_since_log, reduction="sum").item() / targets_since_log
                 elapsed = time.perf_counter() - t_log
-                last = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                        "tokens_per_sec": tokens_since_log / elapsed}
+                last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
+                        "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed}
                 log(accelerator, log_file, last)
                 loss_since_log.zero_()
                 targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
-            if eval_dl is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
-                log(accelerator, log_file, {"step": step, "epoch": epoch, **evaluate(cfg, accelerator, model, eval_dl,
-                                                                                     metrics)})
-        epoch += 1
+            if (eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
+                    and state.step < total_steps):  # the final evaluation follows the loop
+                log(accelerator, log_file, {"step": state.step, "epoch": state.epoch,
+                                            **evaluate(cfg, accelerator, model, eval_dl, metrics)})
+            if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
+                save_checkpoint(accelerator, cfg, state)
+        else:
+            break  # total_steps reached inside the epoch
+        state.epoch += 1
+        state.step_in_epoch = 0
     final = evaluate(cfg, accelerator, model, eval_dl, metrics) if eval_dl is not None else {}
     if final:
-        log(accelerator, log_file, {"step": step, "epoch": epoch - 1, **final})
+        log(accelerator, log_file, {"step": state.step, "epoch": state.epoch, **final})
     return {**last, **final}
 
 
@@ -185,13 +204,19 @@ def save(cfg: Config, accelerator, model, tokenizer) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     """Run one training job; returns the final metrics. Raises ConfigError on bad configuration."""
     cfg = parse_args(argv)
-    data_lib.check_source(cfg)  # cheap checks before any process group, download or model
-    accelerator = None
+    # Cheap checks first: nothing is started, downloaded or written when the input is wrong.
+    data_lib.check_source(cfg)
+    check_output_dir(cfg)
+    resume = resolve_resume(cfg)
+    accelerator, preemption = None, Preemption().install()
     try:
         accelerator = make_accelerator(cfg)
         logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
         set_seed(cfg.seed)
         out = Path(cfg.output_dir)
+        if cfg.overwrite and accelerator.is_main_process and out.exists():
+            shutil.rmtree(out)  # asked for explicitly; done before any rank writes
+        accelerator.wait_for_everyone()
 
         # ---- data: tokenized once per machine (main process first, the others then read datasets' cache)
         tokenizer = build_tokenizer(cfg)
@@ -211,23 +236,34 @@ def main(argv: list[str] | None = None) -> dict:
                    if eval_ds is not None and len(eval_ds) else None)
 
         # ---- model, optimizer, schedule
-        model = build_model(cfg, tokenizer, n_labels)
+        base = out / "base_model"  # a random base cannot be rebuilt from the hub: it is saved with the run
+        model = build_model(cfg, tokenizer, n_labels, weights_from=base if resume and cfg.model.random_init else None)
+        if n_labels is not None:
+            cfg.model.num_labels = n_labels  # resolved, so that export/predict rebuild the same head
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out / "config.yaml")
-            if cfg.lora.enabled and cfg.model.random_init:  # the adapter is useless without its random base
-                model.save_pretrained(out / "base_model")
-                tokenizer.save_pretrained(out / "base_model")
+            if cfg.lora.enabled and cfg.model.random_init and not resume:
+                model.save_pretrained(base)
+                tokenizer.save_pretrained(base)
         model = apply_lora(cfg, model)
         steps_per_epoch = math.ceil(micro_batches / (procs * accum))
         total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay)
-        scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
+        schedule = {"constant": "constant_with_warmup"}.get(cfg.train.lr_scheduler, cfg.train.lr_scheduler)
+        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                   num_training_steps=total_steps)
         train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         metrics = {name: load_metric(name) for name in cfg.eval.metrics}
+        state = TrainState(effective_batch=batch * accum * procs)
+        accelerator.register_for_checkpointing(state)
+        register_checkpoint_hooks(accelerator)
+        if resume:
+            load_checkpoint(accelerator, resume, state)
+            if accelerator.is_main_process:
+                truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
 
         trainable, total = count_parameters(model)
         logger.info(f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
@@ -238,15 +274,26 @@ def main(argv: list[str] | None = None) -> dict:
         # ---- train, then save
         t0 = time.perf_counter()
         with open(out / "metrics.jsonl", "a") if accelerator.is_main_process else nullcontext() as log_file:
-            results = fit(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, total_steps,
-                          log_file)
+            results = fit(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state,
+                          total_steps, log_file, preemption)
         target = save(cfg, accelerator, model, tokenizer)
+        if cfg.merge and cfg.lora.enabled and accelerator.is_main_process:
+            merge_adapter(out, out / "merged")
+        accelerator.wait_for_everyone()
         results["train_seconds"] = time.perf_counter() - t0
         logger.info("final: " + ", ".join(f"{k}={v:.4g}" for k, v in results.items() if isinstance(v, float))
                     + f"; saved to {target}")
         return results
     finally:
+        preemption.restore()
         teardown(accelerator)
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step`, so a resumed run's log reads as one run."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -277,6 +324,9 @@ def cli(argv: list[str] | None = None) -> None:
     except (ConfigError, LaunchError) as e:
         print(f"accel_train: error: {e}", file=sys.stderr)
         code = 2
+    except Preempted as e:
+        print(f"accel_train: {e}", file=sys.stderr)
+        code = 128 + e.signum  # the shell's convention for "ended by signal N"
     exit_process(code)
 
 

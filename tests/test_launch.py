@@ -75,7 +75,8 @@ def test_gpu_config_on_cpu_machine_forms_one_gloo_group(tmp_out):
     """The 2-GPU config on a machine without GPUs: one 2-rank CPU group, never two separate trainings."""
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs: the config runs on them instead")
-    proc = accelerate_launch("2gpu.yaml", f"output_dir={tmp_out}", "train.max_steps=5", "train.log_every=1")
+    proc = accelerate_launch("2gpu.yaml", f"output_dir={tmp_out}", "train.max_steps=5", "train.log_every=1",
+                             "train.debug_collectives=true", "train.dist_timeout_s=60")
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log

@@ -1,0 +1,150 @@
+"""Checkpoints: `accelerator.save_state` into output_dir/checkpoints/step-N/, written so that resume never picks
+up a half-written one, and restored so that training continues at the exact sample it stopped at.
+
+A checkpoint folder holds: the trainable weights only (the LoRA adapter, not the frozen base), optimizer,
+scheduler, every rank's RNG state, the training position (`train_state.json`), the resolved config, and last,
+the marker `COMPLETE` (written to a temporary name, then renamed). Folders without the marker are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate.logging import get_logger
+from safetensors.torch import load_file
+
+from accel_train.config import Config, ConfigError, save_config
+
+logger = get_logger(__name__)
+MARKER = "COMPLETE"
+STATE_FILE = "train_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or does not fit this run."""
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved with every checkpoint (registered with accelerate)."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    epoch: int = 0
+    """Current epoch."""
+    step_in_epoch: int = 0
+    """Optimizer steps done in the current epoch: with the effective batch, the sample position in its shuffle."""
+    effective_batch: int = 0
+    """per_device_batch_size x grad_accum_steps x processes of the run that wrote it."""
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    found = [p for p in root.glob("step-*") if (p / MARKER).is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    """The checkpoint folder `resume_from` names, checked before any work."""
+    if cfg.resume_from is None:
+        return None
+    if cfg.resume_from == "latest":
+        found = complete_checkpoints(cfg.output_dir)
+        if not found:
+            raise ConfigError(f"resume_from=latest: no complete checkpoint in {checkpoints_dir(cfg.output_dir)}")
+        return found[-1]
+    path = Path(cfg.resume_from)
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"resume_from: {path} is not a complete checkpoint (no {MARKER} marker)")
+    return path
+
+
+def check_output_dir(cfg: Config) -> None:
+    """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true."""
+    out = Path(cfg.output_dir)
+    if cfg.resume_from is not None or cfg.overwrite or not out.exists():
+        return
+    held = sorted(p.name for p in out.iterdir())
+    if held:
+        raise ConfigError(f"output_dir {out} already holds a run ({', '.join(held[:4])}); pass resume_from=latest "
+                          "to continue it, overwrite=true to replace it, or another output_dir")
+
+
+def _trainable_keys(model) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def register_hooks(accelerator) -> None:
+    """Checkpoint only what training changes (the adapter under LoRA), and load it back by name."""
+
+    def save_hook(models, weights, output_dir):
+        for i, model in enumerate(models):
+            unwrapped = accelerator.unwrap_model(model)
+            keep = _trainable_keys(unwrapped)
+            weights[i] = {k: v for k, v in unwrapped.state_dict().items() if k in keep}
+
+    def load_hook(models, input_dir):
+        for i in reversed(range(len(models))):
+            unwrapped = accelerator.unwrap_model(models[i])
+            name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
+            state = load_file(Path(input_dir) / name)
+            missing = _trainable_keys(unwrapped) - state.keys()
+            result = unwrapped.load_state_dict(state, strict=False)
+            if missing or result.unexpected_keys:
+                raise CheckpointError(f"{input_dir} does not fit this model: missing {sorted(missing)[:3]}, "
+                                      f"unexpected {sorted(result.unexpected_keys)[:3]}")
+            models.pop(i)  # loaded here: accelerate must not load it again
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
+    """Write output_dir/checkpoints/step-N on all ranks (a collective), mark it complete, prune old ones."""
+    path = checkpoints_dir(cfg.output_dir) / f"step-{state.step}"
+    if accelerator.is_main_process and path.exists():  # an incomplete leftover of a crash at this step
+        shutil.rmtree(path)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()  # every rank's RNG file is on disk before the marker says complete
+    if accelerator.is_main_process:
+        save_config(cfg, path / "config.yaml")
+        (path / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=1))
+        tmp = path / f".{MARKER}.tmp"
+        tmp.write_text(f"step {state.step}\n")
+        os.replace(tmp, path / MARKER)  # atomic: the checkpoint is complete or it is not
+        for old in complete_checkpoints(cfg.output_dir)[: -cfg.checkpoint.keep_last]:
+            shutil.rmtree(old)
+        logger.info(f"checkpoint saved: {path}")
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_checkpoint(accelerator, path: Path, state: TrainState) -> None:
+    """Restore weights, optimizer, scheduler, RNG and position; the effective batch must match."""
+    saved = json.loads((path / STATE_FILE).read_text())
+    if saved["effective_batch"] != state.effective_batch:
+        raise ConfigError(
+            f"resume_from: {path} was trained with effective batch {saved['effective_batch']} "
+            f"(per_device_batch_size x grad_accum_steps x processes); this run has {state.effective_batch}. "
+            "Change grad_accum_steps so that they match.")
+    accelerator.load_state(str(path))
+    logger.info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
+                f"{state.step_in_epoch} steps into the epoch")

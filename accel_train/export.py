@@ -1,0 +1,57 @@
+"""Merge a run's LoRA adapter into its base model: a standalone model folder that `transformers`
+(`AutoModelFor....from_pretrained`, `pipeline`) loads with no peft installed.
+
+    python -m accel_train.export RUN_DIR [--out DIR] [--overwrite]      # default DIR: RUN_DIR/merged
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from peft import PeftModel
+from transformers import AutoTokenizer
+
+from accel_train.config import ConfigError, load_config
+from accel_train.model import AUTO_CLASS
+
+
+def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    adapter = run_dir / "adapter"
+    if not (adapter / "adapter_config.json").is_file():
+        raise ConfigError(f"{run_dir} has no LoRA adapter ({adapter}/adapter_config.json); is it a LoRA run?")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite or choose --out")
+        shutil.rmtree(out_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    base_dir = run_dir / "base_model"  # saved with runs whose base was random (not loadable from anywhere else)
+    base_path = base_dir if base_dir.is_dir() else cfg.model.name_or_path
+    extra = {"num_labels": cfg.model.num_labels} if cfg.task == "seq_cls" else {}
+    base = AUTO_CLASS[cfg.task].from_pretrained(base_path, dtype="auto", trust_remote_code=cfg.model.trust_remote_code,
+                                                **extra)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(adapter).save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="accel_train.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a finished run's output_dir (holds adapter/ and config.yaml)")
+    parser.add_argument("--out", help="where to write the merged model (default: RUN_DIR/merged)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    args = parser.parse_args(argv)
+    try:
+        out = merge_adapter(args.run_dir, args.out or Path(args.run_dir) / "merged", args.overwrite)
+    except ConfigError as e:
+        print(f"accel_train.export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"merged model written to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Checkpoints you can trust: exact resume (mid-epoch, mid-accumulation, another world size), preemption by a
+signal to one rank or to the launcher, no silent overwrite, and a merged export that loads without peft."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ACCEL_CONFIGS, BIN, REPO, accelerate_launch, free_port, python_m, read_metrics, run
+from safetensors.torch import load_file
+
+# 120 samples -> 108 train; per-device batch x accum x processes = 8 in every topology below:
+# 14 optimizer steps per epoch, 28 in all. Checkpoints every 3 steps.
+BASE = ["data.builtin_size=120", "train.epochs=2", "train.log_every=1", "train.warmup_steps=2", "train.lr=1e-2",
+        "train.mixed_precision=no", "checkpoint.save_every=3", "train.dist_timeout_s=60"]
+ONE = ["train.per_device_batch_size=4", "train.grad_accum_steps=2"]   # 1 process
+TWO = ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]   # 2 processes
+TWO_AS_ONE = ["train.per_device_batch_size=2", "train.grad_accum_steps=4"]  # 1 process, same effective batch
+# Crash before the 2nd micro-batch of step 8: the last checkpoint is step 6, step 7 is lost, step 8 half done.
+CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=8,micro=1,rank=0"}
+
+
+def launch(procs: int, *args, env=None):
+    return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
+
+
+def weights(out):
+    return load_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def assert_same_run(resumed, reference, rel):
+    """Per-step losses (all of them: the resumed log keeps the steps before the checkpoint) and final weights."""
+    got, want = read_metrics(resumed)[0], read_metrics(reference)[0]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 29))
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=rel), f"step {a['step']}"
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9), f"step {a['step']}"
+    wa, wb = weights(resumed), weights(reference)
+    for key in wb:
+        assert (wa[key] - wb[key]).norm() <= rel * wb[key].norm(), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "A"
+    proc = launch(1, *BASE, *ONE, f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("procs, topo", [(1, ONE), (2, TWO)], ids=["1proc", "2proc"])
+def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, uninterrupted, procs, topo):
+    out = tmp_path / "B"
+    crashed = launch(procs, *BASE, *topo, f"output_dir={out}", env=CRASH)
+    assert crashed.returncode != 0
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-3", "step-6"]
+    resumed = launch(procs, *BASE, *topo, f"output_dir={out}", "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr and "step 6, epoch 0, 6 steps into the epoch" in (
+        resumed.stdout + resumed.stderr)
+    # the 2-process run is compared with the 1-process reference: same samples per step, fp32 summation order
+    assert_same_run(out, uninterrupted, rel=1e-6 if procs == 1 else 1e-5)
+
+
+@pytest.mark.parametrize("first, second", [((2, TWO), (1, TWO_AS_ONE)), ((1, TWO_AS_ONE), (2, TWO))],
+                         ids=["2proc-to-1proc", "1proc-to-2proc"])
+def test_resume_on_another_number_of_processes(tmp_path, uninterrupted, first, second):
+    out = tmp_path / "run"
+    crashed = launch(first[0], *BASE, *first[1], f"output_dir={out}", env=CRASH)
+    assert crashed.returncode != 0
+    resumed = launch(second[0], *BASE, *second[1], f"output_dir={out}", "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(out, uninterrupted, rel=1e-5)
+
+
+def test_resume_refuses_another_effective_batch(tmp_path):
+    out = tmp_path / "run"
+    assert launch(1, *BASE, *ONE, "train.max_steps=3", f"output_dir={out}").returncode == 0
+    proc = launch(1, *BASE, "train.per_device_batch_size=4", "train.grad_accum_steps=1", f"output_dir={out}",
+                  "resume_from=latest")
+    assert proc.returncode == 2
+    assert "trained with effective batch 8" in proc.stderr and "this run has 4" in proc.stderr
+
+
+def test_signal_to_one_rank_stops_all_with_a_checkpoint(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = launch(2, *BASE, *TWO, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "sigterm@step=5,rank=1"})
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    # rank 1 was signalled during step 5; both ranks stop after it, together, at the next step's collective
+    assert log.count("accel_train: stopped by SIGTERM; checkpoint saved:") == 2
+    assert (out / "checkpoints" / "step-5" / "COMPLETE").is_file()
+    resumed = launch(2, *BASE, *TWO, f"output_dir={out}", "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(out, uninterrupted, rel=1e-5)
+
+
+def test_sigint_to_the_launcher_saves_and_exits(tmp_path):
+    out = tmp_path / "run"
+    cmd = [BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
+           str(free_port()), "accel_train/train.py", f"output_dir={out}", "train.log_every=1", "train.dist_timeout_s=60"]
+    launcher = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                text=True)
+    lines = []
+    for line in launcher.stderr:  # wait until training is under way, as a user watching the log would
+        lines.append(line)
+        if "step 20 |" in line:
+            break
+    t0 = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    _, rest = launcher.communicate(timeout=60)
+    assert time.monotonic() - t0 < 60
+    assert launcher.returncode != 0
+    assert "stopped by SIGINT; checkpoint saved:" in "".join(lines) + rest
+    done = sorted(p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
+    assert len(done) == 1 and int(done[0].name.removeprefix("step-")) >= 20
+
+
+def test_incomplete_checkpoint_is_never_resumed(tmp_path):
+    out = tmp_path / "run"
+    assert launch(1, *BASE, *ONE, "train.max_steps=6", f"output_dir={out}").returncode == 0
+    # a save that died half-way (a crash or a full disk): files, but no COMPLETE marker
+    partial = out / "checkpoints" / "step-9"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")
+    proc = launch(1, *BASE, *ONE, "train.max_steps=9", f"output_dir={out}", "resume_from=latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "step-6" in proc.stderr
+    # keep_last=2: step-3 was pruned once step-9 (rewritten, complete now) and step-6 existed
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-6", "step-9"]
+    assert (partial / "COMPLETE").is_file()
+
+
+def test_existing_output_dir_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    assert launch(1, *BASE, *ONE, "train.max_steps=2", f"output_dir={out}").returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = launch(1, *BASE, *ONE, "train.max_steps=2", f"output_dir={out}")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "resume_from=latest" in proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    proc = launch(1, *BASE, *ONE, "train.max_steps=2", f"output_dir={out}", "resume_from=latest")
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
+    proc = launch(1, *BASE, *ONE, "train.max_steps=3", f"output_dir={out}", "overwrite=true")
+    assert proc.returncode == 0 and read_metrics(out)[0][-1]["step"] == 3
+
+
+MERGED_CHECK = """
+import sys, json, torch
+sys.modules["peft"] = None  # as on a machine without peft: any import of it fails
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+path, ids = sys.argv[1], json.loads(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(path).eval()
+with torch.no_grad():
+    logits = model(input_ids=torch.tensor([ids])).logits
+torch.save(logits, sys.argv[3])
+gen = pipeline("text-generation", model=path, tokenizer=path)
+print(json.dumps(gen([{"role": "user", "content": "reverse abc"}], max_new_tokens=4, do_sample=False)[0]["generated_text"][-1]))
+"""
+
+
+def test_merged_export_loads_without_peft_and_matches_adapter(tmp_path):
+    out = tmp_path / "run"
+    assert launch(1, f"output_dir={out}", "train.epochs=2", "merge=true").returncode == 0
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(out / "adapter").apply_chat_template(
+        [{"role": "user", "content": "reverse hello"}], add_generation_prompt=True)["input_ids"]
+    proc = run([sys.executable, "-c", MERGED_CHECK, out / "merged", json.dumps(ids), tmp_path / "logits.pt"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["role"] == "assistant"
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=torch.tensor([ids])).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-4, atol=1e-4)
+
+    # the separate command writes the same model elsewhere, and refuses to overwrite
+    proc = run([sys.executable, "-m", "accel_train.export", out, "--out", tmp_path / "exported"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = load_file(out / "merged" / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    proc = run([sys.executable, "-m", "accel_train.export", out, "--out", tmp_path / "exported"])
+    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+
+    proc = run([sys.executable, "-m", "accel_train.generate", out, "--prompt", "reverse abc", "--max-new-tokens", "8"])
+    assert proc.returncode == 0 and proc.stdout.strip()
+
+
+def test_predict_with_a_classification_adapter(tmp_path):
+    out = tmp_path / "cls"
+    proc = launch(1, "--config", "configs/train/tiny_cls.yaml", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    texts = ["good great fun film", "bad sad dull plot"]
+    proc = run([sys.executable, "-m", "accel_train.predict", out, "--text", texts[0], "--text", texts[1]])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [r["label"] for r in rows] == [1, 0]
+    assert all(abs(sum(r["probs"]) - 1) < 1e-3 for r in rows)
