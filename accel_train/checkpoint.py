@@ -79,7 +79,15 @@ def resolve_resume(cfg: Config) -> Path | None:
 def check_output_dir(cfg: Config) -> None:
     """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true."""
     out = Path(cfg.output_dir)
-    if cfg.resume_from is not None or cfg.overwrite or not out.exists():
+    if cfg.resume_from is not None and cfg.overwrite:
+        raise ConfigError("resume_from and overwrite=true contradict each other: resume keeps the run, overwrite "
+                          "deletes it; pass one of them")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if cfg.overwrite and not (out / "config.yaml").is_file():
+        raise ConfigError(f"overwrite=true: {out} does not look like an accel_train run (no config.yaml); "
+                          "refusing to delete it")
+    if cfg.resume_from is not None or cfg.overwrite:
         return
     held = sorted(p.name for p in out.iterdir())
     if held:
@@ -119,6 +127,8 @@ def register_hooks(accelerator) -> None:
 def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
     """Write output_dir/checkpoints/step-N on all ranks (a collective), mark it complete, prune old ones."""
     path = checkpoints_dir(cfg.output_dir) / f"step-{state.step}"
+    if (path / MARKER).is_file():  # this step is saved already (a signal right after a periodic save)
+        return path
     if accelerator.is_main_process and path.exists():  # an incomplete leftover of a crash at this step
         shutil.rmtree(path)
     accelerator.wait_for_everyone()

@@ -137,6 +137,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class TrackConfig:
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers, through accelerate: tensorboard, wandb, mlflow, trackio, ...; [] for none."""
+    project: str = "accel_train"
+    """Project name given to the trackers (TensorBoard writes to output_dir/logs/PROJECT)."""
+
+
+@dataclass
 class EvalConfig:
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
     """`evaluate` metrics; bundled ones (accuracy) load offline, other names load from the hub."""
@@ -162,6 +170,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
     def __post_init__(self):
         positive = {
@@ -291,7 +300,10 @@ def to_dict(cfg) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """The training's config; how it was invoked (resume_from, overwrite) is left out, so a rerun from the file
+    never deletes or resumes anything by surprise."""
+    plain = dataclasses.replace(cfg, resume_from=None, overwrite=False)
+    Path(path).write_text(yaml.safe_dump(to_dict(plain), sort_keys=False))
 
 
 # ---------------------------------------------------------------------------------------------------- help

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
@@ -164,7 +165,9 @@ def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffl
         collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
     else:
         collate = DataCollatorWithPadding(tokenizer, return_tensors="pt")
-    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate)
+    # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
+                      generator=torch.Generator().manual_seed(cfg.seed))
 
 
 def required_columns(cfg: Config) -> list[str]:

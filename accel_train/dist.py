@@ -12,12 +12,16 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from datetime import timedelta
+
+import datasets
 
 import torch
 import torch.distributed
+import transformers
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
 from accel_train.config import Config
 
@@ -35,9 +39,10 @@ def make_accelerator(cfg: Config) -> Accelerator:
     """Read the rank environment, choose the device and, with several processes, join the process group."""
     world = launched_world_size()
     if cfg.train.debug_collectives:
-        # accelerate checks shapes of gather/reduce across ranks; torch checks every collective's signature.
+        # accelerate checks that all ranks gather/reduce tensors of matching shapes; torch logs DDP's buckets.
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        # INFO, not DETAIL: with DETAIL, DDP's constructor segfaults on gloo in torch 2.13 (seen here).
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
         torch.distributed.set_debug_level_from_env()
     # accelerate forms a CPU (gloo) group only when told cpu=True. Without it, N processes launched on a
     # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
@@ -52,7 +57,15 @@ def make_accelerator(cfg: Config) -> Accelerator:
         # Seedable sampler: one shuffle per epoch from (seed, epoch), the same on every rank, then sharded.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s))],
+        log_with=cfg.track.log_with or None,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"),
     )
+    if not accelerator.is_local_main_process:
+        # Library warnings and progress bars once per machine, not once per rank.
+        warnings.simplefilter("ignore")
+        transformers.logging.set_verbosity_error()
+        datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
     if accelerator.num_processes != world:
         raise LaunchError(
             f"the launcher started {world} processes but accelerate formed a group of {accelerator.num_processes} "
@@ -88,6 +101,9 @@ class Preemption:
         return self
 
     def _handle(self, signum, frame):
+        if self.signum:  # a second signal: the user does not want to wait for the checkpoint
+            self.restore()
+            signal.raise_signal(signum)
         self.signum = signum
 
     def restore(self) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import send_to_device, set_seed
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
@@ -41,6 +41,8 @@ from accel_train.dist import (LaunchError, Preempted, Preemption, exit_process, 
                               prepare_dataloaders, teardown)
 from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
+from accel_train.plot import plot_runs
+from accel_train.tracking import RunLog, check_trackers, flops_per_token, measure_peak_flops, peak_memory_mb
 from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 
 logger = get_logger("accel_train")
@@ -60,13 +62,14 @@ def count_targets(batch: dict, task: str) -> int:
 
 
 def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state: TrainState,
-        total_steps: int, log_file, preemption: Preemption) -> dict:
+        total_steps: int, run_log: RunLog, preemption: Preemption) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
     last = {}
     loss_since_log = torch.zeros((), device=accelerator.device)  # local sum of target losses since the last log
-    targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
-    replay = None  # a micro-batch to run with weight 0 when this rank has run out of data (see below)
+    targets_since_log, tokens_since_log, t_log, tokens_total = 0, 0, time.perf_counter(), 0
+    # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
+    replay = send_to_device(train_dl.collate_fn([train_dl.dataset[0]]), accelerator.device)
     model.train()
     while state.step < total_steps:
         train_dl.set_epoch(state.epoch)  # new shuffle per epoch, identical on every rank before sharding
@@ -88,7 +91,6 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             if n_micro == 0:  # all ranks agree the epoch is over
                 break
             targets = int(stats[:, 0].sum())
-            replay = window[-1] if window else replay
             # DDP averages gradients over ranks and accelerator.backward divides by accum, so this scale makes
             # the gradient that of sum(target losses) / targets over the whole effective batch.
             scale = accelerator.num_processes * accum / targets
@@ -106,29 +108,34 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
-            if not math.isfinite(grad_norm):
+            # fp16's loss scaler expects overflows: it skips that step and lowers the scale (below).
+            if not math.isfinite(grad_norm) and accelerator.scaler is None:
                 raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}) at step {state.step + 1}")
             lr = scheduler.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
-            scheduler.step()  # once per optimizer step, whatever the number of processes
+            if not optimizer.step_was_skipped:
+                scheduler.step()  # once per optimizer step, whatever the number of processes
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
             targets_since_log += targets
             tokens_since_log += int(stats[:, 2].sum())
+            run_log.step()
 
             if state.step % cfg.train.log_every == 0 or state.step == total_steps:
                 loss = accelerator.reduce(loss_since_log, reduction="sum").item() / targets_since_log
                 elapsed = time.perf_counter() - t_log
                 last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
-                        "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed}
-                log(accelerator, log_file, last)
+                        "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed,
+                        "mfu": run_log.mfu(tokens_since_log / elapsed)}
+                run_log.log(last)
                 loss_since_log.zero_()
+                tokens_total += tokens_since_log
                 targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
             if (eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < total_steps):  # the final evaluation follows the loop
-                log(accelerator, log_file, {"step": state.step, "epoch": state.epoch,
-                                            **evaluate(cfg, accelerator, model, eval_dl, metrics)})
+                run_log.log({"step": state.step, "epoch": state.epoch,
+                             **evaluate(cfg, accelerator, model, eval_dl, metrics)})
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
                 save_checkpoint(accelerator, cfg, state)
         else:
@@ -137,8 +144,8 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
         state.step_in_epoch = 0
     final = evaluate(cfg, accelerator, model, eval_dl, metrics) if eval_dl is not None else {}
     if final:
-        log(accelerator, log_file, {"step": state.step, "epoch": state.epoch, **final})
-    return {**last, **final}
+        run_log.log({"step": state.step, "epoch": state.epoch, **final})
+    return {**last, **final, "train_tokens": tokens_total}
 
 
 @torch.no_grad()
@@ -176,15 +183,6 @@ def evaluate(cfg: Config, accelerator, model, eval_dl, metrics) -> dict:
     return results
 
 
-def log(accelerator, log_file, record: dict) -> None:
-    """Main process only: one line to the console and one JSON line to metrics.jsonl (flushed: survives a crash)."""
-    if not accelerator.is_main_process:
-        return
-    logger.info(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
-    log_file.write(json.dumps(record) + "\n")
-    log_file.flush()
-
-
 def save(cfg: Config, accelerator, model, tokenizer) -> Path:
     """Main process writes the adapter (or full model); every rank then meets at a barrier."""
     out = Path(cfg.output_dir)
@@ -207,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Cheap checks first: nothing is started, downloaded or written when the input is wrong.
     data_lib.check_source(cfg)
     check_output_dir(cfg)
+    check_trackers(cfg)
     resume = resolve_resume(cfg)
-    accelerator, preemption = None, Preemption().install()
+    accelerator, preemption, t_start = None, Preemption(), time.perf_counter()
     try:
         accelerator = make_accelerator(cfg)
         logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
@@ -237,12 +236,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         # ---- model, optimizer, schedule
         base = out / "base_model"  # a random base cannot be rebuilt from the hub: it is saved with the run
-        model = build_model(cfg, tokenizer, n_labels, weights_from=base if resume and cfg.model.random_init else None)
+        reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
+        model = build_model(cfg, tokenizer, n_labels, weights_from=base if reuse_base else None)
         if n_labels is not None:
             cfg.model.num_labels = n_labels  # resolved, so that export/predict rebuild the same head
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out / "config.yaml")
             if cfg.lora.enabled and cfg.model.random_init and not resume:
                 model.save_pretrained(base)
                 tokenizer.save_pretrained(base)
@@ -262,7 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
         register_checkpoint_hooks(accelerator)
         if resume:
             load_checkpoint(accelerator, resume, state)
-            if accelerator.is_main_process:
+        if accelerator.is_main_process:
+            save_config(cfg, out / "config.yaml")  # after the resume checks: a refused resume changes nothing
+            if resume:
                 truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
 
         trainable, total = count_parameters(model)
@@ -272,21 +273,44 @@ def main(argv: list[str] | None = None) -> dict:
                     f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {total_steps} steps")
 
         # ---- train, then save
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+        peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
+        run_log = RunLog(accelerator, cfg, total_steps, state.step, flops_per_token(total, trainable), peak)
         t0 = time.perf_counter()
-        with open(out / "metrics.jsonl", "a") if accelerator.is_main_process else nullcontext() as log_file:
+        try:
+            preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
             results = fit(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state,
-                          total_steps, log_file, preemption)
+                          total_steps, run_log, preemption)
+        finally:
+            preemption.restore()
+            run_log.close()
+        train_seconds = time.perf_counter() - t0
         target = save(cfg, accelerator, model, tokenizer)
         if cfg.merge and cfg.lora.enabled and accelerator.is_main_process:
             merge_adapter(out, out / "merged")
+        if accelerator.is_main_process:
+            write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
         accelerator.wait_for_everyone()
-        results["train_seconds"] = time.perf_counter() - t0
-        logger.info("final: " + ", ".join(f"{k}={v:.4g}" for k, v in results.items() if isinstance(v, float))
-                    + f"; saved to {target}")
         return results
     finally:
-        preemption.restore()
         teardown(accelerator)
+
+
+def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds: float, device, target) -> None:
+    """Print and save output_dir/summary.json, and draw output_dir/loss.png."""
+    out = Path(cfg.output_dir)
+    summary = {
+        "final": {k: v for k, v in results.items() if k.startswith("eval_") or k in ("step", "epoch", "loss")},
+        "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
+        "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
+        "peak_memory_mb": round(peak_memory_mb(device), 1),
+        "saved": str(target), "plot": str(out / "loss.png"), "metrics": str(out / "metrics.jsonl"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_runs([out], out / "loss.png")
+    final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items() if isinstance(v, float))
+    logger.info(f"final: {final}; {summary['train_seconds']} s training, {summary['tokens_per_sec']:.0f} tokens/s, "
+                f"peak memory {summary['peak_memory_mb']:.0f} MB; saved to {target}; summary in {out}/summary.json")
 
 
 def truncate_log(path: Path, step: int) -> None:

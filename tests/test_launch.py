@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
+import matplotlib.image
 import pytest
 import torch
 from conftest import BIN, accelerate_launch, free_port, python_m, read_metrics, run
 from peft import PeftModel
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accel_train import data as data_lib
@@ -30,13 +35,37 @@ def eval_loss_from_saved(out) -> float:
     return total / targets
 
 
+TRAIN_FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
+
+
+def check_observability(out, log: str, train: list[dict], evals: list[dict]):
+    """What a user watching or reviewing the run relies on (metrics.jsonl, plot, summary, TensorBoard, console)."""
+    assert all(set(r) == TRAIN_FIELDS for r in train)
+    assert all(r["loss"] > 0 and r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in train)
+    assert {"eval_loss", "eval_accuracy", "eval_perplexity", "eval_samples"} <= set(evals[-1])
+    steps = [r["step"] for r in train]
+    assert steps == sorted(set(steps)), "one record per step: a second rank must not log too"
+    # console: each log step printed once, by the main process only
+    assert log.count(f"step {steps[0]} | epoch") == 1
+    assert log.count("final: ") == 1
+    image = matplotlib.image.imread(out / "loss.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final"]["eval_loss"] == evals[-1]["eval_loss"] and summary["peak_memory_mb"] > 0
+    assert summary["tokens_per_sec"] > 0 and summary["saved"].endswith("adapter")
+    events = EventAccumulator(str(out / "logs" / "accel_train"))
+    events.Reload()
+    logged = events.Scalars("loss")
+    assert [e.step for e in logged] == steps
+    assert [e.value for e in logged] == pytest.approx([r["loss"] for r in train], rel=1e-6)
+
+
 def check_default_run(proc, out, processes: int):
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert f"{processes} process(es)" in log
     train, evals = read_metrics(out)
-    steps = [r["step"] for r in train]
-    assert steps == sorted(set(steps)), "one log line per step: a second rank must not log too"
+    check_observability(out, log, train, evals)
     # Learning, not noise: the reverse task starts near log(vocab) and ends far below it.
     assert train[0]["loss"] > 3.0 and train[-1]["loss"] < 0.5 * train[0]["loss"]
     final = evals[-1]
@@ -82,3 +111,21 @@ def test_gpu_config_on_cpu_machine_forms_one_gloo_group(tmp_out):
     assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
     train, _ = read_metrics(tmp_out)
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+
+
+def test_missing_tracker_package_is_named(tmp_out):
+    proc = python_m("track.log_with=[wandb]", f"output_dir={tmp_out}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "accel_train: error: track.log_with: tracker 'wandb' needs the package wandb: pip install wandb"
+    assert not tmp_out.exists()
+
+
+def test_plot_compares_runs(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "epoch": 0, "loss": scale / s, "lr": 1e-3} for s in range(1, 6)]
+        rows.append({"step": 5, "epoch": 0, "eval_loss": scale / 5})
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run([sys.executable, "-m", "accel_train.plot", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "ab.png"])
+    assert proc.returncode == 0, proc.stderr
+    assert matplotlib.image.imread(tmp_path / "ab.png").shape[0] > 100

@@ -21,3 +21,5 @@ def test_notebook_trains_on_two_processes(tmp_path):
     shown = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "2 process(es) on" in shown  # one process group of two ranks, logged once by the main process
     assert f"eval: loss {final['eval_loss']:.3f}" in shown
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 1  # the loss plot, shown inline

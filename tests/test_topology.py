@@ -156,3 +156,19 @@ def test_shards_disjoint_complete_and_reshuffled(tmp_path):
     batches = [single[i:i + batch] for i in range(0, n_train, batch)]
     assert ranks[0]["train"][0] == [i for b in batches[0::2] for i in b]
     assert ranks[1]["train"][0] == [i for b in batches[1::2] for i in b]
+
+
+def test_resume_into_an_uneven_last_window(runs, tmp_path):
+    """Run C again, crashed in step 6 (the last of epoch 0: 11 batches of 2 over 2 ranks, rank 1 has none left)
+    and resumed from the step-5 checkpoint: rank 1 must replay a weight-0 batch it has never seen in this process."""
+    out = tmp_path / "C-resumed"
+    args = overrides(runs["C"]["data"], out) + TOPOLOGIES["C"][1] + ["checkpoint.save_every=5"]
+    crashed = accelerate_launch("cpu_2proc.yaml", *args, env={"ACCEL_TRAIN_FAULT": "crash@step=6,rank=0"})
+    assert crashed.returncode != 0
+    resumed = accelerate_launch("cpu_2proc.yaml", *args, "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, want = read_metrics(out)[0], runs["C"]["train"]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
+    final = load_file(out / "adapter" / "adapter_model.safetensors")
+    for key, ref in runs["C"]["weights"].items():
+        assert (final[key] - ref).norm() <= 1e-6 * ref.norm(), key

@@ -1,0 +1,55 @@
+"""Loss curves: train and eval loss and the learning rate of one or more runs, in one PNG.
+
+    python -m accel_train.plot RUN_DIR [RUN_DIR ...] [--out runs.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
+    for run_dir in run_dirs:
+        train, evals = read_records(run_dir)
+        name = Path(run_dir).name
+        line, = ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{name} train")
+        if evals:
+            ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=line.get_color(),
+                         label=f"{name} eval")
+        ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color=line.get_color())
+    ax_loss.set_ylabel("loss (per target token)")
+    ax_loss.set_yscale("log")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("optimizer step")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="accel_train.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("runs.png"))
+    args = parser.parse_args(argv)
+    print(plot_runs(args.run_dirs, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""What a run shows: console lines, a progress bar, metrics.jsonl, experiment trackers, a loss plot and a summary.
+
+Everything here acts on the main process only, so the loop calls it without asking which rank it is on.
+Trackers go through accelerate (`log_with` / `init_trackers` / `accelerator.log`); TensorBoard is the default
+because it needs no account.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.logging import get_logger
+from tqdm.auto import tqdm
+
+from accel_train.config import Config, ConfigError, to_dict
+
+logger = get_logger("accel_train")
+
+# accelerate tracker name -> (module to import, pip package)
+TRACKER_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"),
+    "trackio": ("trackio", "trackio"), "comet_ml": ("comet_ml", "comet-ml"), "aim": ("aim", "aim"),
+    "clearml": ("clearml", "clearml"), "dvclive": ("dvclive", "dvclive"), "swanlab": ("swanlab", "swanlab"),
+}
+
+
+def check_trackers(cfg: Config) -> None:
+    """Before any work: every tracker named is known to accelerate and its package is installed."""
+    for name in cfg.track.log_with:
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"track.log_with: unknown tracker {name!r}; accelerate knows {', '.join(TRACKER_PACKAGES)}")
+        module, package = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"track.log_with: tracker {name!r} needs the package {package}: pip install {package}")
+
+
+def flat_config(cfg: Config) -> dict:
+    """The config as flat `section.key: value` hyperparameters (what TensorBoard's hparams accept)."""
+    flat = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
+            name = f"{section}.{key}" if key else section
+            flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+def flops_per_token(n_total: int, n_trainable: int) -> int:
+    """Matmul FLOPs per token of a training step: forward 2N, backward through the activations 2N, weight
+    gradients 2 x trainable (for LoRA a sliver of N). Attention scores are left out, as in the usual 6N."""
+    return 4 * n_total + 2 * n_trainable
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """FLOP/s of a square matmul at the training precision on this device: the denominator of MFU."""
+    n = 2048 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):  # warm-up
+        a @ b
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class RunLog:
+    """Main-process sink for the run's records: console, progress bar, metrics.jsonl (flushed per line, so it
+    survives a crash) and the trackers. On other ranks every method does nothing."""
+
+    def __init__(self, accelerator, cfg: Config, total_steps: int, start_step: int, flops_per_token: int = 0,
+                 peak_flops: float = 0.0):
+        self.accelerator, self.main = accelerator, accelerator.is_main_process
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.file = open(Path(cfg.output_dir) / "metrics.jsonl", "a") if self.main else None
+        # A bar only on a terminal; in CI logs and files the log lines below are the progress (one per log step).
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        disable=not (accelerator.is_local_main_process and sys.stderr.isatty()))
+        if cfg.track.log_with:
+            accelerator.init_trackers(cfg.track.project, config=flat_config(cfg))
+
+    def mfu(self, tokens_per_sec: float) -> float | None:
+        """Model FLOPs utilisation: achieved matmul FLOP/s over the measured peak (main process only)."""
+        return self.flops_per_token * tokens_per_sec / self.peak_flops if self.peak_flops else None
+
+    def step(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def log(self, record: dict) -> None:
+        if not self.main:
+            return
+        line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+        if self.bar.disable:
+            logger.info(line)
+        else:
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k in ("loss", "lr", "tokens_per_sec")})
+            self.bar.write(line)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+                             step=record["step"])
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
