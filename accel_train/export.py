@@ -15,7 +15,7 @@ from peft import PeftModel
 from transformers import AutoTokenizer
 
 from accel_train.config import ConfigError, load_config
-from accel_train.model import AUTO_CLASS
+from accel_train.model import AUTO_CLASS, set_pad_token_id
 
 
 def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -33,9 +33,11 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
     extra = {"num_labels": cfg.model.num_labels} if cfg.task == "seq_cls" else {}
     base = AUTO_CLASS[cfg.task].from_pretrained(base_path, dtype="auto", trust_remote_code=cfg.model.trust_remote_code,
                                                 **extra)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    set_pad_token_id(merged, tokenizer)  # saved in the merged config, so pipelines can batch
     merged.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(adapter).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     return out_dir
 
 

@@ -39,8 +39,7 @@ def build_model(cfg: Config, tokenizer, num_labels: int | None = None, weights_f
         model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
         model = auto.from_pretrained(m.name_or_path, dtype=dtype, trust_remote_code=m.trust_remote_code, **extra)
-    if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
-        model.config.pad_token_id = tokenizer.pad_token_id
+    set_pad_token_id(model, tokenizer)
     return model
 
 
@@ -74,4 +73,13 @@ def load_trained(path, auto_cls, peft_cls):
             path = path / sub
             break
     cls = peft_cls if (path / "adapter_config.json").is_file() else auto_cls
-    return cls.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    model, tokenizer = cls.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    set_pad_token_id(model, tokenizer)
+    return model, tokenizer
+
+
+def set_pad_token_id(model, tokenizer) -> None:
+    """Sequence classification pools the last non-pad token, so a batch of several texts needs pad_token_id;
+    many base configs (Llama 3, ...) have none."""
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
