@@ -32,6 +32,13 @@ TINY_MODEL = str(CONFIGS_DIR / "model" / "tiny-llama")
 YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
 
+# transformers.TrainingArguments / peft names users bring along -> ours
+TRAINER_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "gradient_accumulation_steps": "grad_accum_steps",
+                 "per_device_train_batch_size": "per_device_batch_size", "max_seq_length": "max_length",
+                 "lora_alpha": "alpha", "lora_dropout": "dropout", "model_name_or_path": "name_or_path",
+                 "bf16": "mixed_precision", "fp16": "mixed_precision", "max_grad_norm": "max_grad_norm"}
+
+
 class ConfigError(ValueError):
     """A problem with the user's configuration; the message is one line that names the key."""
 
@@ -240,8 +247,9 @@ def _build(cls, raw: dict, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1) or [
-                n for n in names if str(key).startswith(n) or n.startswith(str(key))]  # lora.rank -> lora.r
+            close = [TRAINER_NAMES[key]] if TRAINER_NAMES.get(key) in names else (
+                difflib.get_close_matches(str(key), names, n=1)
+                or [n for n in names if str(key).startswith(n) or n.startswith(str(key))])  # lora.rank -> lora.r
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"unknown config key {prefix}{key}{hint}")
     kwargs = {}

@@ -66,6 +66,8 @@ def check_source(cfg: Config) -> None:
     looks_local = local.suffix in FILE_BUILDERS or path.startswith((".", "/", "~"))
     if looks_local and not local.exists():
         raise ConfigError(f"data.path: data file not found: {path}")
+    if local.is_file() and local.stat().st_size == 0:
+        raise ConfigError(f"data.path: {path} is empty")
     if local.is_file() and local.suffix not in FILE_BUILDERS:
         raise ConfigError(f"data.path: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
 
@@ -77,18 +79,27 @@ def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
         loaded = DatasetDict(train=builtin_dataset(d.path.removeprefix("builtin:"), d.builtin_size))
     else:
         local = Path(d.path).expanduser()
-        if local.is_file():
-            loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)})
-        elif (local / "dataset_dict.json").exists() or (local / "dataset_info.json").exists():
-            loaded = load_from_disk(str(local))
-        else:  # a hub dataset name (or a local folder of data files, which load_dataset also reads)
-            loaded = load_dataset(d.path)
+        try:
+            if local.is_file():
+                loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)})
+            elif (local / "dataset_dict.json").exists() or (local / "dataset_info.json").exists():
+                loaded = load_from_disk(str(local))
+            else:  # a hub dataset name (or a local folder of data files, which load_dataset also reads)
+                loaded = load_dataset(d.path)
+        except Exception as e:  # datasets wraps the parser's error: name the root cause, in one line
+            root = e
+            while root.__cause__ or root.__context__:
+                root = root.__cause__ or root.__context__
+            first = (str(root).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"data.path: cannot read {d.path}: {type(root).__name__}: {first}") from e
     if isinstance(loaded, Dataset):
         loaded = DatasetDict(train=loaded)
     for split in (d.train_split, d.eval_split):
         if split is not None and split not in loaded:
             raise ConfigError(f"data: split {split!r} not in {d.path}; splits found: {', '.join(loaded)}")
     train = loaded[d.train_split]
+    if len(train) == 0:
+        raise ConfigError(f"data: split {d.train_split!r} of {d.path} has no rows")
     if d.eval_split is not None:
         evaluation = loaded[d.eval_split]
     elif d.eval_fraction > 0:
@@ -99,6 +110,16 @@ def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
     if d.max_samples is not None:  # a seeded random subset: files are often sorted (by label, by source)
         train = train.shuffle(seed=cfg.seed).select(range(min(d.max_samples, len(train))))
     return train, evaluation
+
+
+def check_labels(cfg: Config, n_labels: int, *splits: Dataset | None) -> None:
+    """seq_cls: every label is a class index of the classifier, 0 <= label < num_labels."""
+    for split in (s for s in splits if s is not None and len(s)):
+        labels = split[cfg.data.label_field]
+        bad = sorted({int(x) for x in labels if not 0 <= int(x) < n_labels})
+        if bad:
+            raise ConfigError(f"data: labels {bad[:5]} in column {cfg.data.label_field!r} are outside the "
+                              f"classifier's range 0..{n_labels - 1} (model.num_labels={n_labels})")
 
 
 def num_labels(cfg: Config, *splits: Dataset | None) -> int:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed
 import transformers
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
 from accel_train.config import Config
@@ -44,12 +45,17 @@ def make_accelerator(cfg: Config) -> Accelerator:
         # INFO, not DETAIL: with DETAIL, DDP's constructor segfaults on gloo in torch 2.13 (seen here).
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
         torch.distributed.set_debug_level_from_env()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and local_world > torch.cuda.device_count():
+        raise LaunchError(f"{local_world} processes on this machine but {torch.cuda.device_count()} GPU(s): "
+                          "lower num_processes in the accelerate config (one process per GPU)")
     # accelerate forms a CPU (gloo) group only when told cpu=True. Without it, N processes launched on a
     # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
     cpu = world > 1 and not torch.accelerator.is_available()
+    precision, note = choose_precision(cfg.train.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     accelerator = Accelerator(
         cpu=cpu,
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=precision,
         gradient_accumulation_steps=cfg.train.grad_accum_steps,
         # The scheduler is stepped once per optimizer step by train.py; accelerate's default would step it
         # once per process, which is right only for schedules built for num_processes times more steps.
@@ -66,6 +72,8 @@ def make_accelerator(cfg: Config) -> Accelerator:
         transformers.logging.set_verbosity_error()
         datasets.logging.set_verbosity_error()
         datasets.disable_progress_bars()
+    if note:
+        get_logger(__name__).warning(note)
     if accelerator.num_processes != world:
         raise LaunchError(
             f"the launcher started {world} processes but accelerate formed a group of {accelerator.num_processes} "
@@ -73,6 +81,15 @@ def make_accelerator(cfg: Config) -> Accelerator:
             "(distributed_type, num_processes) against the devices of this machine."
         )
     return accelerator
+
+
+def choose_precision(requested: str) -> tuple[str, str | None]:
+    """The autocast precision this hardware can do, and a note when it differs from the one asked for."""
+    if requested == "fp16" and not torch.cuda.is_available():
+        return "bf16", "mixed precision fp16 needs a GPU (accelerate would silently run fp32 here): using bf16"
+    if requested == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "fp16", "this GPU has no bf16: using fp16 mixed precision (with loss scaling) instead"
+    return requested, None
 
 
 def prepare_dataloaders(accelerator: Accelerator, train_dl, eval_dl=None):

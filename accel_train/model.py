@@ -9,7 +9,7 @@ import torch
 from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from accel_train.config import Config
+from accel_train.config import Config, ConfigError
 
 logger = get_logger(__name__)
 
@@ -17,8 +17,19 @@ AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequence
 PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS}
 
 
+def check_model_source(cfg: Config) -> None:
+    """Before any work: a local model path must exist (a hub id is checked when it is loaded)."""
+    path = cfg.model.name_or_path
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise ConfigError(f"model.name_or_path: no such model folder: {path}")
+
+
 def build_tokenizer(cfg: Config):
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:  # not a model folder, unknown hub id, or the hub is out of reach
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path}: {first}") from e
     if tokenizer.pad_token is None:
         # Padding positions are masked out of attention and loss, so any token will do; eos is the convention.
         tokenizer.pad_token = tokenizer.eos_token
@@ -56,7 +67,15 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         modules_to_save=cfg.lora.modules_to_save or None,
     )
-    return peft.get_peft_model(model, lora)
+    try:
+        return peft.get_peft_model(model, lora)
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                         if isinstance(mod, torch.nn.Linear)})
+        raise ConfigError(f"lora.target_modules {targets} match no module of the model; its linear layers are: "
+                          f"{', '.join(linear)} (or use [all-linear])") from None
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -14,6 +14,7 @@ model -> DDP (accelerator.prepare) -> train -> save on the main process -> barri
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -43,7 +44,7 @@ from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
 from accel_train.plot import plot_runs
 from accel_train.tracking import RunLog, check_trackers, flops_per_token, measure_peak_flops, peak_memory_mb
-from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
+from accel_train.model import apply_lora, build_model, build_tokenizer, check_model_source, count_parameters
 
 logger = get_logger("accel_train")
 IGNORE = data_lib.IGNORE_INDEX
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     # Cheap checks first: nothing is started, downloaded or written when the input is wrong.
     data_lib.check_source(cfg)
+    check_model_source(cfg)
     check_output_dir(cfg)
     check_trackers(cfg)
     resume = resolve_resume(cfg)
@@ -223,8 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
             train_raw, eval_raw = data_lib.load_splits(cfg)
             data_lib.check_columns(cfg, train_raw)
             n_labels = data_lib.num_labels(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
+            if n_labels is not None:
+                data_lib.check_labels(cfg, n_labels, train_raw, eval_raw)
             train_ds = data_lib.tokenize(train_raw, tokenizer, cfg)
             eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg) if eval_raw is not None else None
+        if len(train_ds) == 0:
+            raise ConfigError(f"data: no training sample keeps a target token after truncation to "
+                              f"data.max_length={cfg.data.max_length}; raise it")
         batch, procs, accum = cfg.train.per_device_batch_size, accelerator.num_processes, cfg.train.grad_accum_steps
         micro_batches = math.ceil(len(train_ds) / batch)  # over all ranks, per epoch
         if micro_batches < procs:
@@ -240,12 +247,15 @@ def main(argv: list[str] | None = None) -> dict:
         model = build_model(cfg, tokenizer, n_labels, weights_from=base if reuse_base else None)
         if n_labels is not None:
             cfg.model.num_labels = n_labels  # resolved, so that export/predict rebuild the same head
+        # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
+        random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
+        model = apply_lora(cfg, model)
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
-            if cfg.lora.enabled and cfg.model.random_init and not resume:
-                model.save_pretrained(base)
+            if random_base is not None:
+                random_base.save_pretrained(base)
                 tokenizer.save_pretrained(base)
-        model = apply_lora(cfg, model)
+        del random_base
         steps_per_epoch = math.ceil(micro_batches / (procs * accum))
         total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,

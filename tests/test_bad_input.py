@@ -1,0 +1,104 @@
+"""Bad input: one clear line on stderr (what, where, how to fix), exit status 2, before any expensive work, and
+nothing written into output_dir. Cases that can be fixed automatically are fixed, and the run says so."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import python_m
+
+from accel_train.config import TINY_MODEL, load_config
+from accel_train.dist import LaunchError, make_accelerator
+
+QUICK = ["data.builtin_size=100", "train.max_steps=2", "track.log_with=[]"]
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bad_json(tmp):
+    (tmp / "broken.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
+    return [f"data.path={tmp / 'broken.jsonl'}"]
+
+
+def wrong_columns(tmp):
+    return [f"data.path={write(tmp / 'qa.jsonl', [{'question': 'a', 'answer': 'b'}] * 20)}"]
+
+
+def empty_file(tmp):
+    (tmp / "empty.jsonl").write_text("")
+    return [f"data.path={tmp / 'empty.jsonl'}"]
+
+
+def labels_out_of_range(tmp):
+    rows = [{"text": "good film", "label": i % 5} for i in range(40)]
+    return ["task=seq_cls", "model.num_labels=2", f"data.path={write(tmp / 'cls.jsonl', rows)}"]
+
+
+CASES = {
+    "misspelt key": (lambda t: ["train.learning_rate=1e-4"], "unknown config key train.learning_rate; did you mean train.lr?"),
+    "wrong type": (lambda t: ["train.per_device_batch_size=big"], "train.per_device_batch_size must be int, got 'big'"),
+    "lr <= 0": (lambda t: ["train.lr=-1e-4"], "train.lr must be > 0, got -0.0001"),
+    "batch size 0": (lambda t: ["train.per_device_batch_size=0"], "train.per_device_batch_size must be > 0, got 0"),
+    "max length <= 0": (lambda t: ["data.max_length=0"], "data.max_length must be > 0, got 0"),
+    "lora r <= 0": (lambda t: ["lora.r=0"], "lora.r must be > 0, got 0"),
+    "unknown task": (lambda t: ["task=summarize"], "task must be one of 'causal_lm', 'seq_cls', got 'summarize'"),
+    "missing data file": (lambda t: [f"data.path={t / 'nope.jsonl'}"], "data.path: data file not found:"),
+    "unreadable data file": (bad_json, "broken.jsonl: ValueError: Trailing data"),
+    "missing columns": (wrong_columns, "lacks column(s) prompt, response needed by task causal_lm; columns found: "
+                                       "question, answer"),
+    "empty dataset": (empty_file, "empty.jsonl is empty"),
+    "empty after truncation": (lambda t: ["data.max_length=4"], "data: no training sample keeps a target token after "
+                                                                "truncation to data.max_length=4; raise it"),
+    "labels outside the classifier": (labels_out_of_range, "data: labels [2, 3, 4] in column 'label' are outside the "
+                                                           "classifier's range 0..1 (model.num_labels=2)"),
+    "model path missing": (lambda t: [f"model.name_or_path={t / 'no-model'}"], "model.name_or_path: no such model folder"),
+    "lora targets match nothing": (lambda t: ["lora.target_modules=[query,value]"],
+                                   "lora.target_modules ['query', 'value'] match no module of the model; its linear "
+                                   "layers are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+    "resume without checkpoint": (lambda t: ["resume_from=latest"], "resume_from=latest: no complete checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, case):
+    make_args, message = CASES[case]
+    out = tmp_path / "out"
+    proc = python_m(*QUICK, *make_args(tmp_path), f"output_dir={out}", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # the last line says what is wrong (above it, at most the progress or log lines of data loading); no traceback
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("accel_train: error: ") and message in lines[-1], lines[-1]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_more_processes_than_gpus_is_refused_before_any_group(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(LaunchError, match="2 processes on this machine but 1 GPU"):
+        make_accelerator(load_config(None, []))
+
+
+def test_tokenizer_without_pad_token_is_fixed_and_said(tmp_path):
+    model = tmp_path / "nopad"
+    shutil.copytree(TINY_MODEL, model, ignore=shutil.ignore_patterns("*.py"))
+    conf = json.loads((model / "tokenizer_config.json").read_text())
+    conf.pop("pad_token")
+    (model / "tokenizer_config.json").write_text(json.dumps(conf))
+    proc = python_m(*QUICK, f"model.name_or_path={model}", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tokenizer has no pad token; using eos token '</s>' for padding" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_fp16_on_cpu_falls_back_and_says_so(tmp_path):
+    proc = python_m(*QUICK, "train.mixed_precision=fp16", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mixed precision fp16 needs a GPU" in proc.stderr and "mixed precision bf16;" in proc.stderr
