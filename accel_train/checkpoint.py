@@ -18,11 +18,20 @@ from pathlib import Path
 from accelerate.logging import get_logger
 from safetensors.torch import load_file
 
+from accel_train import faults
 from accel_train.config import Config, ConfigError, save_config
 
 logger = get_logger(__name__)
 MARKER = "COMPLETE"
 STATE_FILE = "train_state.json"
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped on non-finite gradients, after saving the last good state."""
+
+    def __init__(self, step: int, in_a_row: int, checkpoint):
+        super().__init__(f"non-finite loss or gradient at step {step} ({in_a_row} step(s) in a row); stopped. "
+                         f"Checkpoint of the last good state: {checkpoint} (lower train.lr, or check the data)")
 
 
 class CheckpointError(RuntimeError):
@@ -41,6 +50,10 @@ class TrainState:
     """Optimizer steps done in the current epoch: with the effective batch, the sample position in its shuffle."""
     effective_batch: int = 0
     """per_device_batch_size x grad_accum_steps x processes of the run that wrote it."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite gradient norm."""
+    nonfinite_in_a_row: int = 0
+    """Consecutive non-finite steps up to now."""
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +146,7 @@ def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
         shutil.rmtree(path)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(path))
+    faults.inject_save(state.step, accelerator.process_index)
     accelerator.wait_for_everyone()  # every rank's RNG file is on disk before the marker says complete
     if accelerator.is_main_process:
         save_config(cfg, path / "config.yaml")

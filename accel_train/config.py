@@ -129,6 +129,10 @@ class TrainConfig:
     """Evaluate every N optimizer steps (and always at the end); None evaluates only at the end."""
     eval_batch_size: int = 64
     """Samples per evaluation batch on each process."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A step whose global gradient norm is inf/NaN: skip it (no update, counted) or stop with a checkpoint."""
+    max_nonfinite_steps: int = 3
+    """With skip: stop (checkpoint of the last good state, message naming the step) after this many in a row."""
     dist_timeout_s: int = 600
     """Timeout of the process group's collectives, in seconds (torchrun's default is ten minutes)."""
     debug_collectives: bool = False
@@ -192,6 +196,7 @@ class Config:
             "data.builtin_size": self.data.builtin_size,
             "lora.r": self.lora.r,
             "checkpoint.keep_last": self.checkpoint.keep_last,
+            "train.max_nonfinite_steps": self.train.max_nonfinite_steps,
         }
         for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
                               ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),

@@ -3,8 +3,9 @@
     ACCEL_TRAIN_FAULT="KIND@step=N[,micro=M][,rank=R]"
 
 fires on rank R (default: every rank) before micro-batch M (default 0) of optimizer step N (1-based).
-KIND: crash (os._exit(42): a killed process, nothing cleaned up), sigterm (the process signals itself:
-a preemption notice), raise (a RuntimeError on that rank only).
+KIND: crash (os._exit(42): nothing cleaned up), kill (SIGKILL to itself), sigterm (a preemption notice),
+raise (a RuntimeError on that rank only), nan (that micro-batch's loss becomes NaN), ioerror (writing the
+checkpoint of step N fails with "No space left on device", after part of it is written).
 """
 
 from __future__ import annotations
@@ -24,16 +25,29 @@ def _parse(spec: str | None) -> tuple[str, dict] | None:
 FAULT = _parse(os.environ.get("ACCEL_TRAIN_FAULT"))
 
 
-def inject(step: int, micro: int, rank: int) -> None:
-    """Called by the loop before each micro-batch; does nothing unless a fault is set for this point."""
-    if FAULT is None:
-        return
+def _fires(kinds: tuple[str, ...], step: int, micro: int, rank: int) -> str | None:
+    if FAULT is None or FAULT[0] not in kinds:
+        return None
     kind, at = FAULT
-    if (at.get("step"), at.get("micro", 0)) != (step, micro) or at.get("rank", rank) != rank:
-        return
+    hit = (at.get("step"), at.get("micro", 0)) == (step, micro) and at.get("rank", rank) == rank
+    return kind if hit else None
+
+
+def inject(step: int, micro: int, rank: int) -> bool:
+    """Called by the loop before each micro-batch; True means "poison this micro-batch's loss" (kind nan)."""
+    kind = _fires(("crash", "kill", "sigterm", "raise", "nan"), step, micro, rank)
     if kind == "crash":
         os._exit(42)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
-    elif kind == "raise":
+    if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}, micro-batch {micro}")
+    return kind == "nan"
+
+
+def inject_save(step: int, rank: int) -> None:
+    """Called while a checkpoint is written, after the weights and before the completion marker."""
+    if _fires(("ioerror",), step, 0, rank):
+        raise OSError(28, f"No space left on device (injected while writing the checkpoint of step {step})")

@@ -71,6 +71,14 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
+def current_memory_mb(device: torch.device) -> float:
+    """Memory in use now: allocated tensors on a GPU, the process's resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as f:  # Linux: pages; field 2 is resident
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -112,6 +120,10 @@ class RunLog:
         self.file.flush()
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
+
+    def warn(self, message: str) -> None:
+        if self.main:
+            logger.warning(message)
 
     def close(self) -> None:
         self.bar.close()

@@ -36,14 +36,16 @@ from transformers import get_scheduler
 from accel_train import data as data_lib
 from accel_train import faults
 from accel_train.config import Config, ConfigError, help_text, load_config, save_config
-from accel_train.checkpoint import (TrainState, check_output_dir, load_checkpoint, resolve_resume, save_checkpoint)
+from accel_train.checkpoint import (NonFiniteError, TrainState, check_output_dir, load_checkpoint, resolve_resume,
+                                    save_checkpoint)
 from accel_train.checkpoint import register_hooks as register_checkpoint_hooks
 from accel_train.dist import (LaunchError, Preempted, Preemption, exit_process, make_accelerator,
                               prepare_dataloaders, teardown)
 from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
 from accel_train.plot import plot_runs
-from accel_train.tracking import RunLog, check_trackers, flops_per_token, measure_peak_flops, peak_memory_mb
+from accel_train.tracking import (RunLog, check_trackers, current_memory_mb, flops_per_token, measure_peak_flops,
+                                  peak_memory_mb)
 from accel_train.model import apply_lora, build_model, build_tokenizer, check_model_source, count_parameters
 
 logger = get_logger("accel_train")
@@ -95,40 +97,51 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             # DDP averages gradients over ranks and accelerator.backward divides by accum, so this scale makes
             # the gradient that of sum(target losses) / targets over the whole effective batch.
             scale = accelerator.num_processes * accum / targets
+            window_loss = torch.zeros((), device=accelerator.device)
             for i in range(n_micro):
-                faults.inject(state.step + 1, i, rank)
+                poison = faults.inject(state.step + 1, i, rank)
                 # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
                 # all ranks then run the same forwards and backwards, hence the same collectives.
                 batch, weight = (window[i], 1.0) if i < len(window) else (replay, 0.0)
                 sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
                 with nullcontext() if sync else accelerator.no_sync(model):
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    loss = loss_sum(logits, batch["labels"], task) * weight
+                    loss = loss_sum(logits, batch["labels"], task) * (math.nan if poison else weight)
                     accelerator.backward(loss * scale)
-                loss_since_log += loss.detach()
+                window_loss += loss.detach()
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
-            # fp16's loss scaler expects overflows: it skips that step and lowers the scale (below).
-            if not math.isfinite(grad_norm) and accelerator.scaler is None:
-                raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}) at step {state.step + 1}")
+            # fp16's loss scaler expects overflows: it skips such a step itself and lowers the scale.
+            bad = not math.isfinite(grad_norm) and accelerator.scaler is None
+            state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
+            if bad and (cfg.train.on_nonfinite == "stop" or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
+                raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(accelerator, cfg, state))
             lr = scheduler.get_last_lr()[0]  # the rate this step uses
-            optimizer.step()
-            if not optimizer.step_was_skipped:
+            if bad:
+                state.skipped_steps += 1
+                run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
+                             f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
+            else:
+                optimizer.step()
+                loss_since_log += window_loss
+                targets_since_log += targets
+            if not optimizer.step_was_skipped or bad:
                 scheduler.step()  # once per optimizer step, whatever the number of processes
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
-            targets_since_log += targets
             tokens_since_log += int(stats[:, 2].sum())
             run_log.step()
 
             if state.step % cfg.train.log_every == 0 or state.step == total_steps:
-                loss = accelerator.reduce(loss_since_log, reduction="sum").item() / targets_since_log
+                loss_sum_all = accelerator.reduce(loss_since_log, reduction="sum").item()
+                loss = loss_sum_all / targets_since_log if targets_since_log else math.nan  # only skipped steps
                 elapsed = time.perf_counter() - t_log
                 last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
                         "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed,
-                        "mfu": run_log.mfu(tokens_since_log / elapsed)}
+                        "mfu": run_log.mfu(tokens_since_log / elapsed),
+                        "memory_mb": current_memory_mb(accelerator.device)}
                 run_log.log(last)
                 loss_since_log.zero_()
                 tokens_total += tokens_since_log
@@ -358,6 +371,9 @@ def cli(argv: list[str] | None = None) -> None:
     except (ConfigError, LaunchError) as e:
         print(f"accel_train: error: {e}", file=sys.stderr)
         code = 2
+    except NonFiniteError as e:
+        print(f"accel_train: {e}", file=sys.stderr)
+        code = 3
     except Preempted as e:
         print(f"accel_train: {e}", file=sys.stderr)
         code = 128 + e.signum  # the shell's convention for "ended by signal N"

@@ -35,7 +35,7 @@ def eval_loss_from_saved(out) -> float:
     return total / targets
 
 
-TRAIN_FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
+TRAIN_FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory_mb"}
 
 
 def check_observability(out, log: str, train: list[dict], evals: list[dict]):
