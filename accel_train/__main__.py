@@ -1,5 +1,5 @@
 """`python -m accel_train [--config FILE] [key=value ...]`: the training loop in this one process."""
 
-from accel_train.train import cli
+from accel_train.cli import cli
 
 cli()

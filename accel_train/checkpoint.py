@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 from accel_train import faults
 from accel_train.config import Config, ConfigError, save_config
+from accel_train.preflight import MARKER, checkpoints_dir, complete_checkpoints
 
 logger = get_logger(__name__)
-MARKER = "COMPLETE"
 STATE_FILE = "train_state.json"
 
 
@@ -61,51 +61,6 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-
-
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(output_dir)
-    found = [p for p in root.glob("step-*") if (p / MARKER).is_file()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
-
-
-def resolve_resume(cfg: Config) -> Path | None:
-    """The checkpoint folder `resume_from` names, checked before any work."""
-    if cfg.resume_from is None:
-        return None
-    if cfg.resume_from == "latest":
-        found = complete_checkpoints(cfg.output_dir)
-        if not found:
-            raise ConfigError(f"resume_from=latest: no complete checkpoint in {checkpoints_dir(cfg.output_dir)}")
-        return found[-1]
-    path = Path(cfg.resume_from)
-    if not (path / MARKER).is_file():
-        raise ConfigError(f"resume_from: {path} is not a complete checkpoint (no {MARKER} marker)")
-    return path
-
-
-def check_output_dir(cfg: Config) -> None:
-    """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true."""
-    out = Path(cfg.output_dir)
-    if cfg.resume_from is not None and cfg.overwrite:
-        raise ConfigError("resume_from and overwrite=true contradict each other: resume keeps the run, overwrite "
-                          "deletes it; pass one of them")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    if cfg.overwrite and not (out / "config.yaml").is_file():
-        raise ConfigError(f"overwrite=true: {out} does not look like an accel_train run (no config.yaml); "
-                          "refusing to delete it")
-    if cfg.resume_from is not None or cfg.overwrite:
-        return
-    held = sorted(p.name for p in out.iterdir())
-    if held:
-        raise ConfigError(f"output_dir {out} already holds a run ({', '.join(held[:4])}); pass resume_from=latest "
-                          "to continue it, overwrite=true to replace it, or another output_dir")
 
 
 def _trainable_keys(model) -> set[str]:

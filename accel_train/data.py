@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
 from accel_train.config import Config, ConfigError
+from accel_train.preflight import BUILTIN_DATASETS, FILE_BUILDERS
 
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
 
 
@@ -43,6 +43,7 @@ def _sentiment(rng: random.Random) -> dict:
 
 
 BUILTIN = {"reverse": _reverse, "sentiment": _sentiment}
+assert tuple(BUILTIN) == BUILTIN_DATASETS  # preflight checks names without importing this module
 
 
 def builtin_dataset(name: str, size: int) -> Dataset:
@@ -52,24 +53,6 @@ def builtin_dataset(name: str, size: int) -> Dataset:
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-
-
-def check_source(cfg: Config) -> None:
-    """Cheap checks on data.path, run before any process group, model or dataset is built."""
-    path = cfg.data.path
-    if path.startswith("builtin:"):
-        if path.removeprefix("builtin:") not in BUILTIN:
-            raise ConfigError(f"data.path: unknown built-in dataset {path!r}; available: "
-                              + ", ".join(f"builtin:{n}" for n in BUILTIN))
-        return
-    local = Path(path).expanduser()
-    looks_local = local.suffix in FILE_BUILDERS or path.startswith((".", "/", "~"))
-    if looks_local and not local.exists():
-        raise ConfigError(f"data.path: data file not found: {path}")
-    if local.is_file() and local.stat().st_size == 0:
-        raise ConfigError(f"data.path: {path} is empty")
-    if local.is_file() and local.suffix not in FILE_BUILDERS:
-        raise ConfigError(f"data.path: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
 
 
 def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:

@@ -8,10 +8,8 @@ Rules that keep multi-process runs from hanging:
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import sys
 import warnings
 from datetime import timedelta
 
@@ -24,16 +22,12 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
-from accel_train.config import Config
+from accel_train.config import Config, ConfigError
+from accel_train.preflight import launched_world_size
 
 
-class LaunchError(RuntimeError):
-    """The processes started by the launcher did not form the process group they were meant to."""
-
-
-def launched_world_size() -> int:
-    """Processes the launcher (accelerate launch, torchrun, notebook_launcher) started, from its environment."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+class LaunchError(ConfigError):
+    """The processes started by the launcher do not fit this machine or did not form one process group."""
 
 
 def make_accelerator(cfg: Config) -> Accelerator:
@@ -143,17 +137,3 @@ def teardown(accelerator: Accelerator | None) -> None:
         accelerator.end_training()
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def exit_process(code: int) -> None:
-    """Leave with `code`. After a multi-process run, skip interpreter finalization: torch's gloo worker threads
-    can still be releasing the tensors of the last collectives then, which needs the GIL and aborts the
-    process (SIGABRT, "terminate called without an active exception") after a run that succeeded; see
-    pytorch/pytorch#179291. Everything is flushed and the process group is already destroyed by then.
-    """
-    if launched_world_size() > 1:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)

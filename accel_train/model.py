@@ -17,13 +17,6 @@ AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequence
 PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS}
 
 
-def check_model_source(cfg: Config) -> None:
-    """Before any work: a local model path must exist (a hub id is checked when it is loaded)."""
-    path = cfg.model.name_or_path
-    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
-        raise ConfigError(f"model.name_or_path: no such model folder: {path}")
-
-
 def build_tokenizer(cfg: Config):
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)

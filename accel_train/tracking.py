@@ -7,7 +7,6 @@ because it needs no account.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import resource
 import sys
@@ -18,27 +17,9 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from accel_train.config import Config, ConfigError, to_dict
+from accel_train.config import Config, to_dict
 
 logger = get_logger("accel_train")
-
-# accelerate tracker name -> (module to import, pip package)
-TRACKER_PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"),
-    "trackio": ("trackio", "trackio"), "comet_ml": ("comet_ml", "comet-ml"), "aim": ("aim", "aim"),
-    "clearml": ("clearml", "clearml"), "dvclive": ("dvclive", "dvclive"), "swanlab": ("swanlab", "swanlab"),
-}
-
-
-def check_trackers(cfg: Config) -> None:
-    """Before any work: every tracker named is known to accelerate and its package is installed."""
-    for name in cfg.track.log_with:
-        if name not in TRACKER_PACKAGES:
-            raise ConfigError(f"track.log_with: unknown tracker {name!r}; accelerate knows {', '.join(TRACKER_PACKAGES)}")
-        module, package = TRACKER_PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"track.log_with: tracker {name!r} needs the package {package}: pip install {package}")
-
 
 def flat_config(cfg: Config) -> dict:
     """The config as flat `section.key: value` hyperparameters (what TensorBoard's hparams accept)."""

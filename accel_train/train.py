@@ -13,14 +13,11 @@ model -> DDP (accelerator.prepare) -> train -> save on the main process -> barri
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
 import json
 import logging
 import math
 import shutil
-import sys
 import time
 from contextlib import nullcontext
 from itertools import islice
@@ -28,25 +25,23 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from accelerate.logging import get_logger
 from accelerate.utils import send_to_device, set_seed
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train import faults
-from accel_train.config import Config, ConfigError, help_text, load_config, save_config
-from accel_train.checkpoint import (NonFiniteError, TrainState, check_output_dir, load_checkpoint, resolve_resume,
-                                    save_checkpoint)
+from accel_train.config import Config, ConfigError, save_config
+from accel_train.checkpoint import NonFiniteError, TrainState, load_checkpoint, save_checkpoint
 from accel_train.checkpoint import register_hooks as register_checkpoint_hooks
-from accel_train.dist import (LaunchError, Preempted, Preemption, exit_process, make_accelerator,
-                              prepare_dataloaders, teardown)
+from accel_train.cli import cli, parse_cli
+from accel_train.dist import Preempted, Preemption, make_accelerator, prepare_dataloaders, teardown
 from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
 from accel_train.plot import plot_runs
-from accel_train.tracking import (RunLog, check_trackers, current_memory_mb, flops_per_token, measure_peak_flops,
-                                  peak_memory_mb)
-from accel_train.model import apply_lora, build_model, build_tokenizer, check_model_source, count_parameters
+from accel_train.preflight import preflight
+from accel_train.tracking import RunLog, current_memory_mb, flops_per_token, measure_peak_flops, peak_memory_mb
+from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 
 logger = get_logger("accel_train")
 IGNORE = data_lib.IGNORE_INDEX
@@ -214,14 +209,14 @@ def save(cfg: Config, accelerator, model, tokenizer) -> Path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run one training job; returns the final metrics. Raises ConfigError on bad configuration."""
-    cfg = parse_args(argv)
-    # Cheap checks first: nothing is started, downloaded or written when the input is wrong.
-    data_lib.check_source(cfg)
-    check_model_source(cfg)
-    check_output_dir(cfg)
-    check_trackers(cfg)
-    resume = resolve_resume(cfg)
+    """Parse `argv` (as the command line), check, train; returns the final metrics. Raises ConfigError on bad
+    configuration. This is the function notebook_launcher starts in each process."""
+    cfg = parse_cli(argv)
+    return run(cfg, preflight(cfg))
+
+
+def run(cfg: Config, resume: Path | None) -> dict:
+    """One training job, per rank: process group, data, model, train, save, teardown."""
     accelerator, preemption, t_start = None, Preemption(), time.perf_counter()
     try:
         accelerator = make_accelerator(cfg)
@@ -343,42 +338,5 @@ def truncate_log(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def parse_args(argv: list[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        prog="accel_train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.",
-    )
-    parser.add_argument("--config", help="YAML config file (configs/train/*.yaml); defaults apply to missing keys")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and every config key")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-4")
-    args = parser.parse_args(argv)
-    if args.help:
-        print(parser.format_help() + "\nconfig keys:\n" + help_text())
-        sys.exit(0)
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
-        sys.exit(0)
-    return cfg
-
-
-def cli(argv: list[str] | None = None) -> None:
-    """Console entry: configuration and launch errors become one line on stderr and exit status 2."""
-    code = 0
-    try:
-        main(argv)
-    except (ConfigError, LaunchError) as e:
-        print(f"accel_train: error: {e}", file=sys.stderr)
-        code = 2
-    except NonFiniteError as e:
-        print(f"accel_train: {e}", file=sys.stderr)
-        code = 3
-    except Preempted as e:
-        print(f"accel_train: {e}", file=sys.stderr)
-        code = 128 + e.signum  # the shell's convention for "ended by signal N"
-    exit_process(code)
-
-
 if __name__ == "__main__":
-    cli()
+    cli()  # accelerate launch / torchrun run this file

@@ -11,6 +11,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import AutoTokenizer
 
 from accel_train import data as data_lib
+from accel_train.preflight import check_data_source
 from accel_train.config import TINY_MODEL, ConfigError, load_config
 from accel_train.data import IGNORE_INDEX
 
@@ -216,13 +217,13 @@ def test_load_splits_without_eval(tmp_path):
 def test_check_source_names_a_missing_file(tmp_path, monkeypatch, path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as e:
-        data_lib.check_source(make_cfg(f"data.path={path}"))
+        check_data_source(make_cfg(f"data.path={path}"))
     assert "not found" in str(e.value) and path in str(e.value)
 
 
 def test_check_source_lists_builtins_for_an_unknown_one():
     with pytest.raises(ConfigError) as e:
-        data_lib.check_source(make_cfg("data.path=builtin:foo"))
+        check_data_source(make_cfg("data.path=builtin:foo"))
     assert "builtin:foo" in str(e.value) and "builtin:reverse" in str(e.value) and "builtin:sentiment" in str(e.value)
 
 
@@ -230,13 +231,13 @@ def test_check_source_rejects_an_unsupported_file_type(tmp_path):
     txt = tmp_path / "data.txt"
     txt.write_text("hello\n")
     with pytest.raises(ConfigError) as e:
-        data_lib.check_source(make_cfg(f"data.path={txt}"))
+        check_data_source(make_cfg(f"data.path={txt}"))
     assert "'.txt'" in str(e.value) and ".jsonl" in str(e.value)
 
 
 def test_check_source_accepts_valid_sources(tmp_path):
     for path in ("builtin:reverse", "builtin:sentiment", _write_jsonl(tmp_path), _write_dataset_folder(tmp_path)):
-        data_lib.check_source(make_cfg(f"data.path={path}"))  # no error
+        check_data_source(make_cfg(f"data.path={path}"))  # no error
 
 
 def test_check_columns_names_missing_and_found_columns():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import accelerate_launch, python_m, read_metrics
+from conftest import accelerate_launch, read_metrics
 
 pytestmark = pytest.mark.faults
 
@@ -81,7 +81,9 @@ def test_nonfinite_stop_policy_saves_last_good_state(tmp_path):
 
 def test_memory_does_not_grow(tmp_path):
     out = tmp_path / "run"
-    proc = python_m("train.max_steps=2000", "train.log_every=100", "track.log_with=[]", f"output_dir={out}")
+    proc = accelerate_launch("cpu_2proc.yaml", "train.max_steps=2000", "train.per_device_batch_size=4",
+                             "train.log_every=100", "track.log_with=[]", "train.dist_timeout_s=30",
+                             "data.builtin_size=1000", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     memory = {r["step"]: r["memory_mb"] for r in read_metrics(out)[0]}
     assert memory[2000] <= 1.05 * memory[200], memory  # after warm-up, resident memory stays flat

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from accel_train import data as data_lib
 from accel_train.config import load_config
-from accel_train.dist import exit_process, make_accelerator, prepare_dataloaders, teardown
+from accel_train.cli import exit_process
+from accel_train.dist import make_accelerator, prepare_dataloaders, teardown
 
 out, n_train, n_eval, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = load_config(None, sys.argv[5:])
