@@ -31,17 +31,17 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train import faults
-from accel_train.config import Config, ConfigError, save_config
 from accel_train.checkpoint import NonFiniteError, TrainState, load_checkpoint, save_checkpoint
 from accel_train.checkpoint import register_hooks as register_checkpoint_hooks
 from accel_train.cli import cli, parse_cli
+from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preempted, Preemption, make_accelerator, prepare_dataloaders, teardown
 from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
+from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 from accel_train.plot import plot_runs
 from accel_train.preflight import preflight
 from accel_train.tracking import RunLog, current_memory_mb, flops_per_token, measure_peak_flops, peak_memory_mb
-from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
 
 logger = get_logger("accel_train")
 IGNORE = data_lib.IGNORE_INDEX
