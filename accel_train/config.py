@@ -99,6 +99,11 @@ class DataConfig:
     """Use at most this many training samples (handy for quick runs)."""
     builtin_size: int = 3000
     """Number of samples a builtin:NAME dataset generates."""
+    packing: bool = True
+    """causal_lm training: pack each micro-batch's sequences into rows as long as its longest one (position_ids
+    restart per sequence, so none attends to another): the same samples and loss, without computing padding."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
 
 
 @dataclass
@@ -121,8 +126,11 @@ class TrainConfig:
     """Optimizer steps of linear warmup."""
     max_grad_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
-    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = None
-    """Autocast precision; None takes the value from `accelerate launch` / its config file."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """Autocast precision. auto: the launcher's bf16/fp16 if it sets one, else bf16 where the hardware computes
+    it natively (recent GPUs, CPUs with AVX512-BF16/AMX), else fp32. no: fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
     log_every: int = 10
     """Log the training loss every N optimizer steps."""
     eval_every: Optional[int] = None
@@ -208,7 +216,7 @@ class Config:
             if value <= 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         for key, value in (("train.warmup_steps", self.train.warmup_steps), ("train.weight_decay", self.train.weight_decay),
-                           ("lora.dropout", self.lora.dropout)):
+                           ("lora.dropout", self.lora.dropout), ("data.num_workers", self.data.num_workers)):
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
         if not 0 <= self.data.eval_fraction < 1:

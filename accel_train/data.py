@@ -6,6 +6,7 @@ name, or `builtin:NAME` (generated here, so tests and the default run need no ne
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -163,15 +164,89 @@ def tokenize(ds: Dataset, tokenizer, cfg: Config) -> Dataset:
     return ds
 
 
-def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffle: bool) -> DataLoader:
-    # Dynamic padding: each batch is padded to its own longest sequence, labels with IGNORE_INDEX.
+class PackingCollator:
+    """causal_lm batches with (almost) no padding: the micro-batch's sequences are packed into rows, first-fit
+    decreasing, with position_ids restarting at 0 for each sequence.
+
+    transformers' attention masks see the restarts and let no sequence attend to another (the model is checked
+    by `model.check_packing`), so each sequence's loss is what it is alone and the batch holds the same samples
+    as a padded one. The row width is chosen per batch by cost: wider rows leave less padding, but attention
+    over a row grows with the square of its width (sdpa computes the masked blocks too). `attention_cost` is
+    attention's FLOPs per token and per unit of width relative to the linear layers' (`model.attention_cost`).
+    Widths start at the longest sequence, where no row is wider than the padded batch would be, and end at one
+    row holding everything (what `DataCollatorWithFlattening` always does: measured 0.6x the padded speed on
+    fixed-length data). Unfilled ends of rows are pad tokens with label IGNORE_INDEX.
+    """
+
+    def __init__(self, pad_token_id: int, attention_cost: float = 0.0):
+        self.pad_token_id, self.attention_cost = pad_token_id, attention_cost
+
+    def layout(self, lengths: list[int]) -> tuple[int, list[list[int]]]:
+        """(width, rows of sample indices) with the lowest estimated cost."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        longest, total, best = lengths[order[0]], sum(lengths), None
+        for n_rows in range(1, math.ceil(total / longest) + 1):
+            width = max(longest, math.ceil(total / n_rows))
+            rows, room = [], []
+            for i in order:
+                k = next((k for k, r in enumerate(room) if r >= lengths[i]), None)
+                if k is None:
+                    rows.append([i])
+                    room.append(width - lengths[i])
+                else:
+                    rows[k].append(i)
+                    room[k] -= lengths[i]
+            cost = len(rows) * width * (1 + self.attention_cost * width)
+            if best is None or cost < best[0]:
+                best = (cost, width, rows)
+        return best[1], best[2]
+
+    def __call__(self, features: list[dict]) -> dict:
+        width, rows = self.layout([len(f["input_ids"]) for f in features])
+        input_ids, labels, position_ids = [], [], []
+        for row in rows:
+            seqs = [features[i] for i in row]
+            pad = width - sum(len(f["input_ids"]) for f in seqs)
+            input_ids.append([t for f in seqs for t in f["input_ids"]] + [self.pad_token_id] * pad)
+            # The first label of each sequence is never a target (nothing precedes it): IGNORE_INDEX keeps the
+            # previous sequence's last token from predicting it across the boundary.
+            labels.append([t for f in seqs for t in [IGNORE_INDEX, *f["labels"][1:]]] + [IGNORE_INDEX] * pad)
+            position_ids.append([i for f in seqs for i in range(len(f["input_ids"]))] + list(range(pad)))
+        return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels),
+                "position_ids": torch.tensor(position_ids),
+                "real_tokens": torch.tensor(sum(len(f["input_ids"]) for f in features))}
+
+
+def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: float = 0.0):
+    """Packing, or dynamic padding: each batch padded to its own longest sequence, labels with IGNORE_INDEX."""
+    if cfg.task == "causal_lm" and pack:
+        return PackingCollator(tokenizer.pad_token_id, attention_cost)
     if cfg.task == "causal_lm":
-        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
-    else:
-        collate = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+        return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+    return DataCollatorWithPadding(tokenizer, return_tensors="pt")
+
+
+def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffle: bool, pack: bool = False,
+                    attention_cost: float = 0.0) -> DataLoader:
     # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
+    collate = make_collator(tokenizer, cfg, pack, attention_cost)
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
-                      generator=torch.Generator().manual_seed(cfg.seed))
+                      generator=torch.Generator().manual_seed(cfg.seed), num_workers=cfg.data.num_workers,
+                      pin_memory=torch.cuda.is_available(), persistent_workers=cfg.data.num_workers > 0)
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the model is called with (the loop computes the loss from the logits and labels)."""
+    return {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+
+
+def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
+    """(real tokens, computed tokens) of a batch: padding is computed but is not data."""
+    real = batch["real_tokens"] if "real_tokens" in batch else batch["attention_mask"].sum()
+    return real, batch["input_ids"].numel()
 
 
 def required_columns(cfg: Config) -> list[str]:

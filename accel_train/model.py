@@ -30,6 +30,15 @@ def build_tokenizer(cfg: Config):
     return tokenizer
 
 
+def model_width(cfg: Config) -> int | None:
+    """Hidden size from the model's config.json (None when it has none), without building the model."""
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    except OSError:
+        return None  # build_tokenizer reports an unreachable model in one line
+    return getattr(config.get_text_config(), "hidden_size", None)
+
+
 def build_model(cfg: Config, tokenizer, num_labels: int | None = None, weights_from=None) -> torch.nn.Module:
     """The base model: from `weights_from` when given (a run's saved random base), else as model.* says."""
     m = cfg.model
@@ -69,6 +78,36 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
                          if isinstance(mod, torch.nn.Linear)})
         raise ConfigError(f"lora.target_modules {targets} match no module of the model; its linear layers are: "
                           f"{', '.join(linear)} (or use [all-linear])") from None
+
+
+def attention_cost(model: torch.nn.Module) -> float:
+    """Attention's FLOPs per token and per unit of sequence width, relative to the linear layers' FLOPs per token
+    (QK^T and AV: 4 x width x heads x head_dim per layer; linear layers: 2 x their weights), for the packer.
+    Doubled because masked attention kernels reach about half the matmul rate of the linear layers."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * 4 * c.num_attention_heads * head_dim * c.num_hidden_layers / (2 * linear)
+
+
+@torch.no_grad()
+def check_packing(model: torch.nn.Module) -> None:
+    """Refuse data.packing for a model whose attention lets packed sequences see each other: the logits of two
+    short sequences packed in one row (position_ids restarting) must equal their logits alone."""
+    was_training, model_dtype = model.training, next(model.parameters()).dtype
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    a, b = (torch.randint(vocab, (1, n), generator=g).to(model.device) for n in (5, 3))
+    alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1).float()
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
+    packed = model(input_ids=torch.cat([a, b], dim=1), position_ids=positions, use_cache=False).logits.float()
+    model.train(was_training)
+    tolerance = (1e-4 if model_dtype == torch.float32 else 2e-2) * (1 + alone.abs().max())
+    if not torch.allclose(alone, packed, rtol=0, atol=float(tolerance)):
+        raise ConfigError(f"data.packing: {type(model).__name__} lets packed sequences attend to each other "
+                          f"(its attention ignores position_ids restarts; max logit difference "
+                          f"{float((alone - packed).abs().max()):.3g}); set data.packing=false")
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -38,7 +38,8 @@ from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preempted, Preemption, make_accelerator, prepare_dataloaders, teardown
 from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
-from accel_train.model import apply_lora, build_model, build_tokenizer, count_parameters
+from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
+                               count_parameters)
 from accel_train.plot import plot_runs
 from accel_train.preflight import preflight
 from accel_train.tracking import RunLog, current_memory_mb, flops_per_token, measure_peak_flops, peak_memory_mb
@@ -54,9 +55,27 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def count_targets(batch: dict, task: str) -> int:
+def count_targets(batch: dict, task: str) -> torch.Tensor | int:
     """Targets the loss of this batch is summed over (response tokens after the shift, or samples)."""
-    return int((batch["labels"][:, 1:] != IGNORE).sum()) if task == "causal_lm" else batch["labels"].numel()
+    return (batch["labels"][:, 1:] != IGNORE).sum() if task == "causal_lm" else batch["labels"].numel()
+
+
+def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Tensor:
+    """This rank's [targets, real tokens, computed tokens, micro-batches, signal] for one step (on the device:
+    summing there costs no host sync)."""
+    stats = torch.zeros(5, dtype=torch.long, device=device)
+    for batch in window:
+        real, computed = data_lib.token_counts(batch)
+        stats[0] += count_targets(batch, task)
+        stats[1] += real
+        stats[2] += computed
+    stats[3], stats[4] = len(window), signum
+    return stats
+
+
+def forward(model, batch: dict, task: str) -> torch.Tensor:
+    """The logits. No KV cache in training: it costs memory, and with one transformers ignores packing."""
+    return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
 
 
 def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state: TrainState,
@@ -79,16 +98,14 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             window = list(islice(batches, accum))
-            local = torch.tensor([[sum(count_targets(b, task) for b in window), len(window),
-                                   sum(int(b["attention_mask"].sum()) for b in window), preemption.signum]],
-                                 device=accelerator.device)
-            stats = accelerator.gather(local)  # one collective per step; every rank learns every rank's counts
-            if stats[:, 3].max() > 0:  # a signal reached some rank: every rank stops here, after the same step
-                raise Preempted(int(stats[:, 3].max()), save_checkpoint(accelerator, cfg, state))
-            n_micro = int(stats[:, 1].max())
+            # One collective and one device-to-host copy per step: every rank learns every rank's counts.
+            rows = accelerator.gather(window_stats(window, task, preemption.signum, accelerator.device)[None]).tolist()
+            targets, real_tokens, computed_tokens = (sum(r[i] for r in rows) for i in range(3))
+            n_micro, signal = max(r[3] for r in rows), max(r[4] for r in rows)
+            if signal:  # a signal reached some rank: every rank stops here, after the same step
+                raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
                 break
-            targets = int(stats[:, 0].sum())
             # DDP averages gradients over ranks and accelerator.backward divides by accum, so this scale makes
             # the gradient that of sum(target losses) / targets over the whole effective batch.
             scale = accelerator.num_processes * accum / targets
@@ -100,8 +117,7 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
                 batch, weight = (window[i], 1.0) if i < len(window) else (replay, 0.0)
                 sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    loss = loss_sum(logits, batch["labels"], task) * (math.nan if poison else weight)
+                    loss = loss_sum(forward(model, batch, task), batch["labels"], task) * (math.nan if poison else weight)
                     accelerator.backward(loss * scale)
                 window_loss += loss.detach()
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
@@ -126,8 +142,8 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
-            tokens_since_log += int(stats[:, 2].sum())
-            run_log.step()
+            tokens_since_log += real_tokens
+            run_log.step(real_tokens, computed_tokens)
 
             if state.step % cfg.train.log_every == 0 or state.step == total_steps:
                 loss_sum_all = accelerator.reduce(loss_since_log, reduction="sum").item()
@@ -163,7 +179,7 @@ def evaluate(cfg: Config, accelerator, model, eval_dl, metrics) -> dict:
     model.eval()
     total_loss, total_targets, samples = 0.0, 0, 0
     for batch in eval_dl:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logits = forward(model, batch, cfg.task).float()
         labels = batch["labels"]
         if cfg.task == "causal_lm":
             logits, labels = logits[:, :-1], labels[:, 1:]
@@ -245,9 +261,6 @@ def run(cfg: Config, resume: Path | None) -> dict:
         if micro_batches < procs:
             raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
                               f"train.per_device_batch_size={batch} for each of the {procs} processes")
-        train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True)
-        eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
-                   if eval_ds is not None and len(eval_ds) else None)
 
         # ---- model, optimizer, schedule
         base = out / "base_model"  # a random base cannot be rebuilt from the hub: it is saved with the run
@@ -258,6 +271,15 @@ def run(cfg: Config, resume: Path | None) -> dict:
         # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
         random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
         model = apply_lora(cfg, model)
+        pack = cfg.data.packing and cfg.task == "causal_lm"
+        if pack:
+            check_packing(model)  # before any expensive work: one forward of 8 tokens
+        train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True, pack=pack,
+                                            attention_cost=attention_cost(model))
+        eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
+                   if eval_ds is not None and len(eval_ds) else None)
+        if cfg.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
             if random_base is not None:
@@ -286,7 +308,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
 
         trainable, total = count_parameters(model)
         logger.info(f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
-                    f"mixed precision {accelerator.mixed_precision}; {trainable:,} of {total:,} parameters trainable; "
+                    f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
+                    f"{trainable:,} of {total:,} parameters trainable; "
                     f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} eval samples; "
                     f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {total_steps} steps")
 
@@ -302,6 +325,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
         finally:
             preemption.restore()
             run_log.close()
+        results.update(run_log.timing())
         train_seconds = time.perf_counter() - t0
         target = save(cfg, accelerator, model, tokenizer)
         if cfg.merge and cfg.lora.enabled and accelerator.is_main_process:
@@ -321,6 +345,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
         "final": {k: v for k, v in results.items() if k.startswith("eval_") or k in ("step", "epoch", "loss")},
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
+        "step_seconds_median": results.get("step_seconds_median"),
+        "padding_efficiency": results.get("padding_efficiency"),
         "peak_memory_mb": round(peak_memory_mb(device), 1),
         "saved": str(target), "plot": str(out / "loss.png"), "metrics": str(out / "metrics.jsonl"),
     }

@@ -1,0 +1,55 @@
+"""The throughput benchmark runs end to end (`--quick`), and the automatic precision choice.
+
+No test here asserts a speed: speeds are what the benchmark measures and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import run
+
+from accel_train import dist
+
+
+def test_bench_quick_writes_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--out", out], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["precision"] in ("bf16", "no") and report["peak_flops"] > 0
+    assert report["model"]["parameters"] > report["model"]["lora_parameters"] > 0
+    rows = {(r["contender"], r["workload"], r["processes"]) for r in report["results"]}
+    assert rows == {(c, w, 1) for c in ("ours", "trainer", "bare") for w in ("skewed", "fixed")} | {("ours", "skewed", 2)}
+    for r in report["results"]:
+        assert r["steps_measured"] == report["settings"]["steps"]
+        assert r["tokens_per_sec"] > 0 and r["step_time_median_s"] > 0 and r["peak_memory_mb"] > 0
+        assert 0 < r["padding_efficiency"] <= 1 and 0 < r["mfu"] < 1
+    ratios = report["ratios"]
+    for key in ("ours_vs_trainer_skewed", "ours_vs_trainer_fixed", "ours_vs_bare_skewed", "ours_vs_bare_fixed",
+                "padding_efficiency_skewed", "mfu_of_peak", "scaling_efficiency"):
+        assert ratios[key] > 0, key
+    # The bare loop trained on exactly the batches ours did (same real tokens at every step).
+    assert ratios["same_batches_skewed"] == ratios["same_batches_fixed"] == 1.0
+    # Trainer pads each batch to its longest sample; ours packs: more real tokens per computed token.
+    by = {(r["contender"], r["workload"], r["processes"]): r for r in report["results"]}
+    assert by["ours", "skewed", 1]["padding_efficiency"] > by["trainer", "skewed", 1]["padding_efficiency"]
+    # Same seed, same samples, same loss normalisation: the bare loop's mean loss is ours.
+    assert by["bare", "skewed", 1]["mean_loss"] == pytest.approx(by["ours", "skewed", 1]["mean_loss"], rel=2e-2)
+    table = proc.stdout
+    assert "| skewed | ours | 1 x" in table and "ours_vs_trainer_skewed" in table
+
+
+@pytest.mark.parametrize("requested, launcher, native, width, expected", [
+    ("auto", "no", True, 512, "bf16"),    # native bf16, a model wide enough to gain from it
+    ("auto", "no", True, 64, "no"),       # the tiny model: autocast costs more than it saves
+    ("auto", "no", False, 512, "no"),     # emulated bf16 is slower than fp32
+    ("auto", "bf16", False, 64, "bf16"),  # the launcher's explicit choice wins over auto
+    ("no", "bf16", True, 512, "no"),      # and train.mixed_precision wins over the launcher
+    ("bf16", "no", False, 64, "bf16"),
+])
+def test_auto_precision(monkeypatch, requested, launcher, native, width, expected):
+    monkeypatch.setattr(dist, "native_bf16", lambda: native)
+    assert dist.choose_precision(requested, launcher, width)[0] == expected
