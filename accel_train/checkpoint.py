@@ -71,7 +71,9 @@ def register_hooks(accelerator) -> None:
     """Checkpoint only what training changes (the adapter under LoRA), and load it back by name."""
 
     def save_hook(models, weights, output_dir):
-        for i, model in enumerate(models):
+        # Under FSDP (and DeepSpeed) accelerate writes the model itself, sharded and whole (the frozen base
+        # too), and passes no weights here; the load hook then gets no models either.
+        for i, model in enumerate(models[: len(weights)]):
             unwrapped = accelerator.unwrap_model(model)
             keep = _trainable_keys(unwrapped)
             weights[i] = {k: v for k, v in unwrapped.state_dict().items() if k in keep}

@@ -18,9 +18,10 @@ import datasets
 import torch
 import torch.distributed
 import transformers
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin,
+                              InitProcessGroupKwargs, ProjectConfiguration)
 
 from accel_train.config import Config, ConfigError
 from accel_train.model import model_width
@@ -62,6 +63,8 @@ def make_accelerator(cfg: Config) -> Accelerator:
         log_with=cfg.track.log_with or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"),
     )
+    if cpu and _asked("ACCELERATE_USE_FSDP"):
+        use_fsdp_on_cpu(accelerator)
     if not accelerator.is_local_main_process:
         # Library warnings and progress bars once per machine, not once per rank.
         warnings.simplefilter("ignore")
@@ -76,7 +79,34 @@ def make_accelerator(cfg: Config) -> Accelerator:
             f"({accelerator.distributed_type}); each process would train alone. Check the accelerate config "
             "(distributed_type, num_processes) against the devices of this machine."
         )
+    # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
+    for variable, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP),
+                           ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
+        if _asked(variable) and accelerator.distributed_type != kind:
+            raise LaunchError(f"the accelerate config asks for {kind.value} but accelerate set up "
+                              f"{accelerator.distributed_type.value} on {accelerator.device}"
+                              + (": DeepSpeed needs GPUs" if kind == DistributedType.DEEPSPEED else ""))
     return accelerator
+
+
+def _asked(variable: str) -> bool:
+    """Whether accelerate launch set this flag from the config (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED)."""
+    return os.environ.get(variable, "false").lower() == "true"
+
+
+def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """Run an FSDP launch config on CPU (gloo) rather than let accelerate fall back to DDP without a word.
+
+    accelerate switches to FSDP only from GPU-type process groups (AcceleratorState.__init__ in 1.15); with
+    cpu=True it keeps MULTI_CPU and prepare() wraps the model in DDP. torch's fully_shard runs on gloo, so set
+    the state accelerate would have set on GPUs. Both singletons: AcceleratorState copies PartialState's type
+    whenever it is constructed again.
+    """
+    plugin = FullyShardedDataParallelPlugin()  # read from the FSDP_* variables that accelerate launch sets
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
 
 
 def native_bf16() -> bool:

@@ -212,7 +212,12 @@ def save(cfg: Config, accelerator, model, tokenizer) -> Path:
     """Main process writes the adapter (or full model); every rank then meets at a barrier."""
     out = Path(cfg.output_dir)
     target = out / ("adapter" if cfg.lora.enabled else "model")
-    state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank must call it
+    if cfg.lora.enabled and accelerator.is_fsdp2:
+        # Gather the adapter's shards only (a collective per tensor): get_state_dict would gather the whole
+        # model, frozen base included, into rank 0's memory.
+        state = {name: p.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank must call it
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         if cfg.lora.enabled and cfg.model.random_init:

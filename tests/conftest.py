@@ -55,3 +55,17 @@ def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
 @pytest.fixture
 def tmp_out(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory) -> dict:
+    """Run C of test_topology.py (2 processes, batch 2, no accumulation, plain DDP on one machine), once per
+    session: the reference that runs on two machines or under FSDP must reproduce step by step."""
+    from test_topology import TOPOLOGIES, overrides, write_data
+
+    root = tmp_path_factory.mktemp("ddp_reference")
+    data, out = root / "data.jsonl", root / "run"
+    write_data(data)
+    proc = accelerate_launch("cpu_2proc.yaml", *overrides(data, out), *TOPOLOGIES["C"][1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"data": data, "out": out, "train": read_metrics(out)[0]}

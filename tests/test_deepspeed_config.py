@@ -1,0 +1,53 @@
+"""The DeepSpeed launch configs, checked without GPUs (DeepSpeed trains on GPUs only; README says how to verify
+them there): the DeepSpeed configuration accelerate would hand to deepspeed.initialize for our run is built here
+the way `accelerate launch` builds it, from the YAML to the environment of the training processes to the plugin.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils import DeepSpeedPlugin, DistributedType, patch_environment
+from accelerate.utils.launch import prepare_deepspeed_cmd_env
+from conftest import ACCEL_CONFIGS
+
+from accel_train.config import Config
+
+STAGES = {"deepspeed_zero2.yaml": 2, "deepspeed_zero3.yaml": 3}
+
+
+def launch_environment(path) -> dict:
+    """What `accelerate launch --config_file PATH` adds to the environment of each training process (the
+    DeepSpeed branch of accelerate.commands.launch.launch_command, which then needs deepspeed to go on)."""
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(path), "accel_train/train.py"]))
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    env = prepare_deepspeed_cmd_env(args)[1]
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_deepspeed_config_gives_the_plugin_our_run_needs(name):
+    path = ACCEL_CONFIGS / name
+    assert load_config_from_file(str(path)).distributed_type == DistributedType.DEEPSPEED
+    env = launch_environment(path)
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    # accelerate would let this variable replace the Accelerator's gradient_accumulation_steps, i.e. train.grad_accum_steps
+    assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in env
+    with patch_environment(**env):
+        plugin = DeepSpeedPlugin()
+    ds = plugin.deepspeed_config
+    assert ds["zero_optimization"]["stage"] == STAGES[name]
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "none"
+    # batch sizes and accumulation come from our dataloader and Accelerator at prepare() time
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] == ds["gradient_accumulation_steps"] == "auto"
+    plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=4)
+    assert ds["gradient_accumulation_steps"] == 4
+    # DeepSpeed clips inside its step; accel_train's clip_grad_norm_ only reads the norm back
+    assert ds["gradient_clipping"] == Config().train.max_grad_norm
+    # train.save calls accelerator.get_state_dict, which refuses under ZeRO-3 unless the weights are gathered
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is (STAGES[name] == 3)
+    assert plugin.zero3_init_flag is False
