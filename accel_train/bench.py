@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="autocast for every contender; auto: bf16 where the hardware has it natively")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1- vs 2-process comparison")
     p.add_argument("--grad-ckpt", action="store_true", help="also run ours with gradient checkpointing")
+    p.add_argument("--compile", action="store_true", help="also run ours with torch.compile (train.compile=true)")
     p.add_argument("--out", default="bench.json", help="JSON results file")
     p.add_argument("--workdir", help="keep models, data and runs here (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
@@ -232,7 +233,7 @@ def child_bare(spec: dict) -> dict:
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.mixed_precision == "bf16")
     steps, loss_total, targets_total, t_last = [], 0.0, 0, time.perf_counter()
@@ -272,9 +273,11 @@ def _child_result(steps: list[tuple], mean_loss: float) -> dict:
 
 def figures(record: dict, warmup: int, flops_per_token: float, peak_flops: float) -> dict:
     """Throughput over the measured steps (warm-up excluded)."""
+    warmup_seconds = sum(record["seconds"][:warmup])  # includes torch.compile's compilation, when on
     seconds, real, computed = (record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens"))
     tps = sum(real) / sum(seconds)
     record.update({"steps_measured": len(seconds), "tokens_per_sec": round(tps, 1),
+                   "warmup_seconds": round(warmup_seconds, 2),
                    "step_time_median_s": round(statistics.median(seconds), 4),
                    "padding_efficiency": round(sum(real) / sum(computed), 4),
                    "mfu": round(flops_per_token * tps / peak_flops, 4), "real_tokens_per_step": list(real)})
@@ -355,8 +358,9 @@ def main(argv=None) -> dict | None:
                 results.append(run_ours(args, wd, workload, precision, 1))
             else:
                 results.append(run_child(contender, args, wd, workload, precision))
-        if args.grad_ckpt and "ours" in args.contenders:
-            results.append(run_ours(args, wd, workload, precision, 1, ["train.gradient_checkpointing=true"]))
+        for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
+            if flag and "ours" in args.contenders:
+                results.append(run_ours(args, wd, workload, precision, 1, [option]))
     can_scale = not args.no_scaling and "ours" in args.contenders and (not _cuda() or torch.cuda.device_count() >= 2)
     if can_scale:
         results.append(run_ours(args, wd, args.workloads[0], precision, 2))

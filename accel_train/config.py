@@ -104,6 +104,12 @@ class DataConfig:
     restart per sequence, so none attends to another): the same samples and loss, without computing padding."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
+    streaming: bool = False
+    """Read the training split as a stream (datasets IterableDataset): memory independent of the data's size.
+    Each rank reads its own shards of the files (or every N-th sample); needs train.max_steps; evaluates on
+    data.eval_split only."""
+    shuffle_buffer: int = 10000
+    """streaming: samples held in the shuffle buffer (reshuffled every epoch)."""
 
 
 @dataclass
@@ -131,6 +137,9 @@ class TrainConfig:
     it natively (recent GPUs, CPUs with AVX512-BF16/AMX), else fp32. no: fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile the model (inductor, dynamic shapes), through accelerate: faster steps once compiled; the
+    compilation is paid in the first steps (their times are in output_dir/steps.json)."""
     log_every: int = 10
     """Log the training loss every N optimizer steps."""
     eval_every: Optional[int] = None
@@ -202,6 +211,7 @@ class Config:
             "train.dist_timeout_s": self.train.dist_timeout_s,
             "data.max_length": self.data.max_length,
             "data.builtin_size": self.data.builtin_size,
+            "data.shuffle_buffer": self.data.shuffle_buffer,
             "lora.r": self.lora.r,
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "train.max_nonfinite_steps": self.train.max_nonfinite_steps,
@@ -219,6 +229,11 @@ class Config:
                            ("lora.dropout", self.lora.dropout), ("data.num_workers", self.data.num_workers)):
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
+        if self.data.streaming and self.train.max_steps is None:
+            raise ConfigError("data.streaming=true needs train.max_steps: a stream's length is unknown until read")
+        if self.data.streaming and self.task == "seq_cls" and self.model.num_labels is None:
+            raise ConfigError("data.streaming=true with task seq_cls needs model.num_labels (it cannot be read "
+                              "from a stream without reading all of it)")
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
 

@@ -11,13 +11,15 @@ import random
 from pathlib import Path
 
 import torch
-from datasets import ClassLabel, Dataset, DatasetDict, load_dataset, load_from_disk
+from accelerate.logging import get_logger
+from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
-from accel_train.config import Config, ConfigError
+from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.preflight import BUILTIN_DATASETS, FILE_BUILDERS
 
+logger = get_logger(__name__)
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
 
 
@@ -56,8 +58,9 @@ def builtin_dataset(name: str, size: int) -> Dataset:
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
-    """Return (train, eval) raw datasets; eval is carved out of train when no eval split is named."""
+def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]:
+    """Return (train, eval) raw datasets; eval is carved out of train when no eval split is named.
+    With data.streaming, train is an IterableDataset read lazily from the files (or the hub)."""
     d = cfg.data
     if d.path.startswith("builtin:"):
         loaded = DatasetDict(train=builtin_dataset(d.path.removeprefix("builtin:"), d.builtin_size))
@@ -65,11 +68,12 @@ def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
         local = Path(d.path).expanduser()
         try:
             if local.is_file():
-                loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)})
+                loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)},
+                                      streaming=d.streaming)
             elif (local / "dataset_dict.json").exists() or (local / "dataset_info.json").exists():
                 loaded = load_from_disk(str(local))
             else:  # a hub dataset name (or a local folder of data files, which load_dataset also reads)
-                loaded = load_dataset(d.path)
+                loaded = load_dataset(d.path, streaming=d.streaming)
         except Exception as e:  # datasets wraps the parser's error: name the root cause, in one line
             root = e
             while root.__cause__ or root.__context__:
@@ -82,6 +86,8 @@ def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
         if split is not None and split not in loaded:
             raise ConfigError(f"data: split {split!r} not in {d.path}; splits found: {', '.join(loaded)}")
     train = loaded[d.train_split]
+    if isinstance(train, IterableDataset):
+        return _stream_splits(cfg, loaded)
     if len(train) == 0:
         raise ConfigError(f"data: split {d.train_split!r} of {d.path} has no rows")
     if d.eval_split is not None:
@@ -93,6 +99,26 @@ def load_splits(cfg: Config) -> tuple[Dataset, Dataset | None]:
         evaluation = None
     if d.max_samples is not None:  # a seeded random subset: files are often sorted (by label, by source)
         train = train.shuffle(seed=cfg.seed).select(range(min(d.max_samples, len(train))))
+    if d.streaming:  # data already in memory (builtin, save_to_disk): streamed anyway, in shards for the ranks
+        train = train.to_iterable_dataset(num_shards=min(STREAM_SHARDS, len(train)))
+    return train, evaluation
+
+
+STREAM_SHARDS = 64  # shards of an in-memory dataset streamed: a multiple of any usual number of ranks
+
+
+def _stream_splits(cfg: Config, loaded) -> tuple[IterableDataset, Dataset | None]:
+    """Streamed files: nothing is read yet. The eval split (small) is read into memory; without one there is no
+    evaluation, since eval_fraction needs the data's size."""
+    d = cfg.data
+    train, evaluation = loaded[d.train_split], None
+    if d.eval_split is not None:
+        evaluation = Dataset.from_list(list(loaded[d.eval_split]))
+    elif d.eval_fraction > 0:
+        logger.warning("data.streaming: no data.eval_split, so no evaluation (data.eval_fraction needs the size "
+                       "of the data, which a stream does not know)")
+    if d.max_samples is not None:
+        train = train.take(d.max_samples)
     return train, evaluation
 
 
@@ -155,10 +181,26 @@ def tokenize_cls(example: dict, tokenizer, cfg: Config) -> dict:
             "labels": int(example[cfg.data.label_field])}
 
 
-def tokenize(ds: Dataset, tokenizer, cfg: Config) -> Dataset:
+def first_sample(ds: Dataset | IterableDataset) -> dict:
+    return ds[0] if isinstance(ds, Dataset) else next(iter(ds))
+
+
+def columns(ds: Dataset | IterableDataset) -> list[str]:
+    """Column names; a stream of JSON knows them only once it has read a row."""
+    return ds.column_names or list(next(iter(ds)).keys())
+
+
+def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config) -> Dataset | IterableDataset:
+    """Tokenized dataset. In memory, datasets caches the result on disk, keyed by a hash of the function and its
+    arguments: only what tokenizing reads goes into them, so later runs (another output_dir, learning rate, ...)
+    reuse the cache. A stream is tokenized lazily, as it is read."""
     fn = tokenize_causal if cfg.task == "causal_lm" else tokenize_cls
-    ds = ds.map(fn, fn_kwargs={"tokenizer": tokenizer, "cfg": cfg}, remove_columns=ds.column_names,
-                desc="tokenizing")
+    d = cfg.data
+    key = Config(task=cfg.task, data=DataConfig(
+        prompt_field=d.prompt_field, response_field=d.response_field, messages_field=d.messages_field,
+        text_field=d.text_field, label_field=d.label_field, max_length=d.max_length))
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key}, "remove_columns": columns(ds)}
+    ds = ds.map(fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(fn, **kwargs, desc="tokenizing")
     if cfg.task == "causal_lm":  # truncation can leave a sample with no target token: it would teach nothing
         ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels")
     return ds
@@ -230,6 +272,7 @@ def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffl
                     attention_cost: float = 0.0) -> DataLoader:
     # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
     collate = make_collator(tokenizer, cfg, pack, attention_cost)
+    shuffle = shuffle and not isinstance(ds, IterableDataset)  # a stream shuffles itself (dist.shard_stream)
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
                       generator=torch.Generator().manual_seed(cfg.seed), num_workers=cfg.data.num_workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=cfg.data.num_workers > 0)
@@ -254,8 +297,8 @@ def required_columns(cfg: Config) -> list[str]:
     return [d.text_field, d.label_field] if cfg.task == "seq_cls" else [d.prompt_field, d.response_field]
 
 
-def check_columns(cfg: Config, ds: Dataset) -> None:
-    cols = ds.column_names
+def check_columns(cfg: Config, ds: Dataset | IterableDataset) -> None:
+    cols = columns(ds)
     if cfg.task == "causal_lm" and cfg.data.messages_field in cols:
         return
     missing = [c for c in required_columns(cfg) if c not in cols]

@@ -12,8 +12,11 @@ import os
 import signal
 import warnings
 from datetime import timedelta
+from itertools import islice
 
 import datasets
+from datasets import IterableDataset
+from datasets.distributed import split_dataset_by_node
 
 import torch
 import torch.distributed
@@ -21,7 +24,8 @@ import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin,
-                              InitProcessGroupKwargs, ProjectConfiguration)
+                              InitProcessGroupKwargs, ProjectConfiguration, TorchDynamoPlugin,
+                              send_to_device)
 
 from accel_train.config import Config, ConfigError
 from accel_train.model import model_width
@@ -61,6 +65,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s))],
         log_with=cfg.track.log_with or None,
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=True) if cfg.train.compile else None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"),
     )
     if cpu and _asked("ACCELERATE_USE_FSDP"):
@@ -140,16 +145,40 @@ def choose_precision(requested: str, launcher: str = "no", width: int | None = N
     return requested, None
 
 
+def shard_stream(accelerator: Accelerator, ds: IterableDataset, cfg: Config) -> IterableDataset:
+    """A stream for this rank: shuffled (shard order and a buffer, anew each epoch through set_epoch), then split
+    by datasets itself: whole shards per rank when their number divides evenly, else every N-th sample.
+    Each rank reads only its part; accelerate's own handling of iterable datasets would have every rank read
+    everything (or rank 0 read and send everything)."""
+    ds = ds.shuffle(seed=cfg.seed, buffer_size=cfg.data.shuffle_buffer)
+    return split_dataset_by_node(ds, rank=accelerator.process_index, world_size=accelerator.num_processes)
+
+
 def prepare_dataloaders(accelerator: Accelerator, train_dl, eval_dl=None):
     """Shard the dataloaders over ranks: round-robin batches of one seeded shuffle per epoch.
 
     Training batches are not evened out across ranks, since that would train twice on some samples; the loop
     handles the uneven last window. Evaluation batches are, and gather_for_metrics drops the repeats.
+    A streamed training set is already split per rank (shard_stream): its loader is left as it is, and the loop
+    moves its batches to the device.
     """
     accelerator.even_batches = False
-    train_dl = accelerator.prepare(train_dl)
+    if not isinstance(train_dl.dataset, IterableDataset):
+        train_dl = accelerator.prepare(train_dl)
     accelerator.even_batches = True
     return train_dl, accelerator.prepare(eval_dl) if eval_dl is not None else None
+
+
+def epoch_batches(accelerator: Accelerator, train_dl, epoch: int, skip: int):
+    """This rank's training batches of `epoch`, on its device, less the first `skip` (consumed before a resume):
+    the same samples on any number of processes with the same effective batch."""
+    if isinstance(train_dl.dataset, IterableDataset):
+        train_dl.dataset.set_epoch(epoch)  # a new shuffle; a resumed stream is read again from its start
+        return (send_to_device(b, accelerator.device) for b in islice(train_dl, skip, None))
+    train_dl.set_epoch(epoch)  # new shuffle per epoch, identical on every rank before sharding
+    loader = accelerator.skip_first_batches(train_dl, skip)
+    loader.set_epoch(epoch)
+    return iter(loader)
 
 
 class Preemption:

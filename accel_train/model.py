@@ -82,12 +82,11 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
 
 def attention_cost(model: torch.nn.Module) -> float:
     """Attention's FLOPs per token and per unit of sequence width, relative to the linear layers' FLOPs per token
-    (QK^T and AV: 4 x width x heads x head_dim per layer; linear layers: 2 x their weights), for the packer.
-    Doubled because masked attention kernels reach about half the matmul rate of the linear layers."""
+    (QK^T and AV: 4 x width x heads x head_dim per layer; linear layers: 2 x their weights), for the packer."""
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return 2 * 4 * c.num_attention_heads * head_dim * c.num_hidden_layers / (2 * linear)
+    return 4 * c.num_attention_heads * head_dim * c.num_hidden_layers / (2 * linear)
 
 
 @torch.no_grad()

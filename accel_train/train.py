@@ -14,6 +14,7 @@ model -> DDP (accelerator.prepare) -> train -> save on the main process -> barri
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
 from accelerate.utils import send_to_device, set_seed
+from datasets import Dataset, IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
@@ -35,7 +37,8 @@ from accel_train.checkpoint import NonFiniteError, TrainState, load_checkpoint, 
 from accel_train.checkpoint import register_hooks as register_checkpoint_hooks
 from accel_train.cli import cli, parse_cli
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.dist import Preempted, Preemption, make_accelerator, prepare_dataloaders, teardown
+from accel_train.dist import (Preempted, Preemption, epoch_batches, make_accelerator, prepare_dataloaders, shard_stream,
+                              teardown)
 from accel_train.export import merge_adapter
 from accel_train.metrics import load_metric
 from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
@@ -86,14 +89,11 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
     loss_since_log = torch.zeros((), device=accelerator.device)  # local sum of target losses since the last log
     targets_since_log, tokens_since_log, t_log, tokens_total = 0, 0, time.perf_counter(), 0
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
-    replay = send_to_device(train_dl.collate_fn([train_dl.dataset[0]]), accelerator.device)
+    replay = functools.cache(lambda: send_to_device(train_dl.collate_fn([data_lib.first_sample(train_dl.dataset)]),
+                                                    accelerator.device))
     model.train()
     while state.step < total_steps:
-        train_dl.set_epoch(state.epoch)  # new shuffle per epoch, identical on every rank before sharding
-        # On resume, skip what this epoch's steps consumed: the same samples whatever the number of processes.
-        loader = accelerator.skip_first_batches(train_dl, state.step_in_epoch * accum)
-        loader.set_epoch(state.epoch)
-        batches = iter(loader)
+        batches = epoch_batches(accelerator, train_dl, state.epoch, skip=state.step_in_epoch * accum)
         while state.step < total_steps:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
@@ -114,7 +114,7 @@ def fit(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl
                 poison = faults.inject(state.step + 1, i, rank)
                 # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
                 # all ranks then run the same forwards and backwards, hence the same collectives.
-                batch, weight = (window[i], 1.0) if i < len(window) else (replay, 0.0)
+                batch, weight = (window[i], 1.0) if i < len(window) else (replay(), 0.0)
                 sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
                 with nullcontext() if sync else accelerator.no_sync(model):
                     loss = loss_sum(forward(model, batch, task), batch["labels"], task) * (math.nan if poison else weight)
@@ -248,21 +248,24 @@ def run(cfg: Config, resume: Path | None) -> dict:
             shutil.rmtree(out)  # asked for explicitly; done before any rank writes
         accelerator.wait_for_everyone()
 
-        # ---- data: tokenized once per machine (main process first, the others then read datasets' cache)
+        # ---- data: tokenized once per machine (its main process first, the others then read datasets' cache)
         tokenizer = build_tokenizer(cfg)
-        with accelerator.main_process_first():
+        with accelerator.local_main_process_first():
             train_raw, eval_raw = data_lib.load_splits(cfg)
             data_lib.check_columns(cfg, train_raw)
             n_labels = data_lib.num_labels(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
-            if n_labels is not None:
-                data_lib.check_labels(cfg, n_labels, train_raw, eval_raw)
+            if n_labels is not None:  # a stream's labels are not read ahead (cross-entropy checks them)
+                data_lib.check_labels(cfg, n_labels, *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)))
             train_ds = data_lib.tokenize(train_raw, tokenizer, cfg)
             eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg) if eval_raw is not None else None
-        if len(train_ds) == 0:
+        batch, procs, accum = cfg.train.per_device_batch_size, accelerator.num_processes, cfg.train.grad_accum_steps
+        streamed = isinstance(train_ds, IterableDataset)
+        if streamed:
+            train_ds = shard_stream(accelerator, train_ds, cfg)
+        elif len(train_ds) == 0:
             raise ConfigError(f"data: no training sample keeps a target token after truncation to "
                               f"data.max_length={cfg.data.max_length}; raise it")
-        batch, procs, accum = cfg.train.per_device_batch_size, accelerator.num_processes, cfg.train.grad_accum_steps
-        micro_batches = math.ceil(len(train_ds) / batch)  # over all ranks, per epoch
+        micro_batches = math.inf if streamed else math.ceil(len(train_ds) / batch)  # over all ranks, per epoch
         if micro_batches < procs:
             raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
                               f"train.per_device_batch_size={batch} for each of the {procs} processes")
@@ -291,10 +294,11 @@ def run(cfg: Config, resume: Path | None) -> dict:
                 random_base.save_pretrained(base)
                 tokenizer.save_pretrained(base)
         del random_base
-        steps_per_epoch = math.ceil(micro_batches / (procs * accum))
-        total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
+        total_steps = cfg.train.max_steps or math.ceil(micro_batches / (procs * accum)) * cfg.train.epochs
+        # Fused AdamW updates all parameters in one kernel (Trainer's default too); FSDP's sharded DTensor
+        # parameters take the default implementation.
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                      weight_decay=cfg.train.weight_decay)
+                                      weight_decay=cfg.train.weight_decay, fused=not accelerator.is_fsdp2)
         schedule = {"constant": "constant_with_warmup"}.get(cfg.train.lr_scheduler, cfg.train.lr_scheduler)
         scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                   num_training_steps=total_steps)
@@ -315,7 +319,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         logger.info(f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
                     f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
                     f"{trainable:,} of {total:,} parameters trainable; "
-                    f"{len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} eval samples; "
+                    f"{'streamed' if streamed else len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} "
+                    f"eval samples; "
                     f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {total_steps} steps")
 
         # ---- train, then save

@@ -58,14 +58,29 @@ def tmp_out(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ddp_reference(tmp_path_factory) -> dict:
-    """Run C of test_topology.py (2 processes, batch 2, no accumulation, plain DDP on one machine), once per
-    session: the reference that runs on two machines or under FSDP must reproduce step by step."""
+def runs(tmp_path_factory) -> dict:
+    """The topology runs of test_topology.py (same samples per step, 1 or 2 processes, with or without
+    accumulation or packing), once per session: other tests compare their own launches with them."""
+    from safetensors.torch import load_file
     from test_topology import TOPOLOGIES, overrides, write_data
 
-    root = tmp_path_factory.mktemp("ddp_reference")
-    data, out = root / "data.jsonl", root / "run"
+    root = tmp_path_factory.mktemp("topology")
+    data = root / "data.jsonl"
     write_data(data)
-    proc = accelerate_launch("cpu_2proc.yaml", *overrides(data, out), *TOPOLOGIES["C"][1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"data": data, "out": out, "train": read_metrics(out)[0]}
+    results = {}
+    for name, (procs, extra) in TOPOLOGIES.items():
+        out = root / name
+        args = overrides(data, out) + extra
+        proc = python_m(*args) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        train, evals = read_metrics(out)
+        results[name] = {"train": train, "eval": evals[-1], "out": out, "data": data,
+                         "weights": load_file(out / "adapter" / "adapter_model.safetensors")}
+    return results
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(runs) -> dict:
+    """Run C (2 processes, batch 2, no accumulation, plain DDP on one machine): the reference that runs on two
+    machines or under FSDP must reproduce step by step."""
+    return runs["C"]

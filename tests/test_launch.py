@@ -60,7 +60,7 @@ def check_observability(out, log: str, train: list[dict], evals: list[dict]):
     assert [e.value for e in logged] == pytest.approx([r["loss"] for r in train], rel=1e-6)
 
 
-def check_default_run(proc, out, processes: int):
+def check_default_run(proc, out, processes: int, min_accuracy: float = 0.8):
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert f"{processes} process(es)" in log
@@ -69,7 +69,7 @@ def check_default_run(proc, out, processes: int):
     # Learning, not noise: the reverse task starts near log(vocab) and ends far below it.
     assert train[0]["loss"] > 3.0 and train[-1]["loss"] < 0.5 * train[0]["loss"]
     final = evals[-1]
-    assert final["eval_accuracy"] > 0.8  # chance is 1/52 per token
+    assert final["eval_accuracy"] > min_accuracy  # chance is 1/52 per token
     assert final["eval_samples"] == 300
     assert (out / "config.yaml").is_file()
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
@@ -79,8 +79,9 @@ def check_default_run(proc, out, processes: int):
 
 
 def test_default_one_process(tmp_out):
-    proc = python_m(f"output_dir={tmp_out}")
-    check_default_run(proc, tmp_out, processes=1)
+    # 3 of the 10 epochs (510 steps): the full default trains in the 2-process test and the notebook.
+    proc = python_m(f"output_dir={tmp_out}", "train.epochs=3")
+    check_default_run(proc, tmp_out, processes=1, min_accuracy=0.4)
 
 
 def test_default_two_processes_accelerate_launch(tmp_out):

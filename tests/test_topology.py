@@ -17,7 +17,7 @@ import random
 import sys
 
 import pytest
-from conftest import ACCEL_CONFIGS, BIN, accelerate_launch, free_port, python_m, read_metrics, run
+from conftest import ACCEL_CONFIGS, BIN, accelerate_launch, free_port, read_metrics, run
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,6 +31,7 @@ TOPOLOGIES = {
     "B": (1, ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]),
     "C": (2, ["train.per_device_batch_size=2", "train.grad_accum_steps=1"]),
     "D": (2, ["train.per_device_batch_size=1", "train.grad_accum_steps=2"]),
+    "P": (1, ["train.per_device_batch_size=4", "train.grad_accum_steps=1", "data.packing=false"]),  # A, padded
 }
 
 # Golden per-step training losses of the first 4 steps (fp32, CPU, torch 2.13 / transformers 5.x).
@@ -56,24 +57,7 @@ def overrides(data, out):
             "train.dist_timeout_s=120", f"output_dir={out}"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("topology")
-    data = root / "data.jsonl"
-    write_data(data)
-    results = {}
-    for name, (procs, extra) in TOPOLOGIES.items():
-        out = root / name
-        args = overrides(data, out) + extra
-        proc = python_m(*args) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        train, evals = read_metrics(out)
-        results[name] = {"train": train, "eval": evals[-1], "weights": load_file(out / "adapter" / "adapter_model.safetensors"),
-                         "out": out, "data": data}
-    return results
-
-
-@pytest.mark.parametrize("name", ["B", "C", "D"])
+@pytest.mark.parametrize("name", ["B", "C", "D", "P"])
 def test_same_losses_lr_and_grad_norm_per_step(runs, name):
     ref, other = runs["A"]["train"], runs[name]["train"]
     assert [r["step"] for r in other] == [r["step"] for r in ref] == list(range(1, 13))
@@ -84,12 +68,19 @@ def test_same_losses_lr_and_grad_norm_per_step(runs, name):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), f"step {a['step']}"
 
 
-@pytest.mark.parametrize("name", ["B", "C", "D"])
+@pytest.mark.parametrize("name", ["B", "C", "D", "P"])
 def test_same_final_weights(runs, name):
     ref, other = runs["A"]["weights"], runs[name]["weights"]
     assert ref.keys() == other.keys()
     for key in ref:  # relative difference of each weight tensor, in norm
         assert (other[key] - ref[key]).norm() <= 1e-5 * ref[key].norm(), key
+
+
+def test_packing_computes_less_padding(runs):
+    """A packs each batch's sequences (responses of 1 and 40 characters) into fewer rows; P pads them. Same
+    losses (above), fewer computed tokens."""
+    packed, padded = (json.loads((runs[n]["out"] / "summary.json").read_text())["padding_efficiency"] for n in "AP")
+    assert padded < 0.75 < 0.85 < packed
 
 
 @pytest.mark.parametrize("name", ["A", "C"])
