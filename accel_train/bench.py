@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contenders", default="ours,trainer,bare", help="comma-separated: ours, trainer, bare")
     p.add_argument("--batch", type=int, help="samples per optimizer step (default 16; 8 with --quick)")
     p.add_argument("--max-len", type=int, help="longest sequence in tokens (default 1024; 256 with --quick)")
-    p.add_argument("--steps", type=int, help="measured steps (default 12; 8 with --quick)")
-    p.add_argument("--warmup", type=int, help="steps run before measuring (default 3; 2 with --quick)")
+    p.add_argument("--steps", type=int, help="measured steps (default 12; 16 with --quick)")
+    p.add_argument("--warmup", type=int, help="steps run before measuring (default 3)")
     p.add_argument("--precision", choices=["auto", "bf16", "no"], default="auto",
                    help="autocast for every contender; auto: bf16 where the hardware has it natively")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1- vs 2-process comparison")
@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
-    for name, full, small in (("size", "25m", "small"), ("batch", 16, 8), ("max_len", 1024, 256), ("steps", 12, 8),
-                              ("warmup", 3, 2)):
+    for name, full, small in (("size", "25m", "small"), ("batch", 16, 8), ("max_len", 1024, 256), ("steps", 12, 16),
+                              ("warmup", 3, 3)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     args.workloads, args.contenders = args.workloads.split(","), args.contenders.split(",")
@@ -228,7 +228,8 @@ def child_bare(spec: dict) -> dict:
     t = cfg.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()
-    collate = data_lib.make_collator(tokenizer, cfg, cfg.data.packing, attention_cost(model))
+    collate = data_lib.make_collator(tokenizer, cfg, cfg.data.packing, attention_cost(model),
+                                     cfg.data.pad_to_multiple_of or (32 if t.mixed_precision == "bf16" else 1))
     dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")

@@ -220,8 +220,8 @@ class PackingCollator:
     fixed-length data). Unfilled ends of rows are pad tokens with label IGNORE_INDEX.
     """
 
-    def __init__(self, pad_token_id: int, attention_cost: float = 0.0):
-        self.pad_token_id, self.attention_cost = pad_token_id, attention_cost
+    def __init__(self, pad_token_id: int, attention_cost: float = 0.0, multiple: int = 1):
+        self.pad_token_id, self.attention_cost, self.multiple = pad_token_id, attention_cost, multiple
 
     def layout(self, lengths: list[int]) -> tuple[int, list[list[int]]]:
         """(width, rows of sample indices) with the lowest estimated cost."""
@@ -229,6 +229,7 @@ class PackingCollator:
         longest, total, best = lengths[order[0]], sum(lengths), None
         for n_rows in range(1, math.ceil(total / longest) + 1):
             width = max(longest, math.ceil(total / n_rows))
+            width = -(-width // self.multiple) * self.multiple  # rounded up: fewer distinct shapes
             rows, room = [], []
             for i in order:
                 k = next((k for k, r in enumerate(room) if r >= lengths[i]), None)
@@ -259,19 +260,21 @@ class PackingCollator:
                 "real_tokens": torch.tensor(sum(len(f["input_ids"]) for f in features))}
 
 
-def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: float = 0.0):
-    """Packing, or dynamic padding: each batch padded to its own longest sequence, labels with IGNORE_INDEX."""
+def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    """Packing, or dynamic padding: each batch padded to its own longest sequence (rounded up to `multiple`),
+    labels with IGNORE_INDEX."""
     if cfg.task == "causal_lm" and pack:
-        return PackingCollator(tokenizer.pad_token_id, attention_cost)
+        return PackingCollator(tokenizer.pad_token_id, attention_cost, multiple)
     if cfg.task == "causal_lm":
-        return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
-    return DataCollatorWithPadding(tokenizer, return_tensors="pt")
+        return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt",
+                                      pad_to_multiple_of=multiple)
+    return DataCollatorWithPadding(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
 
 
 def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffle: bool, pack: bool = False,
-                    attention_cost: float = 0.0) -> DataLoader:
+                    attention_cost: float = 0.0, multiple: int = 1) -> DataLoader:
     # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
-    collate = make_collator(tokenizer, cfg, pack, attention_cost)
+    collate = make_collator(tokenizer, cfg, pack, attention_cost, multiple)
     shuffle = shuffle and not isinstance(ds, IterableDataset)  # a stream shuffles itself (dist.shard_stream)
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
                       generator=torch.Generator().manual_seed(cfg.seed), num_workers=cfg.data.num_workers,

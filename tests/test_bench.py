@@ -16,7 +16,9 @@ from accel_train import dist
 
 def test_bench_quick_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--out", out], timeout=600)
+    # --quick, with the fewest steps that give a median: this checks the figures are there, not their values.
+    proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--steps", "3", "--warmup", "1", "--out", out],
+               timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["precision"] in ("bf16", "no") and report["peak_flops"] > 0
