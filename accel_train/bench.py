@@ -223,13 +223,14 @@ def child_bare(spec: dict) -> dict:
 
     from accel_train import data as data_lib
     from accel_train.model import attention_cost
+    from accel_train.train import width_multiple
 
     cfg, tokenizer, ds, model = _setup(spec)
     t = cfg.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()
     collate = data_lib.make_collator(tokenizer, cfg, cfg.data.packing, attention_cost(model),
-                                     cfg.data.pad_to_multiple_of or (32 if t.mixed_precision == "bf16" else 1))
+                                     width_multiple(cfg, t.mixed_precision))
     dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")

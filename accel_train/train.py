@@ -63,10 +63,10 @@ def count_targets(batch: dict, task: str) -> torch.Tensor | int:
     return (batch["labels"][:, 1:] != IGNORE).sum() if task == "causal_lm" else batch["labels"].numel()
 
 
-def width_multiple(cfg: Config, accelerator) -> int:
+def width_multiple(cfg: Config, precision: str) -> int:
     """data.pad_to_multiple_of, resolved: in bf16/fp16 rounding batch widths up to 32 lets oneDNN (CPU) reuse its
     kernels, whose creation for each new shape cost 30% of the throughput of the small bench model."""
-    return cfg.data.pad_to_multiple_of or (32 if accelerator.mixed_precision in ("bf16", "fp16") else 1)
+    return cfg.data.pad_to_multiple_of or (32 if precision in ("bf16", "fp16") else 1)
 
 
 def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Tensor:
@@ -289,7 +289,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
         if pack:
             check_packing(model)  # before any expensive work: one forward of 8 tokens
         train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True, pack=pack,
-                                            attention_cost=attention_cost(model), multiple=width_multiple(cfg, accelerator))
+                                            attention_cost=attention_cost(model), multiple=width_multiple(cfg, accelerator.mixed_precision))
         eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
                    if eval_ds is not None and len(eval_ds) else None)
         if cfg.train.gradient_checkpointing:
