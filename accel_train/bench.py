@@ -167,7 +167,7 @@ def _setup(spec: dict):
     from accel_train.model import apply_lora, build_model, build_tokenizer
 
     cfg = load_config(None, spec["overrides"])
-    set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.train.run
+    set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.recipe.run
     tokenizer = build_tokenizer(cfg)
     train_raw, _ = data_lib.load_splits(cfg)
     ds = data_lib.tokenize(train_raw, tokenizer, cfg)
@@ -223,14 +223,13 @@ def child_bare(spec: dict) -> dict:
 
     from accel_train import data as data_lib
     from accel_train.model import attention_cost
-    from accel_train.train import width_multiple
 
     cfg, tokenizer, ds, model = _setup(spec)
     t = cfg.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()
     collate = data_lib.make_collator(tokenizer, cfg, cfg.data.packing, attention_cost(model),
-                                     width_multiple(cfg, t.mixed_precision))
+                                     data_lib.width_multiple(cfg, t.mixed_precision))
     dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")

@@ -4,6 +4,8 @@ up a half-written one, and restored so that training continues at the exact samp
 A checkpoint folder holds: the trainable weights only (the LoRA adapter, not the frozen base), optimizer,
 scheduler, every rank's RNG state, the training position (`train_state.json`), the resolved config, and last,
 the marker `COMPLETE` (written to a temporary name, then renamed). Folders without the marker are ignored.
+
+Importing this module imports no torch: preflight resolves `resume_from` with it before the heavy imports.
 """
 
 from __future__ import annotations
@@ -15,19 +17,51 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from accelerate.logging import get_logger
-from safetensors.torch import load_file
-
 from accel_train import faults
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.preflight import MARKER, checkpoints_dir, complete_checkpoints
+from accel_train.tracking import main_logger
 
-logger = get_logger(__name__)
+MARKER = "COMPLETE"  # written last into a checkpoint folder: without it, the folder is not a checkpoint
 STATE_FILE = "train_state.json"
 
 
-class NonFiniteError(RuntimeError):
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    found = [p for p in root.glob("step-*") if (p / MARKER).is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    """The checkpoint folder `resume_from` names (a cheap check: run by preflight)."""
+    if cfg.resume_from is None:
+        return None
+    if cfg.resume_from == "latest":
+        found = complete_checkpoints(cfg.output_dir)
+        if not found:
+            raise ConfigError(f"resume_from=latest: no complete checkpoint in {checkpoints_dir(cfg.output_dir)}")
+        return found[-1]
+    path = Path(cfg.resume_from)
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"resume_from: {path} is not a complete checkpoint (no {MARKER} marker)")
+    return path
+
+
+class StoppedWithCheckpoint(RuntimeError):
+    """Training stopped early, on purpose, after saving a checkpoint to continue from; `exit_status` is the
+    process's exit status for it."""
+
+    exit_status = 1
+
+
+class NonFiniteError(StoppedWithCheckpoint):
     """Training stopped on non-finite gradients, after saving the last good state."""
+
+    exit_status = 3
 
     def __init__(self, step: int, in_a_row: int, checkpoint):
         super().__init__(f"non-finite loss or gradient at step {step} ({in_a_row} step(s) in a row); stopped. "
@@ -79,6 +113,8 @@ def register_hooks(accelerator) -> None:
             weights[i] = {k: v for k, v in unwrapped.state_dict().items() if k in keep}
 
     def load_hook(models, input_dir):
+        from safetensors.torch import load_file  # imports torch: only once a checkpoint is loaded
+
         for i in reversed(range(len(models))):
             unwrapped = accelerator.unwrap_model(models[i])
             name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
@@ -113,7 +149,7 @@ def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
         os.replace(tmp, path / MARKER)  # atomic: the checkpoint is complete or it is not
         for old in complete_checkpoints(cfg.output_dir)[: -cfg.checkpoint.keep_last]:
             shutil.rmtree(old)
-        logger.info(f"checkpoint saved: {path}")
+        main_logger().info(f"checkpoint saved: {path}")
     accelerator.wait_for_everyone()
     return path
 
@@ -127,5 +163,5 @@ def load_checkpoint(accelerator, path: Path, state: TrainState) -> None:
             f"(per_device_batch_size x grad_accum_steps x processes); this run has {state.effective_batch}. "
             "Change grad_accum_steps so that they match.")
     accelerator.load_state(str(path))
-    logger.info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
-                f"{state.step_in_epoch} steps into the epoch")
+    main_logger().info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
+                       f"{state.step_in_epoch} steps into the epoch")

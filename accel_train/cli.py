@@ -1,7 +1,11 @@
-"""The command line: `python -m accel_train` and `accelerate launch accel_train/train.py` both end here.
+"""The command line, and the one entry every launch ends in: `main`.
+
+    python -m accel_train / accel-train / accelerate launch [-m accel_train | accel_train/train.py] /
+    torchrun [-m accel_train | accel_train/train.py]        -> cli() -> main()
+    notebook_launcher(accel_train.cli.main, (["key=value", ...],), num_processes=2)        -> main()
 
 Parsing and the cheap checks import no torch, so `--help`, `--print-config` and configuration errors answer in
-about a second; the training code is imported only once the run is known to be valid.
+about a second; the training code (recipe.py) is imported only once the run is known to be valid.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 
 import yaml
 
+from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError, help_text, load_config
 from accel_train.preflight import launched_world_size, preflight
 
@@ -38,26 +43,35 @@ def parse_cli(argv: list[str] | None) -> Config:
     return cfg
 
 
-def cli(argv: list[str] | None = None) -> None:
-    """Console entry. Exit status: 0 done, 2 bad configuration (one line on stderr), 3 stopped on non-finite
-    gradients, 128+N stopped by signal N after a checkpoint; anything else raises with its traceback."""
-    code = 0
+def main(argv: list[str] | None = None) -> dict:
+    """Parse `argv` (as the command line; None: sys.argv), check, train; returns the final metrics.
+
+    A run that cannot start or stops early prints one line on stderr and raises SystemExit with its exit status:
+    2 bad configuration, 3 stopped on non-finite gradients, 128+N stopped by signal N (both after a checkpoint).
+    Anything else raises with its traceback. This is the function notebook_launcher starts in each process.
+    """
     try:
         cfg = parse_cli(argv)
         resume = preflight(cfg)
-        from accel_train import train  # the heavy imports (torch, transformers, ...) only now
+        from accel_train.recipe import run  # the heavy imports (torch, transformers, ...) only now
 
-        try:
-            train.run(cfg, resume)
-        except train.NonFiniteError as e:
-            print(f"accel_train: {e}", file=sys.stderr)
-            code = 3
-        except train.Preempted as e:
-            print(f"accel_train: {e}", file=sys.stderr)
-            code = 128 + e.signum  # the shell's convention for "ended by signal N"
+        return run(cfg, resume)
     except ConfigError as e:  # LaunchError is one too
         print(f"accel_train: error: {e}", file=sys.stderr)
-        code = 2
+        raise SystemExit(2) from None
+    except StoppedWithCheckpoint as e:
+        print(f"accel_train: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_status) from None
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry (`accel-train`, `python -m accel_train`, accel_train/train.py): `main`, then exit with its
+    status."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     exit_process(code)
 
 

@@ -1,8 +1,11 @@
-"""All rank and world-size logic lives here, so that train.py reads like single-process code.
+"""All rank and world-size logic lives here, so that the loop (loop.py) reads like single-process code: the
+process group is formed in `make_accelerator`, data is sharded per rank here, signals become a stop that every
+rank takes at the same step, and `teardown` destroys the group.
 
 Rules that keep multi-process runs from hanging:
-- every decision that could differ between ranks (end of data, stop, a bad loss) goes through `agree_*`, a
-  collective that all ranks issue at the same point of the loop;
+- every decision that could differ between ranks (end of data, a signal, the loss normalisation) is taken from
+  the one gather of per-rank counts the loop issues at the start of each step, at the same point on all ranks;
+  the stop on a non-finite loss reads the gradient norm, which is global once gradients are all-reduced;
 - with one process no collective runs (accelerate's reduce/gather are no-ops there).
 """
 
@@ -27,8 +30,8 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullySha
                               InitProcessGroupKwargs, ProjectConfiguration, TorchDynamoPlugin,
                               send_to_device)
 
+from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError
-from accel_train.model import model_width
 from accel_train.preflight import launched_world_size
 
 
@@ -36,8 +39,9 @@ class LaunchError(ConfigError):
     """The processes started by the launcher do not fit this machine or did not form one process group."""
 
 
-def make_accelerator(cfg: Config) -> Accelerator:
-    """Read the rank environment, choose the device and, with several processes, join the process group."""
+def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator:
+    """Read the rank environment, choose the device and precision (for a model of hidden size `model_width`)
+    and, with several processes, form the process group (with train.dist_timeout_s as its timeout)."""
     world = launched_world_size()
     if cfg.train.debug_collectives:
         # accelerate checks that all ranks gather/reduce tensors of matching shapes; torch logs DDP's buckets.
@@ -53,7 +57,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
     # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
     cpu = world > 1 and not torch.accelerator.is_available()
     precision, note = choose_precision(cfg.train.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
-                                       model_width(cfg))
+                                       model_width)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,
@@ -206,13 +210,13 @@ class Preemption:
             signal.signal(sig, handler)
 
 
-class Preempted(Exception):
-    """Training stopped on a signal after saving a checkpoint."""
+class Preempted(StoppedWithCheckpoint):
+    """Training stopped on a signal after saving a checkpoint; the exit status is the shell's 128 + signal."""
 
     def __init__(self, signum: int, checkpoint):
         super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved: {checkpoint} "
                          "(continue with resume_from=latest)")
-        self.signum = signum
+        self.signum, self.exit_status = signum, 128 + signum
 
 
 def teardown(accelerator: Accelerator | None) -> None:

@@ -2,25 +2,52 @@
 
 Everything here acts on the main process only, so the loop calls it without asking which rank it is on.
 Trackers go through accelerate (`log_with` / `init_trackers` / `accelerator.log`); TensorBoard is the default
-because it needs no account.
+because it needs no account. Importing this module imports no torch: preflight checks the trackers with it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from accel_train.config import Config, to_dict
+from accel_train.config import Config, ConfigError, to_dict
 
-logger = get_logger("accel_train")
+if TYPE_CHECKING:
+    import torch
+
+# accelerate tracker name -> (module to import, pip package)
+TRACKER_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"),
+    "trackio": ("trackio", "trackio"), "comet_ml": ("comet_ml", "comet-ml"), "aim": ("aim", "aim"),
+    "clearml": ("clearml", "clearml"), "dvclive": ("dvclive", "dvclive"), "swanlab": ("swanlab", "swanlab"),
+}
+
+
+def check_trackers(cfg: Config) -> None:
+    """Every tracker named is known to accelerate and its package is installed (a cheap check: run by preflight)."""
+    for name in cfg.track.log_with:
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"track.log_with: unknown tracker {name!r}; accelerate knows "
+                              f"{', '.join(TRACKER_PACKAGES)}")
+        module, package = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"track.log_with: tracker {name!r} needs the package {package}: pip install {package}")
+
+
+def main_logger():
+    """accelerate's logger, which logs on the main process only (imported when first used: it imports torch)."""
+    from accelerate.logging import get_logger
+
+    return get_logger("accel_train")
+
 
 def flat_config(cfg: Config) -> dict:
     """The config as flat `section.key: value` hyperparameters (what TensorBoard's hparams accept)."""
@@ -40,6 +67,8 @@ def flops_per_token(n_total: int, n_trainable: int) -> int:
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
     """FLOP/s of a square matmul at the training precision on this device: the denominator of MFU."""
+    import torch
+
     n = 8192 if device.type == "cuda" else 2048  # smaller matrices fall short of the peak (CPU bf16: 0.9 vs 1.9 TFLOP/s)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):  # warm-up
@@ -56,6 +85,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
 def current_memory_mb(device: torch.device) -> float:
     """Memory in use now: allocated tensors on a GPU, the process's resident set on a CPU."""
     if device.type == "cuda":
+        import torch
+
+
         return torch.cuda.memory_allocated(device) / 2**20
     with open("/proc/self/statm") as f:  # Linux: pages; field 2 is resident
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
@@ -63,6 +95,9 @@ def current_memory_mb(device: torch.device) -> float:
 
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
+        import torch
+
+
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -109,7 +144,7 @@ class RunLog:
             return
         line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
         if self.bar.disable:
-            logger.info(line)
+            main_logger().info(line)
         else:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k in ("loss", "lr", "tokens_per_sec")})
             self.bar.write(line)
@@ -120,7 +155,7 @@ class RunLog:
 
     def warn(self, message: str) -> None:
         if self.main:
-            logger.warning(message)
+            main_logger().warning(message)
 
     def close(self) -> None:
         self.bar.close()
@@ -129,3 +164,32 @@ class RunLog:
             seconds, real, computed = zip(*self.steps) if self.steps else ((), (), ())
             (self.out / "steps.json").write_text(json.dumps(
                 {"seconds": [round(x, 6) for x in seconds], "real_tokens": real, "computed_tokens": computed}))
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step`, so a resumed run's log reads as one run."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds: float, device, target) -> None:
+    """Print and save output_dir/summary.json, and draw output_dir/loss.png."""
+    from accel_train.plot import plot_runs  # matplotlib: only at the end of a run
+
+    out = Path(cfg.output_dir)
+    summary = {
+        "final": {k: v for k, v in results.items() if k.startswith("eval_") or k in ("step", "epoch", "loss")},
+        "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
+        "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
+        "step_seconds_median": results.get("step_seconds_median"),
+        "padding_efficiency": results.get("padding_efficiency"),
+        "peak_memory_mb": round(peak_memory_mb(device), 1),
+        "saved": str(target), "plot": str(out / "loss.png"), "metrics": str(out / "metrics.jsonl"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_runs([out], out / "loss.png")
+    final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items() if isinstance(v, float))
+    main_logger().info(f"final: {final}; {summary['train_seconds']} s training, {summary['tokens_per_sec']:.0f} "
+                       f"tokens/s, peak memory {summary['peak_memory_mb']:.0f} MB; saved to {target}; summary in "
+                       f"{out}/summary.json")

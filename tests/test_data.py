@@ -11,7 +11,8 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import AutoTokenizer
 
 from accel_train import data as data_lib
-from accel_train.preflight import check_data_source
+from accel_train import data_sources
+from accel_train.data_sources import check_data_source
 from accel_train.config import TINY_MODEL, ConfigError, load_config
 from accel_train.data import IGNORE_INDEX
 
@@ -323,7 +324,7 @@ def test_seq_cls_batches_are_padded_per_batch(tok):
 
 
 def test_builtin_datasets_are_deterministic():
-    for name in data_lib.BUILTIN:
+    for name in data_sources.BUILTIN:
         assert data_lib.builtin_dataset(name, 50).to_list() == data_lib.builtin_dataset(name, 50).to_list()
     # The run's seed changes the train/eval split, never the data itself.
     splits = [data_lib.load_splits(make_cfg("data.builtin_size=40", f"seed={seed}")) for seed in (1, 2)]
@@ -342,7 +343,7 @@ def test_builtin_sentiment_labels_follow_the_word_counts():
     rows = data_lib.builtin_dataset("sentiment", 300).to_list()
     for row in rows:
         words = row["text"].split()
-        n_pos = sum(w in data_lib._POS for w in words)
-        n_neg = sum(w in data_lib._NEG for w in words)
+        n_pos = sum(w in data_sources.POSITIVE_WORDS for w in words)
+        n_neg = sum(w in data_sources.NEGATIVE_WORDS for w in words)
         assert n_pos != n_neg and row["label"] == int(n_pos > n_neg), row
     assert {r["label"] for r in rows} == {0, 1}

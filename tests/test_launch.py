@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accel_train import data as data_lib
 from accel_train.config import load_config
-from accel_train.train import loss_sum
+from accel_train.loop import summed_cross_entropy
 
 
 def eval_loss_from_saved(out) -> float:
@@ -30,7 +30,7 @@ def eval_loss_from_saved(out) -> float:
     with torch.no_grad():
         for b in dl:
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            total += float(loss_sum(logits, b["labels"], cfg.task))
+            total += float(summed_cross_entropy(logits, b["labels"], cfg.task))
             targets += int((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum())
     return total / targets
 

@@ -1,0 +1,206 @@
+"""The training loop (`fit`) and evaluation (`run_evaluation`): single-process code in appearance, with every
+value that could differ between ranks decided together once per step (see the comments in `fit`).
+
+The objects it drives are built by `recipe.py` and handed over in one `TrainingJob`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import send_to_device
+
+from accel_train import data as data_lib
+from accel_train import faults
+from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
+from accel_train.config import Config
+from accel_train.dist import Preempted, Preemption, epoch_batches
+from accel_train.tracking import RunLog, current_memory_mb
+
+IGNORE = data_lib.IGNORE_INDEX
+
+
+@dataclass
+class TrainingJob:
+    """What the loop drives, prepared by accelerate (recipe.prepare)."""
+
+    accelerator: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_dl: object
+    eval_dl: object | None
+    metrics: dict
+    """`evaluate` modules by name."""
+    state: TrainState
+    """Where training stands: restored on resume, saved with each checkpoint."""
+    total_steps: int
+    run_log: RunLog
+    preemption: Preemption
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Sum (not mean) of the per-target cross-entropy: next-token for causal_lm, per-sample for seq_cls."""
+    if task == "causal_lm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def count_targets(batch: dict, task: str) -> torch.Tensor | int:
+    """Targets the loss of this batch is summed over (response tokens after the shift, or samples)."""
+    return (batch["labels"][:, 1:] != IGNORE).sum() if task == "causal_lm" else batch["labels"].numel()
+
+
+def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Tensor:
+    """This rank's [targets, real tokens, computed tokens, micro-batches, signal] for one step (on the device:
+    summing there costs no host sync)."""
+    stats = torch.zeros(5, dtype=torch.long, device=device)
+    for batch in window:
+        real, computed = data_lib.token_counts(batch)
+        stats[0] += count_targets(batch, task)
+        stats[1] += real
+        stats[2] += computed
+    stats[3], stats[4] = len(window), signum
+    return stats
+
+
+def forward(model, batch: dict, task: str) -> torch.Tensor:
+    """The logits. No KV cache in training: it costs memory, and with one transformers ignores packing."""
+    return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
+
+
+def fit(cfg: Config, job: TrainingJob) -> dict:
+    """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
+    accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
+    accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
+    last = {}
+    rank_loss = torch.zeros((), device=accelerator.device)  # this rank's summed target losses since the last log
+    targets_since_log, tokens_since_log, t_log, tokens_total = 0, 0, time.perf_counter(), 0
+    # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
+    replay = functools.cache(lambda: send_to_device(
+        job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
+    model.train()
+    while state.step < job.total_steps:
+        batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch * accum)
+        while state.step < job.total_steps:
+            # Fetch the whole window first: the loss is normalised by the number of targets in the window
+            # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
+            window = list(islice(batches, accum))
+            # One collective and one device-to-host copy per step: every rank learns every rank's counts.
+            stats = window_stats(window, task, job.preemption.signum, accelerator.device)
+            rows = accelerator.gather(stats[None]).tolist()
+            targets, real_tokens, computed_tokens = (sum(r[i] for r in rows) for i in range(3))
+            n_micro, signal = max(r[3] for r in rows), max(r[4] for r in rows)
+            if signal:  # a signal reached some rank: every rank stops here, after the same step
+                raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
+            if n_micro == 0:  # all ranks agree the epoch is over
+                break
+            # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
+            # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
+            # effective batch.
+            scale = accelerator.num_processes * accum / targets
+            window_loss = torch.zeros((), device=accelerator.device)
+            for i in range(n_micro):
+                poison = faults.inject(state.step + 1, i, rank)
+                # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
+                # all ranks then run the same forwards and backwards, hence the same collectives.
+                batch, weight = (window[i], 1.0) if i < len(window) else (replay(), 0.0)
+                sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
+                with nullcontext() if sync else accelerator.no_sync(model):
+                    loss = summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
+                    loss = loss * (math.nan if poison else weight)
+                    accelerator.backward(loss * scale)
+                window_loss += loss.detach()
+            # Gradients are synchronized here, so this is the global norm, the same number on every rank:
+            # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
+            # fp16's loss scaler expects overflows: it skips such a step itself and lowers the scale.
+            bad = not math.isfinite(grad_norm) and accelerator.scaler is None
+            state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
+            if bad and (cfg.train.on_nonfinite == "stop" or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
+                raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(accelerator, cfg, state))
+            lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
+            if bad:
+                state.skipped_steps += 1
+                run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
+                             f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
+            else:
+                optimizer.step()
+                rank_loss += window_loss
+                targets_since_log += targets
+            if not optimizer.step_was_skipped or bad:
+                job.scheduler.step()  # once per optimizer step, whatever the number of processes
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.step_in_epoch += 1
+            tokens_since_log += real_tokens
+            run_log.step(real_tokens, computed_tokens)
+
+            if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
+                global_loss = accelerator.reduce(rank_loss, reduction="sum").item()
+                loss = global_loss / targets_since_log if targets_since_log else math.nan  # only skipped steps
+                elapsed = time.perf_counter() - t_log
+                last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
+                        "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed,
+                        "mfu": run_log.mfu(tokens_since_log / elapsed),
+                        "memory_mb": current_memory_mb(accelerator.device)}
+                run_log.log(last)
+                rank_loss.zero_()
+                tokens_total += tokens_since_log
+                targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
+            if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
+                    and state.step < job.total_steps):  # the final evaluation follows the loop
+                run_log.log({"step": state.step, "epoch": state.epoch, **run_evaluation(cfg, job)})
+            if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
+                save_checkpoint(accelerator, cfg, state)
+        else:
+            break  # total_steps reached inside the epoch
+        state.epoch += 1
+        state.step_in_epoch = 0
+    final = run_evaluation(cfg, job) if job.eval_dl is not None else {}
+    if final:
+        run_log.log({"step": state.step, "epoch": state.epoch, **final})
+    return {**last, **final, "train_tokens": tokens_total}
+
+
+@torch.no_grad()
+def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
+    """Loss over every eval target, and `evaluate` metrics on argmax predictions (tokens or classes)."""
+    accelerator, model = job.accelerator, job.model
+    model.eval()
+    total_loss, total_targets, samples = 0.0, 0, 0
+    for batch in job.eval_dl:
+        logits = forward(model, batch, cfg.task).float()
+        labels = batch["labels"]
+        if cfg.task == "causal_lm":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+            per_sample = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none").sum(1)
+            preds = logits.argmax(-1)
+            # Sequence lengths differ between ranks: pad to a common length before gathering.
+            preds, labels = (accelerator.pad_across_processes(t, dim=1, pad_index=IGNORE) for t in (preds, labels))
+            n_targets = (labels != IGNORE).sum(1)
+        else:
+            per_sample = F.cross_entropy(logits, labels, reduction="none")
+            preds, n_targets = logits.argmax(-1), torch.ones_like(labels)
+        # gather_for_metrics drops the samples that were repeated to give every rank a full last batch.
+        per_sample, n_targets, preds, labels = accelerator.gather_for_metrics((per_sample, n_targets, preds, labels))
+        total_loss += float(per_sample.sum())
+        total_targets += int(n_targets.sum())
+        samples += len(per_sample)
+        keep = labels != IGNORE
+        for metric in job.metrics.values():
+            metric.add_batch(predictions=preds[keep].cpu(), references=labels[keep].cpu())
+    model.train()
+    results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": samples}
+    if cfg.task == "causal_lm":
+        results["eval_perplexity"] = math.exp(min(results["eval_loss"], 50.0))
+    for metric in job.metrics.values():
+        results.update({f"eval_{k}": v for k, v in metric.compute().items()})
+    return results

@@ -1,0 +1,217 @@
+"""One fine-tuning job, per rank, as named stages (`run` reads them in order):
+
+    make_accelerator (dist.py: rank environment, device, precision, process group)
+    -> start_run_dir -> setup_data -> setup_model -> setup_loaders -> setup_optimization
+    -> prepare (accelerate wraps model, optimizer, loaders; resume) -> fit (loop.py) -> save_model -> report
+    -> teardown (dist.py, in `finally`)
+
+The command line (cli.py) checks the configuration and calls `run`; nothing here imports the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from datasets import Dataset, IterableDataset
+from transformers import get_scheduler
+
+from accel_train import data as data_lib
+from accel_train.checkpoint import TrainState, load_checkpoint, register_hooks
+from accel_train.config import Config, ConfigError, save_config
+from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
+from accel_train.export import merge_adapter
+from accel_train.loop import TrainingJob, fit
+from accel_train.metrics import load_metric
+from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
+                               count_parameters, model_width)
+from accel_train.tracking import (RunLog, flops_per_token, main_logger, measure_peak_flops, truncate_log,
+                                  write_summary)
+
+
+def run(cfg: Config, resume: Path | None) -> dict:
+    """One training job on this rank; returns the final metrics. `resume`: the checkpoint preflight resolved."""
+    accelerator, t_start = None, time.perf_counter()
+    try:
+        accelerator = make_accelerator(cfg, model_width(cfg))
+        start_run_dir(cfg, accelerator)
+        tokenizer = build_tokenizer(cfg)
+        train_ds, eval_ds, n_labels = setup_data(cfg, accelerator, tokenizer)
+        model = setup_model(cfg, accelerator, tokenizer, n_labels, resume)
+        train_dl, eval_dl = setup_loaders(cfg, accelerator, tokenizer, model, train_ds, eval_ds)
+        total_steps = count_steps(cfg, accelerator, train_ds)
+        optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
+        job = prepare(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
+        describe(cfg, job, train_ds, eval_ds)
+
+        t0 = time.perf_counter()
+        try:
+            job.preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
+            results = fit(cfg, job)
+        finally:
+            job.preemption.restore()
+            job.run_log.close()
+        results.update(job.run_log.timing())
+        train_seconds = time.perf_counter() - t0
+        target = save_model(cfg, accelerator, job.model, tokenizer)
+        if accelerator.is_main_process:
+            if cfg.merge and cfg.lora.enabled:
+                merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
+            write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
+        accelerator.wait_for_everyone()
+        return results
+    finally:
+        teardown(accelerator)
+
+
+def start_run_dir(cfg: Config, accelerator) -> None:
+    """Console format and seed; with overwrite=true, the old run is deleted before any rank writes."""
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    if cfg.overwrite and accelerator.is_main_process and out.exists():
+        shutil.rmtree(out)  # asked for explicitly, and preflight checked it holds a run
+    accelerator.wait_for_everyone()
+
+
+def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
+    """(train, eval, number of classes) tokenized: once per machine (its main process first, the others then read
+    datasets' cache). A streamed train set is split per rank here."""
+    with accelerator.local_main_process_first():
+        train_raw, eval_raw = data_lib.load_splits(cfg)
+        data_lib.check_columns(cfg, train_raw)
+        n_labels = data_lib.num_labels(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
+        if n_labels is not None:  # a stream's labels are not read ahead (cross-entropy checks them)
+            data_lib.check_labels(cfg, n_labels, *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)))
+        train_ds = data_lib.tokenize(train_raw, tokenizer, cfg)
+        eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg) if eval_raw is not None else None
+    batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
+    if isinstance(train_ds, IterableDataset):
+        return shard_stream(accelerator, train_ds, cfg), eval_ds, n_labels
+    if len(train_ds) == 0:
+        raise ConfigError(f"data: no training sample keeps a target token after truncation to "
+                          f"data.max_length={cfg.data.max_length}; raise it")
+    if math.ceil(len(train_ds) / batch) < procs:
+        raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
+                          f"train.per_device_batch_size={batch} for each of the {procs} processes")
+    return train_ds, eval_ds, n_labels
+
+
+def setup_model(cfg: Config, accelerator, tokenizer, n_labels: int | None, resume: Path | None) -> torch.nn.Module:
+    """The base model with its LoRA adapter (or alone, for full fine-tuning). A random base is saved into
+    output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
+    base = Path(cfg.output_dir) / "base_model"
+    reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
+    model = build_model(cfg, tokenizer, n_labels, weights_from=base if reuse_base else None)
+    if n_labels is not None:
+        cfg.model.num_labels = n_labels  # resolved, so that export/predict rebuild the same head
+    # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
+    random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
+    model = apply_lora(cfg, model)
+    if cfg.data.packing and cfg.task == "causal_lm":
+        check_packing(model)  # before any expensive work: one forward of 8 tokens
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if accelerator.is_main_process:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        if random_base is not None:
+            random_base.save_pretrained(base)
+            tokenizer.save_pretrained(base)
+    return model
+
+
+def setup_loaders(cfg: Config, accelerator, tokenizer, model, train_ds, eval_ds) -> tuple:
+    """(train, eval) dataloaders, not yet sharded: packed (causal_lm) or padded batches."""
+    pack = cfg.data.packing and cfg.task == "causal_lm"
+    train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, cfg.train.per_device_batch_size, shuffle=True,
+                                        pack=pack, attention_cost=attention_cost(model),
+                                        multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision))
+    eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
+               if eval_ds is not None and len(eval_ds) else None)
+    return train_dl, eval_dl
+
+
+def count_steps(cfg: Config, accelerator, train_ds) -> int:
+    """Optimizer steps of the run: train.max_steps, else epochs x the steps of one epoch over all ranks."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    micro_batches = math.ceil(len(train_ds) / cfg.train.per_device_batch_size)  # over all ranks, per epoch
+    return math.ceil(micro_batches / (accelerator.num_processes * cfg.train.grad_accum_steps)) * cfg.train.epochs
+
+
+def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tuple:
+    """AdamW over the trainable parameters and the learning-rate schedule."""
+    # Fused AdamW updates all parameters in one kernel (Trainer's default too); FSDP's sharded DTensor
+    # parameters take the default implementation.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                  weight_decay=cfg.train.weight_decay, fused=not accelerator.is_fsdp2)
+    schedule = {"constant": "constant_with_warmup"}.get(cfg.train.lr_scheduler, cfg.train.lr_scheduler)
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
+                              num_training_steps=total_steps)
+    return optimizer, scheduler
+
+
+def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
+            resume: Path | None) -> TrainingJob:
+    """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
+    is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
+    train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    metrics = {name: load_metric(name) for name in cfg.eval.metrics}
+    procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
+    state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
+    accelerator.register_for_checkpointing(state)
+    register_hooks(accelerator)
+    if resume:
+        load_checkpoint(accelerator, resume, state)
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        if resume:
+            truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
+    trainable, total = count_parameters(model)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, flops_per_token(total, trainable), peak)
+    return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
+                       run_log, Preemption())
+
+
+def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
+    """The run's first line: where it runs, in which precision, on what, for how many steps."""
+    accelerator, (trainable, total) = job.accelerator, count_parameters(job.model)
+    batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
+    main_logger().info(
+        f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
+        f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
+        f"{trainable:,} of {total:,} parameters trainable; "
+        f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
+        f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
+        f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {job.total_steps} steps")
+
+
+def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
+    """The trained adapter (or full model) into output_dir: written by the main process, gathered by all."""
+    out = Path(cfg.output_dir)
+    target = out / ("adapter" if cfg.lora.enabled else "model")
+    if cfg.lora.enabled and accelerator.is_fsdp2:
+        # Gather the adapter's shards only (a collective per tensor): get_state_dict would gather the whole
+        # model, frozen base included, into rank 0's memory.
+        state = {name: p.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank must call it
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        if cfg.lora.enabled and cfg.model.random_init:
+            # A random base cannot be re-downloaded: point the adapter at the copy saved before training.
+            unwrapped.peft_config["default"].base_model_name_or_path = str((out / "base_model").resolve())
+        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(target)
+    accelerator.wait_for_everyone()
+    return target
