@@ -29,6 +29,11 @@ CONFIGS_DIR = next(
 TINY_MODEL = str(CONFIGS_DIR / "model" / "tiny-llama")
 
 
+def is_embedded_tiny_model(name_or_path: str) -> bool:
+    """The tiny model shipped with accel_train: a config and a tokenizer, no weights (it is always random)."""
+    return Path(name_or_path).expanduser().resolve() == Path(TINY_MODEL).resolve()
+
+
 YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
 
@@ -46,9 +51,15 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name_or_path: str = TINY_MODEL
-    """Local model folder or Hugging Face hub id, loaded with `AutoModelFor...`."""
-    random_init: bool = True
-    """Build the model from its config.json with random weights instead of loading weights (the tiny default)."""
+    """Local model folder or Hugging Face hub id, loaded with `AutoModelFor...` and its pretrained weights."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) of the model and tokenizer; None: the default branch."""
+    random_init: Optional[bool] = None
+    """true: build the model from its config.json with random weights instead of loading its weights. None (the
+    default): pretrained weights, except for the embedded tiny model, whose folder holds none (it is random)."""
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    """Attention kernel. auto: flash_attention_2 on a GPU when flash-attn is installed and the weights are
+    bf16/fp16, else transformers' default (sdpa where the model supports it)."""
     num_labels: Optional[int] = None
     """Classes for seq_cls; None reads them from the dataset's label column."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -88,11 +99,30 @@ class DataConfig:
     response_field: str = "response"
     """causal_lm: column with the target text; loss is computed on these tokens only."""
     messages_field: str = "messages"
-    """causal_lm: column with chat messages ([{role, content}, ...]); the last assistant turn is the target."""
+    """causal_lm: column with chat messages ([{role, content}, ...], OpenAI style, or ShareGPT's from/value)."""
+    instruction_field: str = "instruction"
+    """causal_lm, format alpaca: column with the instruction (input_field, if present and not empty, follows it)."""
+    input_field: str = "input"
+    """causal_lm, format alpaca: column with the optional input appended to the instruction."""
+    output_field: str = "output"
+    """causal_lm, format alpaca: column with the target answer."""
+    format: Literal["auto", "prompt_response", "messages", "alpaca", "text"] = "auto"
+    """causal_lm data format. auto: from the columns (messages_field or `conversations`, then prompt/response,
+    then instruction/output, then text). text: continued pre-training on text_field, loss on every token."""
+    train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
+    """causal_lm conversations: the loss covers the last assistant turn, every assistant turn, or every token."""
     text_field: str = "text"
-    """seq_cls: column with the input text."""
+    """seq_cls: column with the input text; causal_lm format text: the text to train on."""
     label_field: str = "label"
-    """seq_cls: column with the integer class label."""
+    """seq_cls: column with the class label: an integer, or a name (strings are mapped to ids in sorted order,
+    saved as id2label/label2id with the model)."""
+    name: Optional[str] = None
+    """Dataset configuration (subset) name given to load_dataset, e.g. data.path=glue data.name=sst2."""
+    data_files: Optional[Union[list[str], dict[str, list[str]]]] = None
+    """Files given to load_dataset (globs allowed): a list (the train split) or {split: [files]}; data.path is then
+    the builder (json, csv, parquet), a folder or a hub dataset."""
+    revision: Optional[str] = None
+    """Hub dataset revision (branch, tag or commit); None: the default branch."""
     max_length: int = 512
     """Sequences are truncated to this many tokens."""
     max_samples: Optional[int] = None
@@ -204,6 +234,8 @@ class Config:
     track: TrackConfig = field(default_factory=TrackConfig)
 
     def __post_init__(self):
+        if self.model.random_init is None:  # resolved here, so config.yaml records what the run did
+            self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
             "train.grad_accum_steps": self.train.grad_accum_steps,
@@ -302,8 +334,13 @@ def _check(value, hint, key: str):
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _check(value, inner[0] if len(inner) == 1 else hint, key)
+        *others, last = [a for a in args if a is not type(None)]
+        for option in others:  # the first type that takes the value, in the order written
+            try:
+                return _check(value, option, key)
+            except ConfigError:
+                pass
+        return _check(value, last, key)
     if origin is Literal:
         if isinstance(value, bool):  # YAML 1.1 reads unquoted no/off/yes/on as booleans
             value = next((a for a in args if str(a).lower() in (YAML_BOOL_WORDS[value])), value)
@@ -316,6 +353,10 @@ def _check(value, hint, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_check(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a list or a mapping, got {value!r}")
+        return {_check(k, args[0], key): _check(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string

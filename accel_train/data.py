@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
-from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
+from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, Value, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
+from accel_train import formats
 from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.data_sources import FILE_BUILDERS, builtin_rows
+from accel_train.formats import IGNORE_INDEX
 
 logger = get_logger(__name__)
-IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
 
 
 def builtin_dataset(name: str, size: int) -> Dataset:
@@ -43,8 +44,9 @@ def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]
                                       streaming=d.streaming)
             elif (local / "dataset_dict.json").exists() or (local / "dataset_info.json").exists():
                 loaded = load_from_disk(str(local))
-            else:  # a hub dataset name (or a local folder of data files, which load_dataset also reads)
-                loaded = load_dataset(d.path, streaming=d.streaming)
+            else:  # a hub dataset, a local folder of data files, or a builder (json, csv, ...) with data_files
+                loaded = load_dataset(d.path, name=d.name, data_files=d.data_files, revision=d.revision,
+                                      streaming=d.streaming)
         except Exception as e:  # datasets wraps the parser's error: name the root cause, in one line
             root = e
             while root.__cause__ or root.__context__:
@@ -93,63 +95,47 @@ def _stream_splits(cfg: Config, loaded) -> tuple[IterableDataset, Dataset | None
     return train, evaluation
 
 
+def label_names(cfg: Config, *splits: Dataset | IterableDataset | None) -> list[str] | None:
+    """seq_cls class names in id order: the ClassLabel feature's names, or the sorted distinct names of a column of
+    strings; None for integer labels (and for a stream, whose values are not read ahead)."""
+    splits = [s for s in splits if s is not None]
+    field = cfg.data.label_field
+    feature = (splits[0].features or {}).get(field)
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    if isinstance(feature, Value) and feature.dtype in ("string", "large_string"):
+        if not all(isinstance(s, Dataset) for s in splits):
+            raise ConfigError(f"data: labels in column {field!r} are names, which a stream cannot map to ids "
+                              "without reading it all; give integer labels with model.num_labels, or stream=false")
+        return sorted({str(x) for s in splits for x in s[field]})
+    return None
+
+
+def num_labels(cfg: Config, *splits: Dataset | None) -> int:
+    """model.num_labels, else the dataset's ClassLabel or label names, else the largest label seen in any split + 1."""
+    if cfg.model.num_labels is not None:
+        return cfg.model.num_labels
+    names = label_names(cfg, *splits)
+    if names is not None:
+        return len(names)
+    return max(int(max(s[cfg.data.label_field])) for s in splits if s is not None and len(s)) + 1
+
+
 def check_labels(cfg: Config, n_labels: int, *splits: Dataset | None) -> None:
-    """seq_cls: every label is a class index of the classifier, 0 <= label < num_labels."""
+    """seq_cls: every label is a class of the classifier: 0 <= label < num_labels, or one of the names."""
+    names = label_names(cfg, *splits)
+    if names is not None and len(names) > n_labels:
+        raise ConfigError(f"data: column {cfg.data.label_field!r} holds {len(names)} classes ({', '.join(names[:5])}"
+                          f"{', ...' if len(names) > 5 else ''}) but model.num_labels={n_labels}")
     for split in (s for s in splits if s is not None and len(s)):
         labels = split[cfg.data.label_field]
-        bad = sorted({int(x) for x in labels if not 0 <= int(x) < n_labels})
+        bad = sorted({int(x) for x in labels if not isinstance(x, str) and not 0 <= int(x) < n_labels})
         if bad:
             raise ConfigError(f"data: labels {bad[:5]} in column {cfg.data.label_field!r} are outside the "
                               f"classifier's range 0..{n_labels - 1} (model.num_labels={n_labels})")
 
 
-def num_labels(cfg: Config, *splits: Dataset | None) -> int:
-    """model.num_labels, else the dataset's ClassLabel, else the largest label seen in any split + 1."""
-    if cfg.model.num_labels is not None:
-        return cfg.model.num_labels
-    splits = [s for s in splits if s is not None]
-    feature = splits[0].features.get(cfg.data.label_field)
-    if isinstance(feature, ClassLabel):
-        return feature.num_classes
-    return max(int(max(s[cfg.data.label_field])) for s in splits if len(s)) + 1
-
-
 # ---------------------------------------------------------------------------------------------------- tokenizing
-
-
-def _chat(example: dict, cfg: Config) -> list[dict]:
-    d = cfg.data
-    # str(): datasets reads a column of numbers ("42") as ints, which a chat template cannot concatenate
-    if d.messages_field in example and example[d.messages_field]:
-        return [{**m, "content": str(m["content"])} for m in example[d.messages_field]]
-    return [{"role": "user", "content": str(example[d.prompt_field])},
-            {"role": "assistant", "content": str(example[d.response_field])}]
-
-
-def tokenize_causal(example: dict, tokenizer, cfg: Config) -> dict:
-    """Prompt tokens get label IGNORE_INDEX, so the loss covers the final assistant turn only."""
-    messages = _chat(example, cfg)
-    if tokenizer.chat_template:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)["input_ids"]
-        full = tokenizer.apply_chat_template(messages)["input_ids"]
-        if full[: len(prompt)] != prompt:
-            raise ConfigError("the tokenizer's chat template renders the prompt differently inside the full "
-                              "conversation, so the response tokens cannot be located; use prompt/response "
-                              "data with a tokenizer without chat template, or another template")
-    else:
-        text = "\n".join(m["content"] for m in messages[:-1]) + "\n"
-        prompt = tokenizer(text)["input_ids"]
-        full = prompt + tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
-        full = full + [tokenizer.eos_token_id]
-    full = full[: cfg.data.max_length]
-    labels = [IGNORE_INDEX] * min(len(prompt), len(full)) + full[len(prompt):]
-    return {"input_ids": full, "attention_mask": [1] * len(full), "labels": labels}
-
-
-def tokenize_cls(example: dict, tokenizer, cfg: Config) -> dict:
-    out = tokenizer(example[cfg.data.text_field], truncation=True, max_length=cfg.data.max_length)
-    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
-            "labels": int(example[cfg.data.label_field])}
 
 
 def first_sample(ds: Dataset | IterableDataset) -> dict:
@@ -161,19 +147,33 @@ def columns(ds: Dataset | IterableDataset) -> list[str]:
     return ds.column_names or list(next(iter(ds)).keys())
 
 
-def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config) -> Dataset | IterableDataset:
-    """Tokenized dataset. In memory, datasets caches the result on disk, keyed by a hash of the function and its
+def _tokenize_conversation(example: dict, row: int, tokenizer, cfg: Config, fmt: str) -> dict:
+    return formats.tokenize_causal(example, tokenizer, cfg, fmt, row)  # map passes the row index second
+
+
+def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list[str] | None = None
+             ) -> Dataset | IterableDataset:
+    """Tokenized dataset (formats.py: one row -> input_ids, attention_mask, labels). `labels`: seq_cls class
+    names, in id order. In memory, datasets caches the result on disk, keyed by a hash of the function and its
     arguments: only what tokenizing reads goes into them, so later runs (another output_dir, learning rate, ...)
     reuse the cache. A stream is tokenized lazily, as it is read."""
-    fn = tokenize_causal if cfg.task == "causal_lm" else tokenize_cls
-    d = cfg.data
+    d, cols = cfg.data, columns(ds)
+    fmt = formats.resolve_format(cfg, cols) if cfg.task == "causal_lm" else None
     key = Config(task=cfg.task, data=DataConfig(
         prompt_field=d.prompt_field, response_field=d.response_field, messages_field=d.messages_field,
-        text_field=d.text_field, label_field=d.label_field, max_length=d.max_length))
-    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key}, "remove_columns": columns(ds)}
+        instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
+        format=d.format, train_on=d.train_on, text_field=d.text_field, label_field=d.label_field,
+        max_length=d.max_length))
+    if fmt == "text":
+        fn, fn_kwargs, extra = formats.tokenize_text, {}, {"batched": True}
+    elif fmt is not None:
+        fn, fn_kwargs, extra = _tokenize_conversation, {"fmt": fmt}, {"with_indices": True}
+    else:
+        fn, fn_kwargs, extra = formats.tokenize_cls, {"label2id": {n: i for i, n in enumerate(labels or [])}}, {}
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, **fn_kwargs}, "remove_columns": cols, **extra}
     ds = ds.map(fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(fn, **kwargs, desc="tokenizing")
     if cfg.task == "causal_lm":  # truncation can leave a sample with no target token: it would teach nothing
-        ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels")
+        ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels[1:]), input_columns="labels")
     return ds
 
 
@@ -272,16 +272,5 @@ def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
     return real, batch["input_ids"].numel()
 
 
-def required_columns(cfg: Config) -> list[str]:
-    d = cfg.data
-    return [d.text_field, d.label_field] if cfg.task == "seq_cls" else [d.prompt_field, d.response_field]
-
-
 def check_columns(cfg: Config, ds: Dataset | IterableDataset) -> None:
-    cols = columns(ds)
-    if cfg.task == "causal_lm" and cfg.data.messages_field in cols:
-        return
-    missing = [c for c in required_columns(cfg) if c not in cols]
-    if missing:
-        raise ConfigError(f"data: {cfg.data.path} lacks column(s) {', '.join(missing)} needed by task {cfg.task}; "
-                          f"columns found: {', '.join(cols)} (set data.*_field to map them)")
+    formats.check_columns(cfg, columns(ds))

@@ -6,6 +6,7 @@ here.
 
 from __future__ import annotations
 
+import glob
 import random
 from pathlib import Path
 
@@ -60,3 +61,9 @@ def check_data_source(cfg: Config) -> None:
         raise ConfigError(f"data.path: {path} is empty")
     if local.is_file() and local.suffix not in FILE_BUILDERS:
         raise ConfigError(f"data.path: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
+    files = cfg.data.data_files
+    patterns = [p for group in (files.values() if isinstance(files, dict) else [files or []]) for p in group]
+    base = local if local.is_dir() else Path.cwd()  # where load_dataset resolves relative data_files
+    for pattern in patterns:
+        if "://" not in pattern and not glob.glob(str(base / Path(pattern).expanduser()), recursive=True):
+            raise ConfigError(f"data.data_files: no file matches {pattern!r} (relative to {base})")

@@ -11,11 +11,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from peft import PeftModel
-from transformers import AutoTokenizer
-
 from accel_train.config import ConfigError, load_config
-from accel_train.model import AUTO_CLASS, set_pad_token_id
+from accel_train.model import AUTO_CLASS, load_trained
 
 
 def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -28,14 +25,10 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
             raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite or choose --out")
         shutil.rmtree(out_dir)
     cfg = load_config(run_dir / "config.yaml")
-    base_dir = run_dir / "base_model"  # saved with runs whose base was random (not loadable from anywhere else)
-    base_path = base_dir if base_dir.is_dir() else cfg.model.name_or_path
-    extra = {"num_labels": cfg.model.num_labels} if cfg.task == "seq_cls" else {}
-    base = AUTO_CLASS[cfg.task].from_pretrained(base_path, dtype="auto", trust_remote_code=cfg.model.trust_remote_code,
-                                                **extra)
-    tokenizer = AutoTokenizer.from_pretrained(adapter)
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    set_pad_token_id(merged, tokenizer)  # saved in the merged config, so pipelines can batch
+    # dtype auto: the merged model keeps the base's dtype
+    model, tokenizer = load_trained(run_dir / "adapter", AUTO_CLASS[cfg.task], dtype="auto",
+                                    trust_remote_code=cfg.model.trust_remote_code)
+    merged = model.merge_and_unload()
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

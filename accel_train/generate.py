@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM
 
 from accel_train.model import load_trained
 
 
 def generate(path: str, prompt: str, max_new_tokens: int = 64) -> str:
-    model, tokenizer = load_trained(path, AutoModelForCausalLM, AutoPeftModelForCausalLM)
+    model, tokenizer = load_trained(path, AutoModelForCausalLM)
     messages = [{"role": "user", "content": prompt}]
     if tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]

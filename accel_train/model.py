@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import peft
@@ -19,7 +20,8 @@ PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_
 
 def build_tokenizer(cfg: Config):
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:  # not a model folder, unknown hub id, or the hub is out of reach
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path}: {first}") from e
@@ -33,25 +35,52 @@ def build_tokenizer(cfg: Config):
 def model_width(cfg: Config) -> int | None:
     """Hidden size from the model's config.json (None when it has none), without building the model."""
     try:
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                            trust_remote_code=cfg.model.trust_remote_code)
     except OSError:
         return None  # build_tokenizer reports an unreachable model in one line
     return getattr(config.get_text_config(), "hidden_size", None)
 
 
-def build_model(cfg: Config, tokenizer, num_labels: int | None = None, weights_from=None) -> torch.nn.Module:
-    """The base model: from `weights_from` when given (a run's saved random base), else as model.* says."""
+def head_kwargs(cfg: Config, labels: list | None) -> dict:
+    """seq_cls: the classifier's size and class names (saved in the model's config.json as id2label/label2id)."""
+    if cfg.task != "seq_cls":
+        return {}
+    names = [str(x) for x in labels] if labels else [f"LABEL_{i}" for i in range(cfg.model.num_labels)]
+    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
+            "label2id": {name: i for i, name in enumerate(names)}}
+
+
+def attn_implementation(cfg: Config) -> dict:
+    """model.attn_implementation for from_pretrained/from_config; auto picks flash-attn 2 where it can run."""
+    choice = cfg.model.attn_implementation
+    if choice == "auto":
+        usable = (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+                  and cfg.model.dtype in ("bfloat16", "float16"))
+        return {"attn_implementation": "flash_attention_2"} if usable else {}  # transformers' default: sdpa
+    if choice == "flash_attention_2" and not torch.cuda.is_available():
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs a GPU; use sdpa on this machine")
+    return {"attn_implementation": choice}
+
+
+def build_model(cfg: Config, tokenizer, labels: list | None = None, weights_from=None) -> torch.nn.Module:
+    """The base model: from `weights_from` when given (a run's saved random base), else as model.* says:
+    pretrained weights, or random ones built from the config (model.random_init). `labels`: seq_cls class names."""
     m = cfg.model
     auto = AUTO_CLASS[cfg.task]
-    extra = {"num_labels": num_labels} if cfg.task == "seq_cls" else {}
+    extra = {**head_kwargs(cfg, labels), **attn_implementation(cfg)}
     dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
     if weights_from is not None:
         model = auto.from_pretrained(weights_from, dtype=dtype, **extra)
     elif m.random_init:
-        config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **extra)
+        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
+                                            **extra)
         model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
-        model = auto.from_pretrained(m.name_or_path, dtype=dtype, trust_remote_code=m.trust_remote_code, **extra)
+        # A pretrained classifier with another number of classes gets a new head (transformers says which).
+        mismatch = {"ignore_mismatched_sizes": True} if cfg.task == "seq_cls" else {}
+        model = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
+                                     trust_remote_code=m.trust_remote_code, **extra, **mismatch)
     set_pad_token_id(model, tokenizer)
     return model
 
@@ -115,15 +144,27 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
-def load_trained(path, auto_cls, peft_cls):
-    """(model, tokenizer) from a run's output_dir (merged/, model/ or adapter/, first found) or such a folder."""
+def load_trained(path, auto_cls, **kw):
+    """(model, tokenizer) from a run's output_dir (merged/, model/ or adapter/, first found) or such a folder;
+    `kw` go to from_pretrained. An adapter is loaded on its run's base_model/ when the run saved one (a random
+    base), else on the base it names, with the head it was trained with: the adapter folder's config.json
+    (num_labels, id2label) when there is one, so a hub base with another number of classes still fits."""
     path = Path(path)
     for sub in ("merged", "model", "adapter"):
         if (path / sub).is_dir():
             path = path / sub
             break
-    cls = peft_cls if (path / "adapter_config.json").is_file() else auto_cls
-    model, tokenizer = cls.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    if (path / "adapter_config.json").is_file():
+        saved_base = path.parent / "base_model"
+        base = saved_base if saved_base.is_dir() else peft.PeftConfig.from_pretrained(path).base_model_name_or_path
+        config = AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
+        # the head's weights come from the adapter (modules_to_save): a base head of another size is replaced
+        base_model = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True, **kw)
+        model = peft.PeftModel.from_pretrained(base_model, path)
+    else:
+        model = auto_cls.from_pretrained(path, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model.eval()
     set_pad_token_id(model, tokenizer)
     return model, tokenizer
 

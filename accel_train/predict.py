@@ -1,4 +1,5 @@
-"""Classify texts with a trained sequence classifier; prints the label and class probabilities per text.
+"""Classify texts with a trained sequence classifier; prints the class name, its id and the probability of each
+class per text.
 
     python -m accel_train.predict PATH --text "a great fun film" [--text ...]
 
@@ -11,18 +12,19 @@ import argparse
 import json
 
 import torch
-from peft import AutoPeftModelForSequenceClassification
 from transformers import AutoModelForSequenceClassification
 
 from accel_train.model import load_trained
 
 
 def predict(path: str, texts: list[str]) -> list[dict]:
-    model, tokenizer = load_trained(path, AutoModelForSequenceClassification, AutoPeftModelForSequenceClassification)
+    model, tokenizer = load_trained(path, AutoModelForSequenceClassification)
     batch = tokenizer(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         probs = model(**batch).logits.float().softmax(-1)
-    return [{"text": t, "label": int(p.argmax()), "probs": [round(float(x), 4) for x in p]} for t, p in zip(texts, probs)]
+    names = model.config.id2label  # the run's class names (LABEL_i for integer labels)
+    return [{"text": t, "label": names[int(p.argmax())], "label_id": int(p.argmax()),
+             "probs": {names[i]: round(float(x), 4) for i, x in enumerate(p)}} for t, p in zip(texts, probs)]
 
 
 def main(argv: list[str] | None = None) -> None:

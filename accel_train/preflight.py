@@ -7,6 +7,7 @@ them importable without torch; this module runs them in order, and reads what th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -30,11 +31,23 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# Files that hold a model's weights (transformers' names, sharded or not): a folder without any is a config only.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
 def check_model_source(cfg: Config) -> None:
-    """A local model path must exist (a hub id is checked when it is loaded)."""
+    """A local model folder must exist, and hold weights unless random ones are asked for (a hub id is checked
+    when it is loaded)."""
     path = cfg.model.name_or_path
-    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+    folder = Path(path).expanduser()
+    if path.startswith((".", "/", "~")) and not folder.is_dir():
         raise ConfigError(f"model.name_or_path: no such model folder: {path}")
+    if folder.is_dir() and not cfg.model.random_init and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
+        raise ConfigError(f"model.name_or_path: {path} holds no weights ({', '.join(WEIGHT_FILES)}); pass "
+                          "model.random_init=true to train from random weights built from its config.json")
+    if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package (GPUs only): "
+                          "pip install flash-attn, or use sdpa")
 
 
 def check_output_dir(cfg: Config) -> None:

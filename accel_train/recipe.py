@@ -42,8 +42,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         accelerator = make_accelerator(cfg, model_width(cfg))
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
-        train_ds, eval_ds, n_labels = setup_data(cfg, accelerator, tokenizer)
-        model = setup_model(cfg, accelerator, tokenizer, n_labels, resume)
+        train_ds, eval_ds, labels = setup_data(cfg, accelerator, tokenizer)
+        model = setup_model(cfg, accelerator, tokenizer, labels, resume)
         train_dl, eval_dl = setup_loaders(cfg, accelerator, tokenizer, model, train_ds, eval_ds)
         total_steps = count_steps(cfg, accelerator, train_ds)
         optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
@@ -81,36 +81,39 @@ def start_run_dir(cfg: Config, accelerator) -> None:
 
 
 def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
-    """(train, eval, number of classes) tokenized: once per machine (its main process first, the others then read
-    datasets' cache). A streamed train set is split per rank here."""
+    """(train, eval, class names) tokenized: once per machine (its main process first, the others then read
+    datasets' cache). seq_cls resolves model.num_labels here. A streamed train set is split per rank here."""
+    labels = None
     with accelerator.local_main_process_first():
         train_raw, eval_raw = data_lib.load_splits(cfg)
         data_lib.check_columns(cfg, train_raw)
-        n_labels = data_lib.num_labels(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
-        if n_labels is not None:  # a stream's labels are not read ahead (cross-entropy checks them)
-            data_lib.check_labels(cfg, n_labels, *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)))
-        train_ds = data_lib.tokenize(train_raw, tokenizer, cfg)
-        eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg) if eval_raw is not None else None
+        if cfg.task == "seq_cls":
+            labels = data_lib.label_names(cfg, train_raw, eval_raw)
+            cfg.model.num_labels = data_lib.num_labels(cfg, train_raw, eval_raw)  # resolved: predict/export read it
+            # a stream's labels are not read ahead (cross-entropy checks them)
+            data_lib.check_labels(cfg, cfg.model.num_labels,
+                                  *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)))
+        train_ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
+        eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg, labels) if eval_raw is not None else None
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
     if isinstance(train_ds, IterableDataset):
-        return shard_stream(accelerator, train_ds, cfg), eval_ds, n_labels
+        return shard_stream(accelerator, train_ds, cfg), eval_ds, labels
     if len(train_ds) == 0:
         raise ConfigError(f"data: no training sample keeps a target token after truncation to "
                           f"data.max_length={cfg.data.max_length}; raise it")
     if math.ceil(len(train_ds) / batch) < procs:
         raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
                           f"train.per_device_batch_size={batch} for each of the {procs} processes")
-    return train_ds, eval_ds, n_labels
+    return train_ds, eval_ds, labels
 
 
-def setup_model(cfg: Config, accelerator, tokenizer, n_labels: int | None, resume: Path | None) -> torch.nn.Module:
+def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, resume: Path | None
+                ) -> torch.nn.Module:
     """The base model with its LoRA adapter (or alone, for full fine-tuning). A random base is saved into
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
     base = Path(cfg.output_dir) / "base_model"
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
-    model = build_model(cfg, tokenizer, n_labels, weights_from=base if reuse_base else None)
-    if n_labels is not None:
-        cfg.model.num_labels = n_labels  # resolved, so that export/predict rebuild the same head
+    model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None)
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
     model = apply_lora(cfg, model)
@@ -184,13 +187,15 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
-    """The run's first line: where it runs, in which precision, on what, for how many steps."""
+    """The run's first line: where it runs, in which precision, from which weights, on what, for how many steps."""
     accelerator, (trainable, total) = job.accelerator, count_parameters(job.model)
     batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
+    weights = ("random weights (model.random_init=true)" if cfg.model.random_init
+               else f"pretrained weights from {cfg.model.name_or_path}")
     main_logger().info(
         f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
         f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
-        f"{trainable:,} of {total:,} parameters trainable; "
+        f"{weights}; {trainable:,} of {total:,} parameters trainable; "
         f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
         f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {job.total_steps} steps")
@@ -208,10 +213,18 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
         state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank must call it
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        if cfg.lora.enabled and cfg.model.random_init:
-            # A random base cannot be re-downloaded: point the adapter at the copy saved before training.
-            unwrapped.peft_config["default"].base_model_name_or_path = str((out / "base_model").resolve())
+        if cfg.lora.enabled:
+            # The base the adapter loads on: the copy saved before training for a random base (it cannot be
+            # re-downloaded), an absolute path for a local folder (the adapter may be loaded from anywhere).
+            local = Path(cfg.model.name_or_path).expanduser()
+            base = out / "base_model" if cfg.model.random_init else local if local.is_dir() else None
+            if base is not None:
+                unwrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
         unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(target)
+        if cfg.lora.enabled and cfg.task == "seq_cls":
+            # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be
+            # loaded on a base whose own config says otherwise: model.load_trained reads it.
+            unwrapped.get_base_model().config.save_pretrained(target)
     accelerator.wait_for_everyone()
     return target

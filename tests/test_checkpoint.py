@@ -228,5 +228,5 @@ def test_predict_with_a_classification_adapter(tmp_path):
     proc = run([sys.executable, "-m", "accel_train.predict", out, "--text", texts[0], "--text", texts[1]])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
-    assert [r["label"] for r in rows] == [1, 0]
-    assert all(abs(sum(r["probs"]) - 1) < 1e-3 for r in rows)
+    assert [r["label_id"] for r in rows] == [1, 0]
+    assert all(abs(sum(r["probs"].values()) - 1) < 1e-3 for r in rows)

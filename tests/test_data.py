@@ -11,7 +11,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import AutoTokenizer
 
 from accel_train import data as data_lib
-from accel_train import data_sources
+from accel_train import data_sources, formats
 from accel_train.data_sources import check_data_source
 from accel_train.config import TINY_MODEL, ConfigError, load_config
 from accel_train.data import IGNORE_INDEX
@@ -52,7 +52,7 @@ def assert_only_tail_labelled(sample: dict, start: int):
 
 def test_prompt_response_row_masks_prompt_and_generation_prompt(tok):
     cfg = make_cfg()
-    out = data_lib.tokenize_causal({"prompt": "reverse abc", "response": "cba"}, tok, cfg)
+    out = formats.tokenize_causal({"prompt": "reverse abc", "response": "cba"}, tok, cfg)
 
     messages = [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
     assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
@@ -81,7 +81,7 @@ def test_without_chat_template_the_prompt_text_is_masked(tok):
     plain = copy.deepcopy(tok)
     plain.chat_template = None
     cfg = make_cfg()
-    out = data_lib.tokenize_causal({"prompt": "reverse abc", "response": "cba"}, plain, cfg)
+    out = formats.tokenize_causal({"prompt": "reverse abc", "response": "cba"}, plain, cfg)
 
     prompt_ids = plain("reverse abc\n")["input_ids"]
     assert out["input_ids"] == prompt_ids + ids(plain, "cba") + [plain.eos_token_id]
@@ -95,7 +95,7 @@ def test_truncation_drops_samples_without_targets_and_cuts_long_responses(tok):
     short = {"prompt": "ab", "response": "ba"}  # <|user|> a b <|assistant|> b a </s>: 7 tokens
     long = {"prompt": "reverse abcdefghij", "response": "jihgfedcba"}  # 20 prompt tokens
     raw = Dataset.from_list([short, long])
-    long_prompt_len = len(data_lib.tokenize_causal(long, tok, make_cfg())["input_ids"]) - len("jihgfedcba") - 1
+    long_prompt_len = len(formats.tokenize_causal(long, tok, make_cfg())["input_ids"]) - len("jihgfedcba") - 1
     assert long_prompt_len == 20
 
     # Shorter than the long prompt: that sample keeps no target token and is dropped; the short one is intact.
@@ -347,3 +347,158 @@ def test_builtin_sentiment_labels_follow_the_word_counts():
         n_neg = sum(w in data_sources.NEGATIVE_WORDS for w in words)
         assert n_pos != n_neg and row["label"] == int(n_pos > n_neg), row
     assert {r["label"] for r in rows} == {0, 1}
+
+
+# ---------------------------------------------------------------------------------------------------- formats
+
+
+def test_messages_with_text_parts_and_a_tool_call_turn_are_rendered_intact(tok):
+    """OpenAI-style content given as a list of parts, and a turn whose content is None (a tool call): the text is
+    what the parts say, never the string 'None'."""
+    rows = [{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": "{}"}]},
+        {"role": "user", "content": [{"type": "text", "text": "ef"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "gh"}]}]}]
+    out = data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg())[0]
+    plain = [{"role": "user", "content": "abcd"}, {"role": "assistant", "content": ""},
+             {"role": "user", "content": "ef"}, {"role": "assistant", "content": "gh"}]
+    assert out["input_ids"] == tok.apply_chat_template(plain)["input_ids"]
+    assert "None" not in tok.decode(out["input_ids"]) and "none" not in tok.decode(out["input_ids"])
+    assert targets(out) == ids(tok, "gh") + [tok.eos_token_id]
+
+
+def test_sharegpt_conversations_map_speakers_to_roles(tok):
+    rows = [{"conversations": [{"from": "human", "value": "ab"}, {"from": "gpt", "value": "ba"}]}]
+    out = data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg())[0]
+    messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
+    assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
+    assert targets(out) == ids(tok, "ba") + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("extra", ["", "xy"])
+def test_alpaca_rows_become_a_prompt_and_an_answer(tok, extra):
+    row = {"instruction": "reverse", "input": extra, "output": "esrever"}
+    out = formats.tokenize_causal(row, tok, make_cfg())
+    prompt = "reverse" + (f"\n\n{extra}" if extra else "")
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "esrever"}]
+    assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
+    assert targets(out) == ids(tok, "esrever") + [tok.eos_token_id]
+
+
+MULTI_TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+              {"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+
+
+@pytest.mark.parametrize("template", [True, False], ids=["chat-template", "no-template"])
+def test_train_on_all_assistant_turns_or_all_tokens(tok, template):
+    tokenizer = copy.deepcopy(tok)
+    if not template:
+        tokenizer.chat_template = None
+    ds = Dataset.from_list([{"messages": MULTI_TURN}])
+    every = data_lib.tokenize(ds, tokenizer, make_cfg("data.train_on=all_assistant"))[0]
+    last = data_lib.tokenize(ds, tokenizer, make_cfg("data.train_on=last_assistant"))[0]
+    everything = data_lib.tokenize(ds, tokenizer, make_cfg("data.train_on=all"))[0]
+    assert every["input_ids"] == last["input_ids"] == everything["input_ids"]
+    eos = [tokenizer.eos_token_id]
+    assert targets(every) == ids(tokenizer, "yo") + eos + ids(tokenizer, "cd") + eos
+    assert targets(last) == ids(tokenizer, "cd") + eos
+    assert everything["labels"] == everything["input_ids"]
+    if not template:  # the turns as lines of text, an eos after each answer
+        expected = (tokenizer("hi\n")["input_ids"] + ids(tokenizer, "yo") + eos
+                    + tokenizer("ab\n", add_special_tokens=False)["input_ids"] + ids(tokenizer, "cd") + eos)
+        assert every["input_ids"] == expected
+
+
+def test_a_conversation_not_ending_with_the_assistant_names_the_row(tok):
+    rows = [{"messages": MULTI_TURN}, {"messages": MULTI_TURN[:3]}]
+    with pytest.raises(ConfigError) as e:
+        data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg())
+    message = str(e.value)
+    assert "row 1" in message and "ends with 'user'" in message and "\n" not in message
+    data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg("data.train_on=all"))  # all tokens: nothing to find
+
+
+def test_plain_text_is_split_into_max_length_chunks_with_loss_on_every_token(tok):
+    text = "the quick brown fox jumps over the lazy dog"
+    ds = Dataset.from_list([{"text": text}, {"text": "ab"}])
+    out = data_lib.tokenize(ds, tok, make_cfg("data.max_length=16"))
+    whole = tok(text)["input_ids"] + [tok.eos_token_id]
+    assert [s["input_ids"] for s in out][:3] == [whole[:16], whole[16:32], whole[32:]]
+    assert all(s["labels"] == s["input_ids"] for s in out)
+    assert out[3]["input_ids"] == tok("ab")["input_ids"] + [tok.eos_token_id]
+    assert len(out) == 4  # nothing dropped: every chunk here has a token to predict
+
+
+def test_format_is_chosen_by_config_and_missing_columns_are_named():
+    cols = ["instruction", "input", "output"]
+    assert formats.resolve_format(make_cfg(), cols) == "alpaca"
+    assert formats.resolve_format(make_cfg(), ["text"]) == "text"
+    assert formats.resolve_format(make_cfg(), ["conversations"]) == "messages"
+    assert formats.resolve_format(make_cfg("data.format=text", "data.text_field=output"), cols) == "text"
+    with pytest.raises(ConfigError, match="lacks column\\(s\\) output"):
+        data_lib.check_columns(make_cfg(), Dataset.from_list([{"instruction": "x"}]))
+    with pytest.raises(ConfigError, match="lacks column\\(s\\) body"):
+        data_lib.check_columns(make_cfg("data.format=text", "data.text_field=body"), Dataset.from_list([{"x": "y"}]))
+
+
+# ---------------------------------------------------------------------------------------------------- labels
+
+
+def test_string_labels_are_mapped_to_ids_in_sorted_order(tok):
+    train = Dataset.from_list([{"text": "ab", "label": "positive"}, {"text": "cd", "label": "negative"},
+                               {"text": "ef", "label": "neutral"}])
+    evaluation = Dataset.from_list([{"text": "gh", "label": "positive"}])
+    cfg = make_cfg("task=seq_cls")
+    names = data_lib.label_names(cfg, train, evaluation)
+    assert names == ["negative", "neutral", "positive"] and data_lib.num_labels(cfg, train, evaluation) == 3
+    data_lib.check_labels(cfg, 3, train, evaluation)
+    out = data_lib.tokenize(train, tok, cfg, names)
+    assert out["labels"] == [2, 0, 1]
+    with pytest.raises(ConfigError, match="3 classes"):
+        data_lib.check_labels(make_cfg("task=seq_cls", "model.num_labels=2"), 2, train, evaluation)
+    with_classlabel = train.cast_column("label", ClassLabel(names=["negative", "neutral", "positive"]))
+    assert data_lib.label_names(cfg, with_classlabel) == ["negative", "neutral", "positive"]
+    assert data_lib.label_names(cfg, Dataset.from_list([{"text": "x", "label": 1}])) is None
+
+
+# ---------------------------------------------------------------------------------------------------- hub options
+
+
+def test_hub_dataset_options_are_passed_to_load_dataset(monkeypatch):
+    seen = {}
+
+    def fake_load_dataset(path, **kwargs):
+        seen.update(path=path, **kwargs)
+        return DatasetDict(train=Dataset.from_list(ROWS))
+
+    monkeypatch.setattr(data_lib, "load_dataset", fake_load_dataset)
+    cfg = make_cfg("data.path=glue", "data.name=sst2", "data.revision=abc123", "data.eval_fraction=0",
+                   "data.data_files={train: [train-*.parquet]}")
+    train, _ = data_lib.load_splits(cfg)
+    assert seen == {"path": "glue", "name": "sst2", "revision": "abc123", "streaming": False,
+                    "data_files": {"train": ["train-*.parquet"]}}
+    assert train.to_list() == ROWS
+
+
+def test_local_folder_with_named_subsets_and_data_file_globs(tmp_path):
+    """A folder laid out as on the hub: a README declaring two configurations (subsets), each with its splits."""
+    for subset, n in (("small", 4), ("large", 9)):
+        (tmp_path / subset).mkdir()
+        for split, k in (("train", n), ("test", 2)):
+            rows = [{"prompt": f"{subset}{i}", "response": "r"} for i in range(k)]
+            (tmp_path / subset / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {s}\n  data_files:\n  - split: train\n    path: {s}/train.jsonl\n"
+        f"  - split: test\n    path: {s}/test.jsonl\n" for s in ("small", "large")) + "---\n")
+    train, evaluation = data_lib.load_splits(make_cfg(f"data.path={tmp_path}", "data.name=large", "data.eval_split=test"))
+    assert len(train) == 9 and len(evaluation) == 2 and train[0]["prompt"].startswith("large")
+
+    cfg = make_cfg("data.path=json", f"data.data_files={{train: ['{tmp_path}/*/train.jsonl'], "
+                   f"test: ['{tmp_path}/small/test.jsonl']}}", "data.eval_split=test")
+    check_data_source(cfg)
+    train, evaluation = data_lib.load_splits(cfg)
+    assert len(train) == 13 and len(evaluation) == 2
+
+    with pytest.raises(ConfigError, match="no file matches"):
+        check_data_source(make_cfg("data.path=json", f"data.data_files=[{tmp_path}/nothing-*.jsonl]"))

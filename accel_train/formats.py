@@ -1,0 +1,213 @@
+"""How one row becomes a training sample: input_ids, attention_mask and labels (IGNORE_INDEX where no loss).
+
+causal_lm formats (data.format; `auto` picks one from the columns, in this order):
+
+    messages         {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]}: OpenAI
+                     style (content a string, a list of text parts, or None for a tool-call turn), or ShareGPT's
+                     {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}
+    prompt_response  {"prompt": ..., "response": ...}
+    alpaca           {"instruction": ..., "input": ..., "output": ...}  (input may be empty)
+    text             {"text": ...}: continued pre-training, loss on every token; a long text is split into
+                     data.max_length chunks rather than cut
+
+The first three are conversations, rendered with the tokenizer's chat template (or, without one, as lines of text
+with an eos after each answer); data.train_on chooses which tokens carry loss: the last assistant turn (and its
+end-of-turn tokens), every assistant turn, or all tokens.
+seq_cls rows are {"text": ..., "label": ...}, the label an integer or a class name.
+"""
+
+from __future__ import annotations
+
+from accel_train.config import Config, ConfigError
+
+IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
+SHAREGPT_COLUMN = "conversations"
+# ShareGPT's speaker names -> chat-template roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+
+
+def messages_column(cfg: Config, columns: list[str]) -> str | None:
+    d = cfg.data
+    return next((c for c in (d.messages_field, SHAREGPT_COLUMN) if c in columns), None)
+
+
+def format_columns(cfg: Config, fmt: str) -> list[str]:
+    """The columns a causal_lm format reads (alpaca's input_field is optional)."""
+    d = cfg.data
+    return {"prompt_response": [d.prompt_field, d.response_field], "alpaca": [d.instruction_field, d.output_field],
+            "text": [d.text_field], "messages": [d.messages_field]}[fmt]
+
+
+def resolve_format(cfg: Config, columns: list[str]) -> str:
+    """data.format, or with `auto` the first format one of whose columns the data has."""
+    if cfg.data.format != "auto":
+        return cfg.data.format
+    if messages_column(cfg, columns):
+        return "messages"
+    for fmt in ("prompt_response", "alpaca", "text"):
+        if any(c in columns for c in format_columns(cfg, fmt)):
+            return fmt
+    return "prompt_response"  # the columns check names what is missing
+
+
+def check_columns(cfg: Config, columns: list[str]) -> None:
+    """The columns the task and format read are there; else one line naming the missing and the found ones."""
+    d = cfg.data
+    if cfg.task == "seq_cls":
+        needed = [d.text_field, d.label_field]
+    else:
+        fmt = resolve_format(cfg, columns)
+        if fmt == "messages" and messages_column(cfg, columns):
+            return
+        needed = format_columns(cfg, fmt)
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        fmt = f"format {resolve_format(cfg, columns)}; " if cfg.task == "causal_lm" else ""
+        raise ConfigError(f"data: {d.path} lacks column(s) {', '.join(missing)} needed by task {cfg.task}; columns "
+                          f"found: {', '.join(columns)} ({fmt}set data.format and data.*_field to map them)")
+
+
+# ---------------------------------------------------------------------------------------------------- conversations
+
+
+def _text(content, row: int) -> str:
+    """A message's content as text: a string as is, a list of parts joined, None (a tool-call turn) empty.
+    `datasets` may read a column of numbers as ints: str() keeps the template from concatenating str + int."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif part.get("type", "text") == "text":
+                parts.append(str(part.get("text") or ""))
+            else:
+                raise ConfigError(f"data: row {row}: a message part of type {part.get('type')!r} is not text; "
+                                  "only text content is supported")
+        return "".join(parts)
+    return str(content)
+
+
+def _message(raw: dict, row: int) -> dict:
+    """One turn as the chat template wants it: role and content, plus whatever else it carries (tool_calls,
+    name, ...). `datasets` gives every turn every key of the column (None where absent): those are dropped."""
+    message = {k: v for k, v in raw.items() if v is not None and k not in ("from", "value", "content")}
+    if "from" in raw and raw.get("role") is None:  # ShareGPT
+        speaker = raw["from"]
+        if speaker not in SHAREGPT_ROLES:
+            raise ConfigError(f"data: row {row}: unknown ShareGPT speaker {speaker!r}; known: "
+                              + ", ".join(SHAREGPT_ROLES))
+        message["role"] = SHAREGPT_ROLES[speaker]
+        message["content"] = _text(raw.get("value"), row)
+    else:
+        message["content"] = _text(raw.get("content"), row)
+    return message
+
+
+def conversation(example: dict, cfg: Config, fmt: str, row: int) -> list[dict]:
+    """The row as chat turns."""
+    d = cfg.data
+    if fmt == "prompt_response":
+        return [{"role": "user", "content": str(example[d.prompt_field])},
+                {"role": "assistant", "content": str(example[d.response_field])}]
+    if fmt == "alpaca":
+        extra = example.get(d.input_field)
+        prompt = str(example[d.instruction_field]) + (f"\n\n{extra}" if extra not in (None, "") else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(example[d.output_field])}]
+    raw = example[messages_column(cfg, list(example))]
+    messages = [_message(m, row) for m in raw or []]
+    if cfg.data.train_on != "all" and (not messages or messages[-1]["role"] != "assistant"):
+        last = repr(messages[-1]["role"]) if messages else "nothing"
+        first = (messages[0]["content"][:40] + "...") if messages else ""
+        raise ConfigError(f"data: row {row} ({first!r}): the conversation ends with {last}, not an assistant turn, so "
+                          f"there is no answer to train on (data.train_on={cfg.data.train_on}); end it with the "
+                          "assistant's answer or drop the row")
+    return messages
+
+
+def _template_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
+    return tokenizer.apply_chat_template(messages, **kw)["input_ids"] if messages else []
+
+
+def tokens_with_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a conversation rendered by the chat template. Each trained assistant turn is located
+    as the tokens between the conversation up to it with a generation prompt and the conversation up to its end,
+    both of which must be prefixes of the whole rendering."""
+    full = _template_ids(tokenizer, messages)
+    if train_on == "all":
+        return full, list(full)
+    labels = [IGNORE_INDEX] * len(full)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in turns[-1:] if train_on == "last_assistant" else turns:
+        before = _template_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = full if i == len(messages) - 1 else _template_ids(tokenizer, messages[: i + 1])
+        if full[: len(before)] != before or full[: len(upto)] != upto:
+            raise ConfigError("the tokenizer's chat template renders the prompt differently inside the full "
+                              "conversation, so the response tokens cannot be located; use prompt/response "
+                              "data with a tokenizer without chat template, or another template")
+        labels[len(before): len(upto)] = full[len(before): len(upto)]
+    return full, labels
+
+
+def tokens_without_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
+    """(input ids, labels) without a chat template: the turns before each answer as lines of text, each answer
+    followed by eos."""
+    trained = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
+    if train_on == "last_assistant":
+        trained = {max(trained)} if trained else set()
+    ids, labels, context = [], [], []
+
+    def add(tokens: list[int], target: bool):
+        ids.extend(tokens)
+        labels.extend(tokens if target or train_on == "all" else [IGNORE_INDEX] * len(tokens))
+
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            context.append(m["content"])
+            continue
+        if context:
+            add(tokenizer("\n".join(context) + "\n", add_special_tokens=not ids)["input_ids"], False)
+            context = []
+        add(tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], i in trained)
+    if context:
+        add(tokenizer("\n".join(context) + "\n", add_special_tokens=not ids)["input_ids"], False)
+    return ids, labels
+
+
+def tokenize_causal(example: dict, tokenizer, cfg: Config, fmt: str | None = None, row: int = 0) -> dict:
+    """A conversation row (messages, prompt_response, alpaca; None: from its keys): labels on the tokens
+    data.train_on names."""
+    messages = conversation(example, cfg, fmt or resolve_format(cfg, list(example)), row)
+    render = tokens_with_template if tokenizer.chat_template else tokens_without_template
+    ids, labels = render(messages, tokenizer, cfg.data.train_on)
+    ids, labels = ids[: cfg.data.max_length], labels[: cfg.data.max_length]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def tokenize_text(batch: dict, tokenizer, cfg: Config) -> dict:
+    """format text (batched): each text + eos, split into chunks of data.max_length tokens, loss on every token."""
+    out = {"input_ids": [], "attention_mask": [], "labels": []}
+    size = cfg.data.max_length
+    for text in batch[cfg.data.text_field]:
+        ids = tokenizer(str(text))["input_ids"] + [tokenizer.eos_token_id]
+        for start in range(0, len(ids), size):
+            chunk = ids[start: start + size]
+            out["input_ids"].append(chunk)
+            out["attention_mask"].append([1] * len(chunk))
+            out["labels"].append(list(chunk))
+    return out
+
+
+def tokenize_cls(example: dict, tokenizer, cfg: Config, label2id: dict | None = None) -> dict:
+    """seq_cls: the text truncated to data.max_length; the label as a class id (a name is looked up)."""
+    out = tokenizer(example[cfg.data.text_field], truncation=True, max_length=cfg.data.max_length)
+    label = example[cfg.data.label_field]
+    if isinstance(label, str):
+        if label not in (label2id or {}):
+            raise ConfigError(f"data: label {label!r} in column {cfg.data.label_field!r} is a name, but the classes "
+                              "are not known ahead (a stream: set model.num_labels and give integer labels)"
+                              if not label2id else f"data: label {label!r} is not one of {', '.join(label2id)}")
+        label = label2id[label]
+    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"], "labels": int(label)}

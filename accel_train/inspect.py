@@ -1,0 +1,156 @@
+"""Look at the data as the run will see it, before training: which tokens carry loss, what truncation drops,
+how long the samples are, how the classes are spread, and what packing does. Nothing is trained or written.
+
+    python -m accel_train.inspect [--config FILE] [--samples N] [key=value ...]
+
+The same config and overrides as training (python -m accel_train): the same loading, format and tokenization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections import Counter
+
+from accel_train.cli import parse_cli
+from accel_train.config import Config, ConfigError
+from accel_train.data_sources import check_data_source
+
+STREAM_ROWS = 1000  # a stream is inspected on its first rows: reading all of it is what streaming avoids
+
+
+def show_tokens(ids: list[int], labels: list[int] | int, tokenizer, color: bool) -> str:
+    """The sample's text with the tokens that carry loss inside [[ ]] (green on a terminal)."""
+    from accel_train.formats import IGNORE_INDEX
+
+    if isinstance(labels, int):  # seq_cls: the loss is on the label, not on tokens
+        return tokenizer.decode(ids)
+    # The label at position i is predicted from the tokens before it: the loss is on token i itself.
+    spans, current, trained = [], [], None
+    for token, label in zip(ids, labels):
+        carries = label != IGNORE_INDEX
+        if current and carries != trained:
+            spans.append((trained, current))
+            current = []
+        current.append(token)
+        trained = carries
+    spans.append((trained, current))
+    opened, closed = ("\033[32m", "\033[0m") if color else ("[[", "]]")
+    return "".join(f"{opened}{tokenizer.decode(t)}{closed}" if on else tokenizer.decode(t) for on, t in spans)
+
+
+def distribution(lengths: list[int]) -> str:
+    q = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else lengths * 99
+    return (f"min {min(lengths)}, median {statistics.median(lengths):g}, p90 {q[89]:g}, p99 {q[98]:g}, "
+            f"max {max(lengths)}, mean {statistics.fmean(lengths):.1f}")
+
+
+def batch_efficiency(cfg: Config, lengths: list[int], tokenizer) -> str:
+    """Padding efficiency (real tokens / computed tokens) of the training batches in the order the first epoch of
+    one process sees them: padded to their longest sample, and for causal_lm packed into rows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accel_train.data import PackingCollator
+    from accel_train.model import attention_cost
+
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    batch = cfg.train.per_device_batch_size
+    batches = [[lengths[i] for i in order[start: start + batch]] for start in range(0, len(order), batch)]
+    real, padded = sum(lengths), sum(max(b) * len(b) for b in batches)
+    if cfg.task != "causal_lm":
+        return f"padding (batch {batch}): efficiency {real / padded:.3f} (each batch padded to its longest sample)"
+    with torch.device("meta"):  # the shapes only: no memory, no weights
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                            trust_remote_code=cfg.model.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    packer = PackingCollator(tokenizer.pad_token_id, attention_cost(model))
+    layouts = [packer.layout(b) for b in batches]
+    packed, rows = sum(width * len(rows) for width, rows in layouts), sum(len(rows) for _, rows in layouts)
+    return (f"packing (batch {batch}): {rows / len(batches):.1f} rows per batch; padding efficiency "
+            f"{real / packed:.3f} packed (data.packing={str(cfg.data.packing).lower()}) vs {real / padded:.3f} padded")
+
+
+def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
+    """Print the report; returns its figures."""
+    import datasets
+    from datasets import Dataset, IterableDataset
+
+    from accel_train import data as data_lib
+    from accel_train import formats
+    from accel_train.model import build_tokenizer
+
+    datasets.disable_progress_bars()  # the report is the output
+    tokenizer = build_tokenizer(cfg)
+    train_raw, eval_raw = data_lib.load_splits(cfg)
+    data_lib.check_columns(cfg, train_raw)
+    streamed = isinstance(train_raw, IterableDataset)
+    if streamed:
+        train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
+    labels = data_lib.label_names(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
+    train = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
+    fmt = (formats.resolve_format(cfg, data_lib.columns(train_raw)) if cfg.task == "causal_lm"
+           else f"{cfg.data.text_field} -> {cfg.data.label_field}")
+    # The same rows without truncation: what max_length cuts, and what it drops.
+    whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, max_length=10**9)), labels)
+    full_lengths = [len(x) for x in whole["input_ids"]]
+    lengths = [len(x) for x in train["input_ids"]]
+    cut = sum(n > cfg.data.max_length for n in full_lengths)
+    figures = {"train_rows": len(train_raw), "train_samples": len(train), "cut": cut, "lengths": lengths,
+               "dropped": len(whole) - len(train) if fmt != "text" else 0}
+
+    color = out.isatty()
+    d = cfg.data
+    print(f"data: {d.path} (task {cfg.task}, format {fmt}"
+          + (f", train_on {d.train_on}" if cfg.task == "causal_lm" and fmt != "text" else "")
+          + f", max_length {d.max_length}); tokenizer {cfg.model.name_or_path}", file=out)
+    print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+          f"{len(eval_raw) if eval_raw is not None else 0} eval", file=out)
+    if fmt == "text":
+        print(f"samples: {len(train)} chunks of at most {d.max_length} tokens from {len(train_raw)} texts "
+              f"({cut} texts longer than max_length were split)", file=out)
+    else:
+        print(f"samples: {len(train)} kept; {figures['dropped']} dropped by truncation (no target token left), "
+              f"{cut} cut to max_length", file=out)
+    for i in range(min(samples, len(train))):
+        sample = train[i]
+        target = (f"label {sample['labels']} ({labels[sample['labels']] if labels else sample['labels']})"
+                  if cfg.task == "seq_cls" else
+                  f"{sum(t != formats.IGNORE_INDEX for t in sample['labels'][1:])} with loss, in [[ ]]")
+        print(f"--- sample {i}: {len(sample['input_ids'])} tokens, {target}", file=out)
+        print(show_tokens(sample["input_ids"], sample["labels"], tokenizer, color), file=out)
+    print("---", file=out)
+    if lengths:
+        print(f"token lengths: {distribution(lengths)}", file=out)
+    if cfg.task == "seq_cls":
+        counts = Counter(train["labels"])
+        figures["labels"] = {(labels[k] if labels else k): v for k, v in sorted(counts.items())}
+        print("labels: " + ", ".join(f"{name} {n} ({n / len(train):.1%})" for name, n in figures["labels"].items()),
+              file=out)
+    if lengths:
+        print(batch_efficiency(cfg, lengths, tokenizer), file=out)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="accel_train.inspect", description=__doc__.split("\n\n")[0], add_help=False)
+    parser.add_argument("--samples", type=int, default=3, help="tokenized samples to show (default 3)")
+    parser.add_argument("-h", "--help", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    if args.help:
+        print(parser.format_help() + "\nThe rest is the training command line:")
+        parse_cli(["--help"])
+    try:
+        cfg = parse_cli(rest)
+        check_data_source(cfg)
+        inspect_data(cfg, args.samples)
+    except ConfigError as e:
+        print(f"accel_train.inspect: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""python -m accel_train.inspect: the data as the run will see it, before any training, with nothing written."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from conftest import run
+
+
+def inspect(*args, **kw):
+    return run([sys.executable, "-m", "accel_train.inspect", *args], **kw)
+
+
+def test_shows_loss_tokens_truncation_lengths_and_packing(tmp_path):
+    rows = [{"prompt": "reverse abc", "response": "cba"}, {"prompt": "reverse abcdefghij", "response": "jihgfedcba"},
+            {"prompt": "reverse abcdefghijabcdefghij", "response": "x"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # <|user|>reverse abcdefghij<|assistant|> is 20 tokens: max_length 24 cuts the second response, and the third
+    # row's prompt alone (30 tokens) leaves it no target
+    proc = inspect(f"data.path={data}", "data.eval_fraction=0", "data.max_length=24", "--samples", "2",
+                   f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "format prompt_response, train_on last_assistant, max_length 24" in out
+    assert "samples: 2 kept; 1 dropped by truncation (no target token left), 2 cut to max_length" in out
+    assert "<|user|>reverse abc<|assistant|>[[cba</s>]]" in out
+    assert "<|user|>reverse abcdefghij<|assistant|>[[jihg]]" in out  # cut: no eos left
+    assert re.search(r"token lengths: min 17, median 20.5, p90 23.3, p99 23.93, max 24", out)
+    assert re.search(r"packing \(batch 16\): 1.0 rows per batch; padding efficiency \S+ packed", out)
+    assert not (tmp_path / "out").exists()
+
+
+def test_classification_shows_label_names_and_their_spread(tmp_path):
+    rows = [{"text": "good film", "label": "positive"}] * 3 + [{"text": "a very very dull plot", "label": "negative"}]
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = inspect("task=seq_cls", f"data.path={data}", "data.eval_fraction=0", "--samples", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "labels: negative 1 (25.0%), positive 3 (75.0%)" in proc.stdout
+    assert "--- sample 0: 9 tokens, label 1 (positive)" in proc.stdout
+    assert "padding (batch 16): efficiency 0.571" in proc.stdout  # 9 + 9 + 9 + 21 tokens padded to 4 x 21
+
+
+def test_a_messages_row_not_ending_with_the_assistant_is_one_line_exit_2(tmp_path):
+    data = tmp_path / "m.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    proc = inspect(f"data.path={data}", "data.eval_fraction=0")
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "row 0" in errors[0] and "not an assistant turn" in errors[0]

