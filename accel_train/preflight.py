@@ -1,8 +1,9 @@
 """Cheap checks of a run, before torch, a process group, data or a model is loaded: a mistake costs a second,
 not a minute, and nothing is written. `python -m accel_train --help` and config errors stay fast for the same reason.
 
-Each check of an area's facts lives in the module that owns them (data_sources, checkpoint, tracking), all of
-them importable without torch; this module runs them in order, and reads what the launcher asked for.
+Each check of an area's facts lives in the module that owns them (data_sources, checkpoint, tracking, metrics),
+all of them importable without torch; this module runs them in order, and reads what the launcher asked for.
+Only a metric that is not bundled is loaded here, with `evaluate` (which imports torch).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from accel_train.checkpoint import resolve_resume
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
+from accel_train.metrics import check_metrics
 from accel_train.tracking import check_trackers
 
 
@@ -22,6 +24,7 @@ def preflight(cfg: Config) -> Path | None:
     check_model_source(cfg)
     check_output_dir(cfg)
     check_trackers(cfg)
+    check_metrics(cfg.eval.metrics)
     return resolve_resume(cfg)
 
 
