@@ -40,17 +40,30 @@ def check_model_source(cfg: Config) -> None:
         raise ConfigError(f"model.name_or_path: no such model folder: {path}")
 
 
+# Written first into an output_dir the run creates: it marks the folder as accel_train's even when the run died
+# before config.yaml, so that overwrite=true may replace what a failed start left.
+RUN_MARKER = ".accel_train"
+
+
+def make_output_dir(path: str | Path) -> None:
+    """Create output_dir (main process), marked as accel_train's before anything else is written into it."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_MARKER).write_text("an accel_train output folder: overwrite=true may replace it\n")
+
+
 def check_output_dir(cfg: Config) -> None:
-    """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true."""
+    """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true, and
+    overwrite=true deletes only a folder accel_train made."""
     out = Path(cfg.output_dir)
     if cfg.resume_from is not None and cfg.overwrite:
         raise ConfigError("resume_from and overwrite=true contradict each other: resume keeps the run, overwrite "
                           "deletes it; pass one of them")
     if not out.exists() or not any(out.iterdir()):
         return
-    if cfg.overwrite and not (out / "config.yaml").is_file():
-        raise ConfigError(f"overwrite=true: {out} does not look like an accel_train run (no config.yaml); "
-                          "refusing to delete it")
+    if cfg.overwrite and not ((out / RUN_MARKER).is_file() or (out / "config.yaml").is_file()):
+        raise ConfigError(f"overwrite=true: {out} does not look like an accel_train run (no {RUN_MARKER} or "
+                          "config.yaml); refusing to delete it")
     if cfg.resume_from is not None or cfg.overwrite:
         return
     held = sorted(p.name for p in out.iterdir())

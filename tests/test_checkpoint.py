@@ -178,6 +178,26 @@ def test_existing_output_dir_is_never_overwritten(tmp_path):
     assert proc.returncode == 0 and read_metrics(out)[0][-1]["step"] == 3
 
 
+
+def test_a_failed_start_is_replaced_with_overwrite(tmp_path):
+    """A run that dies after creating output_dir (base_model/ written) and before config.yaml leaves a folder that
+    overwrite=true replaces; without it the folder is kept, and a folder accel_train did not make is never deleted."""
+    out, short = tmp_path / "run", [*BASE, *ONE, "train.max_steps=2", "track.log_with=[]"]
+    crashed = launch(1, *short, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "crash@start"})
+    assert crashed.returncode == 42
+    assert (out / "base_model").is_dir() and not (out / "config.yaml").exists()
+    proc = launch(1, *short, f"output_dir={out}")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    proc = launch(1, *short, f"output_dir={out}", "overwrite=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_metrics(out)[0][-1]["step"] == 2
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    proc = launch(1, *short, f"output_dir={foreign}", "overwrite=true")
+    assert proc.returncode == 2 and "does not look like an accel_train run" in proc.stderr
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
 MERGED_CHECK = """
 import sys, json, torch
 sys.modules["peft"] = None  # as on a machine without peft: any import of it fails
