@@ -24,7 +24,7 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train import faults
-from accel_train.checkpoint import TrainState, load_checkpoint, register_hooks
+from accel_train.checkpoint import TrainState, load_checkpoint, register_hooks, set_aside_later
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
 from accel_train.export import merge_adapter
@@ -178,6 +178,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
         save_config(cfg, out / "config.yaml")
         if resume:
             truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
+            set_aside_later(out, state.step)
     trainable, total = count_parameters(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
