@@ -37,7 +37,7 @@ def check_metrics(names: list[str]) -> None:
             continue
         try:
             load_metric(name)
-        except Exception as e:  # evaluate raises FileNotFoundError, ImportError, connection errors, ...
+        except Exception as e:  # noqa: BLE001 (evaluate raises FileNotFoundError, ImportError, network errors...)
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ConfigError(f"eval.metrics: cannot load metric {name!r} (bundled: {', '.join(bundled())}; other "
                               f"names load from the hub with evaluate): {reason}") from None
