@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +153,24 @@ def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
         main_logger().info(f"checkpoint saved: {path}")
     accelerator.wait_for_everyone()
     return path
+
+
+def set_aside_later(output_dir: str | Path, step: int) -> list[Path]:
+    """Move every checkpoint folder after `step` (complete or not) into checkpoints/superseded/TIME-resumed-at-step-N
+    (main process, after a resume from `step` is loaded): they belong to the trajectory the resume left, so this
+    run must neither skip its own saves because they exist nor have resume_from=latest go back to them. Nothing is
+    deleted, and complete_checkpoints does not list the folder they move to."""
+    root = checkpoints_dir(output_dir)
+    later = sorted((p for p in root.glob("step-*") if int(p.name.removeprefix("step-")) > step),
+                   key=lambda p: int(p.name.removeprefix("step-"))) if root.is_dir() else []
+    if later:
+        aside = root / "superseded" / f"{time.strftime('%Y%m%dT%H%M%S')}-resumed-at-step-{step}"
+        aside.mkdir(parents=True)
+        for path in later:
+            path.rename(aside / path.name)
+        main_logger().info(f"resumed at step {step}: set aside the later checkpoints of the run it left "
+                           f"({', '.join(p.name for p in later)}) in {aside}")
+    return later
 
 
 def load_checkpoint(accelerator, path: Path, state: TrainState) -> None:

@@ -11,8 +11,12 @@ Rules that keep multi-process runs from hanging:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
+import threading
+import time
 import warnings
 from datetime import timedelta
 from itertools import islice
@@ -21,6 +25,7 @@ import datasets
 from datasets import IterableDataset
 from datasets.distributed import split_dataset_by_node
 
+import psutil
 import torch
 import torch.distributed
 import transformers
@@ -43,6 +48,8 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     """Read the rank environment, choose the device and precision (for a model of hidden size `model_width`)
     and, with several processes, form the process group (with train.dist_timeout_s as its timeout)."""
     world = launched_world_size()
+    if world > 1:
+        stop_with_launcher()
     if cfg.train.debug_collectives:
         # accelerate checks that all ranks gather/reduce tensors of matching shapes; torch logs DDP's buckets.
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"
@@ -96,6 +103,44 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
                               f"{accelerator.distributed_type.value} on {accelerator.device}"
                               + (": DeepSpeed needs GPUs" if kind == DistributedType.DEEPSPEED else ""))
     return accelerator
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The signal a rank gets when its launcher dies (Linux): a real-time signal nothing else sends, not SIGTERM itself.
+# The kernel may send it more than once (seen here: twice to a rank after one SIGKILL of the launcher, as its
+# threads exit), and a second SIGTERM means "stop now, without a checkpoint" (Preemption).
+LAUNCHER_GONE = signal.SIGRTMIN + 1 if sys.platform == "linux" else None
+
+
+def stop_with_launcher() -> None:
+    """Stop as on SIGTERM when the launcher that started this rank dies, even by SIGKILL, which it cannot forward
+    (the ranks of accelerate launch and torchrun run in their own sessions): with Preemption's checkpoint of the
+    same step on every rank, exit 128+15, instead of training on as an orphan. Before training, the rank just ends.
+
+    Called before the process group forms: had accelerate launch or torchrun died before, the group could not form
+    (the launcher holds its rendezvous store), and the rank would stop there."""
+    parent = os.getppid()
+    if LAUNCHER_GONE is not None:
+        # The kernel signals when the thread that started this process exits: torch elastic starts the workers from
+        # the launcher's main thread (its agent's run loop), so the signal comes when the launcher exits.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, LAUNCHER_GONE) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        # The launcher died between reading its pid and prctl. (Not a test for parent 1: in a container the
+        # launcher can be process 1.)
+        if os.getppid() != parent:
+            signal.raise_signal(LAUNCHER_GONE)
+    else:  # no parent-death signal: poll the parent (its pid changes on macOS, its process ends on Windows)
+        launcher = psutil.Process(parent)
+
+        def watch():
+            while os.getppid() == parent and launcher.is_running():
+                time.sleep(1.0)
+            # To the process, not to this thread (as signal.raise_signal would): a main thread blocked in a system
+            # call wakes up to handle it.
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="accel_train-launcher-watch", daemon=True).start()
 
 
 def _asked(variable: str) -> bool:
@@ -187,19 +232,23 @@ def epoch_batches(accelerator: Accelerator, train_dl, epoch: int, skip: int):
 
 
 class Preemption:
-    """SIGTERM/SIGINT on this rank ask for a checkpoint and a stop. The loop shares the request with the other
-    ranks at its next step (one collective it runs anyway), so every rank stops at the same step."""
+    """SIGTERM/SIGINT on this rank ask for a checkpoint and a stop; so does the death of the launcher
+    (LAUNCHER_GONE, as a SIGTERM). The loop shares the request with the other ranks at its next step (one collective
+    it runs anyway), so every rank stops at the same step."""
 
     def __init__(self):
         self.signum = 0
         self._previous = {}
 
     def install(self) -> "Preemption":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, *([LAUNCHER_GONE] if LAUNCHER_GONE else [])):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
+        if signum == LAUNCHER_GONE:  # the kernel may send it again: not a second request
+            self.signum = self.signum or signal.SIGTERM
+            return
         if self.signum:  # a second signal: the user does not want to wait for the checkpoint
             self.restore()
             signal.raise_signal(signum)

@@ -6,6 +6,11 @@ fires on rank R (default: every rank) before micro-batch M (default 0) of optimi
 KIND: crash (os._exit(42): nothing cleaned up), kill (SIGKILL to itself), sigterm (a preemption notice),
 raise (a RuntimeError on that rank only), nan (that micro-batch's loss becomes NaN), ioerror (writing the
 checkpoint of step N fails with "No space left on device", after part of it is written).
+
+    ACCEL_TRAIN_FAULT="KIND@start[,rank=R]"
+
+fires at start-up instead, once the run has created output_dir (with base_model/) and before config.yaml is
+written: a start that fails half-way. KIND: crash or raise.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ def _parse(spec: str | None) -> tuple[str, dict] | None:
     if not spec:
         return None
     kind, _, where = spec.partition("@")
-    fields = dict(item.split("=") for item in where.split(",") if item)
-    return kind, {k: int(v) for k, v in fields.items()}
+    fields = dict(item.partition("=")[::2] for item in where.split(",") if item)
+    return kind, {k: int(v) if v else True for k, v in fields.items()}  # a bare name ("start") is a flag
 
 
 FAULT = _parse(os.environ.get("ACCEL_TRAIN_FAULT"))
@@ -51,3 +56,13 @@ def inject_save(step: int, rank: int) -> None:
     """Called while a checkpoint is written, after the weights and before the completion marker."""
     if _fires(("ioerror",), step, 0, rank):
         raise OSError(28, f"No space left on device (injected while writing the checkpoint of step {step})")
+
+
+def inject_start(rank: int) -> None:
+    """Called once the run has created output_dir, before config.yaml is written."""
+    if FAULT is None or "start" not in FAULT[1] or FAULT[1].get("rank", rank) != rank:
+        return
+    if FAULT[0] == "crash":
+        os._exit(42)
+    if FAULT[0] == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at start-up")

@@ -20,7 +20,7 @@ from accelerate.utils import send_to_device
 from accel_train import data as data_lib
 from accel_train import faults
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
-from accel_train.config import Config
+from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
 from accel_train.tracking import RunLog, current_memory_mb
 
@@ -101,6 +101,11 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             if signal:  # a signal reached some rank: every rank stops here, after the same step
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
+                if state.step_in_epoch == 0:  # and it gave no step: reading it again would never end
+                    raise ConfigError(
+                        f"data: a whole pass over the training {'stream' if cfg.data.streaming else 'data'} gave "
+                        f"no batch: no sample keeps a target token after truncation to "
+                        f"data.max_length={cfg.data.max_length}; raise it, or check data.path={cfg.data.path}")
                 break
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole

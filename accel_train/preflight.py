@@ -1,8 +1,9 @@
 """Cheap checks of a run, before torch, a process group, data or a model is loaded: a mistake costs a second,
 not a minute, and nothing is written. `python -m accel_train --help` and config errors stay fast for the same reason.
 
-Each check of an area's facts lives in the module that owns them (data_sources, checkpoint, tracking), all of
-them importable without torch; this module runs them in order, and reads what the launcher asked for.
+Each check of an area's facts lives in the module that owns them (data_sources, checkpoint, tracking, metrics),
+all of them importable without torch; this module runs them in order, and reads what the launcher asked for.
+Only a metric that is not bundled is loaded here, with `evaluate` (which imports torch).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from accel_train.checkpoint import resolve_resume
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
+from accel_train.metrics import check_metrics
 from accel_train.tracking import check_trackers
 
 
@@ -23,6 +25,7 @@ def preflight(cfg: Config) -> Path | None:
     check_model_source(cfg)
     check_output_dir(cfg)
     check_trackers(cfg)
+    check_metrics(cfg.eval.metrics)
     return resolve_resume(cfg)
 
 
@@ -50,17 +53,30 @@ def check_model_source(cfg: Config) -> None:
                           "pip install flash-attn, or use sdpa")
 
 
+# Written first into an output_dir the run creates: it marks the folder as accel_train's even when the run died
+# before config.yaml, so that overwrite=true may replace what a failed start left.
+RUN_MARKER = ".accel_train"
+
+
+def make_output_dir(path: str | Path) -> None:
+    """Create output_dir (main process), marked as accel_train's before anything else is written into it."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_MARKER).write_text("an accel_train output folder: overwrite=true may replace it\n")
+
+
 def check_output_dir(cfg: Config) -> None:
-    """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true."""
+    """Never overwrite a run silently: an output_dir holding one needs resume_from or overwrite=true, and
+    overwrite=true deletes only a folder accel_train made."""
     out = Path(cfg.output_dir)
     if cfg.resume_from is not None and cfg.overwrite:
         raise ConfigError("resume_from and overwrite=true contradict each other: resume keeps the run, overwrite "
                           "deletes it; pass one of them")
     if not out.exists() or not any(out.iterdir()):
         return
-    if cfg.overwrite and not (out / "config.yaml").is_file():
-        raise ConfigError(f"overwrite=true: {out} does not look like an accel_train run (no config.yaml); "
-                          "refusing to delete it")
+    if cfg.overwrite and not ((out / RUN_MARKER).is_file() or (out / "config.yaml").is_file()):
+        raise ConfigError(f"overwrite=true: {out} does not look like an accel_train run (no {RUN_MARKER} or "
+                          "config.yaml); refusing to delete it")
     if cfg.resume_from is not None or cfg.overwrite:
         return
     held = sorted(p.name for p in out.iterdir())

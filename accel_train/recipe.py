@@ -23,7 +23,8 @@ from datasets import Dataset, IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
-from accel_train.checkpoint import TrainState, load_checkpoint, register_hooks
+from accel_train import faults
+from accel_train.checkpoint import TrainState, load_checkpoint, register_hooks, set_aside_later
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
 from accel_train.export import merge_adapter
@@ -31,6 +32,7 @@ from accel_train.loop import TrainingJob, fit
 from accel_train.metrics import load_metric
 from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
                                count_parameters, model_width)
+from accel_train.preflight import make_output_dir
 from accel_train.tracking import (RunLog, flops_per_token, main_logger, measure_peak_flops, truncate_log,
                                   write_summary)
 
@@ -44,6 +46,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
         tokenizer = build_tokenizer(cfg)
         train_ds, eval_ds, labels = setup_data(cfg, accelerator, tokenizer)
         model = setup_model(cfg, accelerator, tokenizer, labels, resume)
+        faults.inject_start(accelerator.process_index)
         train_dl, eval_dl = setup_loaders(cfg, accelerator, tokenizer, model, train_ds, eval_ds)
         total_steps = count_steps(cfg, accelerator, train_ds)
         optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
@@ -122,7 +125,7 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if accelerator.is_main_process:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        make_output_dir(cfg.output_dir)
         if random_base is not None:
             random_base.save_pretrained(base)
             tokenizer.save_pretrained(base)
@@ -178,6 +181,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
         save_config(cfg, out / "config.yaml")
         if resume:
             truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
+            set_aside_later(out, state.step)
     trainable, total = count_parameters(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0

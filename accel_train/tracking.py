@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 from tqdm.auto import tqdm
 
 from accel_train.config import Config, ConfigError, to_dict
@@ -87,19 +87,22 @@ def current_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         import torch
 
-
         return torch.cuda.memory_allocated(device) / 2**20
-    with open("/proc/self/statm") as f:  # Linux: pages; field 2 is resident
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """The most memory in use at once: allocated tensors on a GPU, the process's peak resident set on a CPU."""
     if device.type == "cuda":
         import torch
 
-
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    if sys.platform == "win32":  # no getrusage there
+        return psutil.Process().memory_info().peak_wset / 2**20
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # macOS reports bytes, Linux (and BSDs) KiB
 
 
 class RunLog:

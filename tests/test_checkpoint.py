@@ -14,6 +14,9 @@ import torch
 from conftest import ACCEL_CONFIGS, BIN, REPO, accelerate_launch, free_port, python_m, read_metrics, run
 from safetensors.torch import load_file
 
+from accel_train.checkpoint import resolve_resume
+from accel_train.config import load_config
+
 # 120 samples -> 108 train; per-device batch x accum x processes = 8 in every topology below:
 # 14 optimizer steps per epoch, 28 in all. Checkpoints every 3 steps.
 BASE = ["data.builtin_size=120", "train.epochs=2", "train.log_every=1", "train.warmup_steps=2", "train.lr=1e-2",
@@ -150,6 +153,26 @@ def test_sigint_to_the_launcher_saves_and_exits(tmp_path):
     assert len(done) == 1 and int(done[0].name.removeprefix("step-")) >= 20
 
 
+
+def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
+    """Resuming at step 6 of a run saved up to step 9 (with harder gradient clipping: a resume restores the learning
+    rate with the optimizer and scheduler) starts a new trajectory: the old step-9 is moved aside, not deleted, the
+    resumed run saves its own step-9, and resume_from=latest takes that."""
+    out, short = tmp_path / "run", [*BASE, *ONE, "train.max_steps=9", "track.log_with=[]"]
+    assert launch(1, *short, f"output_dir={out}").returncode == 0
+    old = load_file(out / "checkpoints" / "step-9" / "model.safetensors")
+    proc = launch(1, *short, "train.max_grad_norm=0.1", f"output_dir={out}", f"resume_from={out / 'checkpoints' / 'step-6'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    aside = [p for p in (out / "checkpoints" / "superseded").glob("*/step-9") if (p / "COMPLETE").is_file()]
+    assert len(aside) == 1 and "set aside" in proc.stderr and str(aside[0].parent) in proc.stderr
+    kept = load_file(aside[0] / "model.safetensors")
+    assert kept.keys() == old.keys() and all(torch.equal(kept[k], old[k]) for k in old)
+    new = load_file(out / "checkpoints" / "step-9" / "model.safetensors")
+    assert all(not torch.equal(new[k], old[k]) for k in old), "step-9 is still the old trajectory's"
+    assert "max_grad_norm: 0.1" in (out / "checkpoints" / "step-9" / "config.yaml").read_text()
+    latest = resolve_resume(load_config(None, [f"output_dir={out}", "resume_from=latest"]))
+    assert latest == out / "checkpoints" / "step-9"
+
 def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     out = tmp_path / "run"
     assert launch(1, *BASE, *ONE, "train.max_steps=6", f"output_dir={out}").returncode == 0
@@ -161,8 +184,11 @@ def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step-6" in proc.stderr
     # keep_last=2: step-3 was pruned once step-9 (rewritten, complete now) and step-6 existed
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-6", "step-9"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-6", "step-9"]
     assert (partial / "COMPLETE").is_file()
+    # the half-written step-9 was after the resumed step: set aside, not deleted
+    assert [p.read_bytes() for p in (out / "checkpoints" / "superseded").glob("*/step-9/model.safetensors")] == [
+        b"truncated"]
 
 
 def test_existing_output_dir_is_never_overwritten(tmp_path):
@@ -177,6 +203,26 @@ def test_existing_output_dir_is_never_overwritten(tmp_path):
     proc = launch(1, *BASE, *ONE, "train.max_steps=3", f"output_dir={out}", "overwrite=true")
     assert proc.returncode == 0 and read_metrics(out)[0][-1]["step"] == 3
 
+
+
+def test_a_failed_start_is_replaced_with_overwrite(tmp_path):
+    """A run that dies after creating output_dir (base_model/ written) and before config.yaml leaves a folder that
+    overwrite=true replaces; without it the folder is kept, and a folder accel_train did not make is never deleted."""
+    out, short = tmp_path / "run", [*BASE, *ONE, "train.max_steps=2", "track.log_with=[]"]
+    crashed = launch(1, *short, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "crash@start"})
+    assert crashed.returncode == 42
+    assert (out / "base_model").is_dir() and not (out / "config.yaml").exists()
+    proc = launch(1, *short, f"output_dir={out}")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    proc = launch(1, *short, f"output_dir={out}", "overwrite=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_metrics(out)[0][-1]["step"] == 2
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    proc = launch(1, *short, f"output_dir={foreign}", "overwrite=true")
+    assert proc.returncode == 2 and "does not look like an accel_train run" in proc.stderr
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
 MERGED_CHECK = """
 import sys, json, torch

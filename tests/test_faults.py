@@ -4,10 +4,14 @@ Run only these: python -m pytest -m faults"""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
-from conftest import accelerate_launch, read_metrics
+from conftest import ACCEL_CONFIGS, BIN, REPO, accelerate_launch, free_port, read_metrics
 
 pytestmark = pytest.mark.faults
 
@@ -24,6 +28,95 @@ def timed(fn, *args, **kw):
 
 def complete(out):
     return sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").exists())
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Still running (an exited process that nobody has reaped yet, a zombie, counts as gone)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_killed_launcher_leaves_no_orphaned_ranks(tmp_path):
+    """SIGKILL of the launcher (OOM killer, scheduler, a killed shell) cannot be forwarded to the ranks, which run in
+    their own sessions: each must notice its launcher is gone and stop as on SIGTERM, with a checkpoint of one step
+    written by both ranks."""
+    out = tmp_path / "run"
+    cmd = [BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
+           free_port(), "accel_train/train.py", *RUN, "train.max_steps=5000", "checkpoint.save_every=null", f"output_dir={out}"]
+    with open(tmp_path / "launch.log", "w") as log:
+        launcher = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()
+            time.sleep(0.2)  # polling for the first logged step; what the test waits for is the file
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "accel_train/train.py" in p.cmdline()]
+        assert len(ranks) == 2
+        launcher.kill()
+        launcher.wait()
+        t0 = time.monotonic()
+        while any(alive(p) for p in ranks) and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in ranks), "ranks still running 30 s after their launcher was killed"
+    finally:
+        for proc in ranks:
+            if alive(proc):
+                proc.kill()
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    text = (tmp_path / "launch.log").read_text()
+    assert text.count("accel_train: stopped by SIGTERM; checkpoint saved:") == 2, text[-3000:]
+    saved = [p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file()]
+    assert len(saved) == 1
+    step = json.loads((saved[0] / "train_state.json").read_text())["step"]
+    assert saved[0].name == f"step-{step}" and step >= 1
+    assert {p.name for p in saved[0].glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+
+
+# A rank-to-be that watches its parent as on macOS, and a launcher that starts it, waits until it watches, and ends.
+ORPHAN = r"""
+import os, signal, sys
+from pathlib import Path
+from accel_train import dist
+
+def stopped(signum, frame):
+    with open(sys.argv[1], "a") as f:
+        f.write("stopped\n")
+    os._exit(0)
+
+dist.LAUNCHER_GONE = None  # no parent-death signal: the polling thread
+signal.signal(signal.SIGTERM, stopped)
+dist.stop_with_launcher()
+Path(sys.argv[1]).write_text(f"{os.getpid()}\n")
+while True:
+    signal.pause()
+"""
+LAUNCHER = r"""
+import subprocess, sys, time
+from pathlib import Path
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+while child.poll() is None and not (Path(sys.argv[2]).is_file() and Path(sys.argv[2]).read_text()):
+    time.sleep(0.1)
+"""
+
+
+def test_launcher_gone_without_a_parent_death_signal(tmp_path):
+    """Where the kernel has no parent-death signal, a thread polls the parent: SIGTERM within seconds of its end."""
+    report = tmp_path / "report"
+    subprocess.run([sys.executable, "-c", LAUNCHER, ORPHAN, report], cwd=REPO, timeout=120, check=True)
+    orphan = int(report.read_text().split()[0])
+    try:
+        deadline = time.monotonic() + 10
+        while "stopped" not in report.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "stopped" in report.read_text()
+    finally:
+        if psutil.pid_exists(orphan) and "stopped" not in report.read_text():
+            psutil.Process(orphan).kill()
 
 
 def test_one_rank_killed_mid_step(tmp_path):

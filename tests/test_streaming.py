@@ -106,3 +106,18 @@ def test_streaming_needs_max_steps(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "accel_train: error: data.streaming=true needs train.max_steps: a stream's length is unknown until read")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_stream_without_a_target_stops_instead_of_reading_forever(tmp_path, procs):
+    """Every response truncated away: a pass over the stream yields no batch on any rank. The run stops with one
+    line (the same decision on every rank, so none waits for another) instead of reading the stream again forever."""
+    args = ["data.streaming=true", "data.max_length=4", "data.builtin_size=40", "train.max_steps=3",
+            "track.log_with=[]", "train.dist_timeout_s=30", f"output_dir={tmp_path / 'out'}"]
+    proc = python_m(*args, timeout=120) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, timeout=180)
+    message = ("accel_train: error: data: a whole pass over the training stream gave no batch: no sample keeps a "
+               "target token after truncation to data.max_length=4")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")]
+    assert errors == [errors[0]] * procs and errors[0].startswith(message), proc.stderr[-3000:]
+    assert proc.returncode == (2 if procs == 1 else 1)
+    assert "accel_train/loop.py" not in proc.stderr  # no rank's traceback (the launcher reports the failed ranks)
