@@ -98,8 +98,23 @@ class TrainState:
             setattr(self, key, value)
 
 
+COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper (OptimizedModule) holds the model under this name
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name as peft and transformers know it: without torch.compile's prefix."""
+    return name.replace(COMPILED_PREFIX, "")
+
+
+def trainable_state(model) -> dict:
+    """The trainable tensors (the adapter under LoRA) of an unwrapped model by their plain names; FSDP2's shards are
+    gathered whole, a collective per tensor that every rank must call."""
+    return {plain_name(name): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
 def _trainable_keys(model) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
+    return {plain_name(name) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def register_hooks(accelerator) -> None:
@@ -109,7 +124,7 @@ def register_hooks(accelerator) -> None:
         # Under FSDP (and DeepSpeed) accelerate writes the model itself, sharded and whole (the frozen base
         # too), and passes no weights here; the load hook then gets no models either.
         for i, model in enumerate(models[: len(weights)]):
-            unwrapped = accelerator.unwrap_model(model)
+            unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
             keep = _trainable_keys(unwrapped)
             weights[i] = {k: v for k, v in unwrapped.state_dict().items() if k in keep}
 
@@ -117,9 +132,9 @@ def register_hooks(accelerator) -> None:
         from safetensors.torch import load_file  # imports torch: only once a checkpoint is loaded
 
         for i in reversed(range(len(models))):
-            unwrapped = accelerator.unwrap_model(models[i])
+            unwrapped = accelerator.unwrap_model(models[i], keep_torch_compile=False)
             name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
-            state = load_file(Path(input_dir) / name)
+            state = {plain_name(k): v for k, v in load_file(Path(input_dir) / name).items()}
             missing = _trainable_keys(unwrapped) - state.keys()
             result = unwrapped.load_state_dict(state, strict=False)
             if missing or result.unexpected_keys:

@@ -64,6 +64,9 @@ class ModelConfig:
     """Classes for seq_cls; None reads them from the dataset's label column."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Dtype the weights are loaded in; mixed precision is chosen separately (train.mixed_precision)."""
+    quantization: Optional[Literal["4bit", "8bit"]] = None
+    """QLoRA: load the frozen base quantized by bitsandbytes (4bit: NF4 with double quantization, computing in
+    bf16) and train a LoRA adapter on it; GPUs only."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (only for models that need it)."""
 
@@ -270,6 +273,12 @@ class Config:
         if self.data.streaming and self.task == "seq_cls" and self.model.num_labels is None:
             raise ConfigError("data.streaming=true with task seq_cls needs model.num_labels (it cannot be read "
                               "from a stream without reading all of it)")
+        if self.model.quantization and not self.lora.enabled:
+            raise ConfigError(f"model.quantization={self.model.quantization} trains a LoRA adapter on a frozen "
+                              "quantized base: it needs lora.enabled=true")
+        if self.model.quantization and self.model.random_init:
+            raise ConfigError(f"model.quantization={self.model.quantization} quantizes pretrained weights: it cannot "
+                              "be used with random weights (model.random_init)")
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
 

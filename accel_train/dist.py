@@ -65,6 +65,9 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     cpu = world > 1 and not torch.accelerator.is_available()
     precision, note = choose_precision(cfg.train.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
                                        model_width)
+    if precision != os.environ.get("ACCELERATE_MIXED_PRECISION", precision):
+        # the FSDP and DeepSpeed plugins read the launcher's choice from the environment: give them this one
+        os.environ["ACCELERATE_MIXED_PRECISION"] = precision
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,
@@ -95,6 +98,8 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
             f"({accelerator.distributed_type}); each process would train alone. Check the accelerate config "
             "(distributed_type, num_processes) against the devices of this machine."
         )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
     # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
     for variable, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP),
                            ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
@@ -143,6 +148,28 @@ def stop_with_launcher() -> None:
         threading.Thread(target=watch, name="accel_train-launcher-watch", daemon=True).start()
 
 
+# DeepSpeed config key -> the accel_train key that must say the same
+DEEPSPEED_KEYS = {"train_micro_batch_size_per_gpu": "train.per_device_batch_size",
+                  "gradient_accumulation_steps": "train.grad_accum_steps", "gradient_clipping": "train.max_grad_norm"}
+
+
+def configure_deepspeed(ds: dict, cfg: Config) -> None:
+    """Give DeepSpeed this run's micro-batch, accumulation and clipping where its config says "auto" (or nothing);
+    refuse a config that says otherwise. The engine steps, clips and scales the loss by its accumulation itself:
+    a different number there would silently change the training. The micro-batch also lets accelerate prepare the
+    model apart from the dataloaders (it needs a batch size from one or the other)."""
+    ours = {"train_micro_batch_size_per_gpu": cfg.train.per_device_batch_size,
+            "gradient_accumulation_steps": cfg.train.grad_accum_steps,
+            "gradient_clipping": cfg.train.max_grad_norm or 0.0}  # DeepSpeed: 0 = no clipping
+    for key, value in ours.items():
+        theirs = ds.get(key, "auto")
+        if theirs == "auto":
+            ds[key] = value
+        elif float(theirs) != float(value):
+            raise LaunchError(f"the DeepSpeed config sets {key}={theirs} but {DEEPSPEED_KEYS[key]}={value}: set one "
+                              f"to the other, or {key} to auto")
+
+
 def _asked(variable: str) -> bool:
     """Whether accelerate launch set this flag from the config (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED)."""
     return os.environ.get(variable, "false").lower() == "true"
@@ -165,11 +192,14 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
 
 def native_bf16() -> bool:
     """Whether this machine's accelerator (or, without one, its CPU: AVX512-BF16 or AMX) computes bf16 natively.
-    Elsewhere bf16 autocast is emulated and slower than fp32."""
+    Elsewhere bf16 autocast is emulated and slower than fp32. ACCEL_TRAIN_CPU_BF16=0/1 overrides the CPU probe
+    (for CPUs it misjudges, and for tests of both kinds of CPU on one machine)."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if torch.accelerator.is_available():
         return False  # other accelerators: fp32 unless asked for
+    if os.environ.get("ACCEL_TRAIN_CPU_BF16") in ("0", "1"):
+        return os.environ["ACCEL_TRAIN_CPU_BF16"] == "1"
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -189,9 +219,14 @@ def choose_precision(requested: str, launcher: str = "no", width: int | None = N
         wide = width is None or width >= MIN_BF16_WIDTH
         requested = launcher if launcher in ("bf16", "fp16") else "bf16" if native_bf16() and wide else "no"
     if requested == "fp16" and not torch.cuda.is_available():
-        return "bf16", "mixed precision fp16 needs a GPU (accelerate would silently run fp32 here): using bf16"
+        if native_bf16():
+            return "bf16", "mixed precision fp16 needs a GPU (accelerate would silently run fp32 here): using bf16"
+        return "no", "mixed precision fp16 needs a GPU, and this CPU has no native bf16: using fp32"
     if requested == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return "fp16", "this GPU has no bf16: using fp16 mixed precision (with loss scaling) instead"
+    if requested == "bf16" and not torch.accelerator.is_available() and not native_bf16():
+        return "no", ("this CPU has no native bf16 (AVX512-BF16 or AMX), where bf16 runs hundreds of times slower "
+                      "than fp32: using fp32")
     return requested, None
 
 

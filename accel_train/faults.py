@@ -4,8 +4,9 @@
 
 fires on rank R (default: every rank) before micro-batch M (default 0) of optimizer step N (1-based).
 KIND: crash (os._exit(42): nothing cleaned up), kill (SIGKILL to itself), sigterm (a preemption notice),
-raise (a RuntimeError on that rank only), nan (that micro-batch's loss becomes NaN), ioerror (writing the
-checkpoint of step N fails with "No space left on device", after part of it is written).
+raise (a RuntimeError on that rank only), nan (that micro-batch's loss becomes NaN), nan_from (every micro-batch's
+loss from step N on: a loss that stays broken), ioerror (writing the checkpoint of step N fails with "No space left
+on device", after part of it is written).
 
     ACCEL_TRAIN_FAULT="KIND@start[,rank=R]"
 
@@ -40,6 +41,8 @@ def _fires(kinds: tuple[str, ...], step: int, micro: int, rank: int) -> str | No
 
 def inject(step: int, micro: int, rank: int) -> bool:
     """Called by the loop before each micro-batch; True means "poison this micro-batch's loss" (kind nan)."""
+    if FAULT is not None and FAULT[0] == "nan_from" and step >= FAULT[1]["step"]:
+        return FAULT[1].get("rank", rank) == rank
     kind = _fires(("crash", "kill", "sigterm", "raise", "nan"), step, micro, rank)
     if kind == "crash":
         os._exit(42)

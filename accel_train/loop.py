@@ -71,6 +71,19 @@ def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Te
     return stats
 
 
+# fp16's loss scale starts at 2^16 and halves at each overflow: skipped steps while it calibrates are expected. An
+# overflow at a scale below this cannot be the scale's doing: the gradient itself is not finite.
+MIN_LOSS_SCALE = 1.0
+
+
+def nonfinite_step(grad_norm: float, scaler) -> bool:
+    """Whether this step's gradient is broken (counted towards train.max_nonfinite_steps): a non-finite global norm,
+    except under fp16 loss scaling while the scale is still high enough to be the cause."""
+    if math.isfinite(grad_norm):
+        return False
+    return scaler is None or scaler.get_scale() < MIN_LOSS_SCALE
+
+
 def forward(model, batch: dict, task: str) -> torch.Tensor:
     """The logits. No KV cache in training: it costs memory, and with one transformers ignores packing."""
     return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
@@ -118,6 +131,9 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 # all ranks then run the same forwards and backwards, hence the same collectives.
                 batch, weight = (window[i], 1.0) if i < len(window) else (replay(), 0.0)
                 sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
+                # accelerate reads this in backward: under DeepSpeed it marks the accumulation boundary, where the
+                # engine steps (it is true again after the window's last micro-batch, as optimizer.step needs)
+                accelerator.sync_gradients = sync
                 with nullcontext() if sync else accelerator.no_sync(model):
                     loss = summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
                     loss = loss * (math.nan if poison else weight)
@@ -126,22 +142,23 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
-            # fp16's loss scaler expects overflows: it skips such a step itself and lowers the scale.
-            bad = not math.isfinite(grad_norm) and accelerator.scaler is None
+            finite, scaler = math.isfinite(grad_norm), accelerator.scaler
+            bad = nonfinite_step(grad_norm, scaler)
             state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
             if bad and (cfg.train.on_nonfinite == "stop" or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
                 raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(accelerator, cfg, state))
             lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
-            if bad:
+            if not finite:
                 state.skipped_steps += 1
                 run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
-                             f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
-            else:
-                optimizer.step()
+                             + (f"(fp16 loss scale {scaler.get_scale():g}) " if scaler is not None else "")
+                             + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
+            if finite or scaler is not None:
+                optimizer.step()  # fp16: the scaler skips a non-finite step itself, and lowers its scale
+            if finite:
                 rank_loss += window_loss
                 targets_since_log += targets
-            if not optimizer.step_was_skipped or bad:
-                job.scheduler.step()  # once per optimizer step, whatever the number of processes
+            job.scheduler.step()  # once per optimizer step, skipped or not: the rate follows state.step
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1

@@ -63,9 +63,11 @@ def attn_implementation(cfg: Config) -> dict:
     return {"attn_implementation": choice}
 
 
-def build_model(cfg: Config, tokenizer, labels: list | None = None, weights_from=None) -> torch.nn.Module:
+def build_model(cfg: Config, tokenizer, labels: list | None = None, weights_from=None,
+                device: torch.device | None = None) -> torch.nn.Module:
     """The base model: from `weights_from` when given (a run's saved random base), else as model.* says:
-    pretrained weights, or random ones built from the config (model.random_init). `labels`: seq_cls class names."""
+    pretrained weights (quantized on `device` with model.quantization), or random ones built from the config
+    (model.random_init). `labels`: seq_cls class names."""
     m = cfg.model
     auto = AUTO_CLASS[cfg.task]
     extra = {**head_kwargs(cfg, labels), **attn_implementation(cfg)}
@@ -80,9 +82,33 @@ def build_model(cfg: Config, tokenizer, labels: list | None = None, weights_from
         # A pretrained classifier with another number of classes gets a new head (transformers says which).
         mismatch = {"ignore_mismatched_sizes": True} if cfg.task == "seq_cls" else {}
         model = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
-                                     trust_remote_code=m.trust_remote_code, **extra, **mismatch)
+                                     trust_remote_code=m.trust_remote_code, **extra, **mismatch,
+                                     **quantization(cfg, device))
+        if m.quantization:
+            # Casts norms and the head to fp32 and makes the frozen embeddings' output require grad, so that
+            # gradients reach the adapter through checkpointed layers.
+            model = peft.prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
     return model
+
+
+def quantization(cfg: Config, device: torch.device | None) -> dict:
+    """from_pretrained arguments for QLoRA (model.quantization): bitsandbytes weights placed on this rank's GPU."""
+    if not cfg.model.quantization:
+        return {}
+    if device is None or device.type != "cuda":
+        raise ConfigError(f"model.quantization={cfg.model.quantization} needs a GPU (bitsandbytes); this run is on "
+                          f"{device or 'cpu'}: train without it (LoRA on the full-precision base)")
+    from transformers import BitsAndBytesConfig
+
+    if cfg.model.quantization == "4bit":
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    else:
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": bnb, "device_map": {"": device.index or 0}}
 
 
 def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:

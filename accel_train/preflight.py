@@ -45,12 +45,15 @@ def check_model_source(cfg: Config) -> None:
     folder = Path(path).expanduser()
     if path.startswith((".", "/", "~")) and not folder.is_dir():
         raise ConfigError(f"model.name_or_path: no such model folder: {path}")
-    if folder.is_dir() and not cfg.model.random_init and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
-        raise ConfigError(f"model.name_or_path: {path} holds no weights ({', '.join(WEIGHT_FILES)}); pass "
-                          "model.random_init=true to train from random weights built from its config.json")
+    if cfg.model.quantization and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"model.quantization={cfg.model.quantization} needs bitsandbytes (GPUs only): "
+                          "pip install bitsandbytes")
     if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package (GPUs only): "
                           "pip install flash-attn, or use sdpa")
+    if folder.is_dir() and not cfg.model.random_init and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
+        raise ConfigError(f"model.name_or_path: {path} holds no weights ({', '.join(WEIGHT_FILES)}); pass "
+                          "model.random_init=true to train from random weights built from its config.json")
 
 
 # Written first into an output_dir the run creates: it marks the folder as accel_train's even when the run died

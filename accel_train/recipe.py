@@ -24,14 +24,15 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train import faults
-from accel_train.checkpoint import TrainState, load_checkpoint, register_hooks, set_aside_later
+from accel_train.checkpoint import (TrainState, load_checkpoint, plain_name, register_hooks, set_aside_later,
+                                    trainable_state)
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
 from accel_train.export import merge_adapter
 from accel_train.loop import TrainingJob, fit
 from accel_train.metrics import load_metric
 from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
-                               count_parameters, model_width)
+                               count_parameters, model_width, quantization)
 from accel_train.preflight import make_output_dir
 from accel_train.tracking import (RunLog, flops_per_token, main_logger, measure_peak_flops, truncate_log,
                                   write_summary)
@@ -42,6 +43,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
     accelerator, t_start = None, time.perf_counter()
     try:
         accelerator = make_accelerator(cfg, model_width(cfg))
+        quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
         train_ds, eval_ds, labels = setup_data(cfg, accelerator, tokenizer)
@@ -116,7 +118,7 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
     base = Path(cfg.output_dir) / "base_model"
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
-    model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None)
+    model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None, device=accelerator.device)
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
     model = apply_lora(cfg, model)
@@ -212,11 +214,11 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
     if cfg.lora.enabled and accelerator.is_fsdp2:
         # Gather the adapter's shards only (a collective per tensor): get_state_dict would gather the whole
         # model, frozen base included, into rank 0's memory.
-        state = {name: p.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
-    else:
-        state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank must call it
+        state = trainable_state(accelerator.unwrap_model(model, keep_torch_compile=False))
+    else:  # a collective under FSDP/DeepSpeed: every rank must call it
+        state = {plain_name(k): v for k, v in accelerator.get_state_dict(model).items()}
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         if cfg.lora.enabled:
             # The base the adapter loads on: the copy saved before training for a random base (it cannot be
             # re-downloaded), an absolute path for a local folder (the adapter may be loaded from anywhere).

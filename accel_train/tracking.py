@@ -66,13 +66,27 @@ def flops_per_token(n_total: int, n_trainable: int) -> int:
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """FLOP/s of a square matmul at the training precision on this device: the denominator of MFU."""
+    """FLOP/s of a square matmul at the training precision on this device: the denominator of MFU.
+
+    Bounded in time whatever the hardware does (the main process measures while the other ranks wait in their
+    first collective, and an emulated bf16 matmul runs at under 1 GFLOP/s on CPUs without native bf16): the size
+    doubles from 256 only while one product (after a warm-up one) takes under a thirty-second of `seconds` (the
+    next takes 8 times longer), up to where the peak is reached (CPU bf16: 0.9 TFLOP/s at 1024, 1.9 at 2048).
+    Its own generator: no rank's random stream moves."""
     import torch
 
-    n = 8192 if device.type == "cuda" else 2048  # smaller matrices fall short of the peak (CPU bf16: 0.9 vs 1.9 TFLOP/s)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):  # warm-up
-        a @ b
+    generator = torch.Generator(device=device).manual_seed(0)
+    limit, n = (8192 if device.type == "cuda" else 2048), 256
+    while True:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=generator) for _ in range(2))
+        for _ in range(2):  # the first product at a size also creates its kernel: time the second
+            start = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        if n >= limit or (time.perf_counter() - start) * 32 > seconds:
+            break
+        n *= 2
     reps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b

@@ -48,9 +48,11 @@ def test_bench_quick_writes_every_figure(tmp_path):
     ("auto", "no", True, 512, "bf16"),    # native bf16, a model wide enough to gain from it
     ("auto", "no", True, 64, "no"),       # the tiny model: autocast costs more than it saves
     ("auto", "no", False, 512, "no"),     # emulated bf16 is slower than fp32
-    ("auto", "bf16", False, 64, "bf16"),  # the launcher's explicit choice wins over auto
+    ("auto", "bf16", True, 64, "bf16"),   # the launcher's explicit choice wins over auto
     ("no", "bf16", True, 512, "no"),      # and train.mixed_precision wins over the launcher
-    ("bf16", "no", False, 64, "bf16"),
+    ("bf16", "no", True, 64, "bf16"),
+    ("auto", "bf16", False, 512, "no"),   # bf16 asked for on a CPU without it: fp32, hundreds of times faster
+    ("bf16", "no", False, 64, "no"),
 ])
 def test_auto_precision(monkeypatch, requested, launcher, native, width, expected):
     monkeypatch.setattr(dist, "native_bf16", lambda: native)

@@ -14,7 +14,7 @@ from accelerate.utils import DeepSpeedPlugin, DistributedType, patch_environment
 from accelerate.utils.launch import prepare_deepspeed_cmd_env
 from conftest import ACCEL_CONFIGS
 
-from accel_train.config import Config
+from accel_train.config import Config, load_config
 
 STAGES = {"deepspeed_zero2.yaml": 2, "deepspeed_zero3.yaml": 3}
 
@@ -51,3 +51,27 @@ def test_deepspeed_config_gives_the_plugin_our_run_needs(name):
     # train.save calls accelerator.get_state_dict, which refuses under ZeRO-3 unless the weights are gathered
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is (STAGES[name] == 3)
     assert plugin.zero3_init_flag is False
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_deepspeed_gets_our_batch_accumulation_and_clipping(name):
+    """accelerate refuses to prepare a DeepSpeed model without a batch size (from a dataloader in the same
+    prepare call, or the config); the engine steps, scales by its accumulation and clips itself: all three come
+    from this run's config, and a launch config that says otherwise is refused in one line."""
+    from accel_train.dist import LaunchError, configure_deepspeed
+
+    with patch_environment(**launch_environment(ACCEL_CONFIGS / name)):
+        plugin = DeepSpeedPlugin()
+    cfg = load_config(None, ["train.per_device_batch_size=3", "train.grad_accum_steps=4"])
+    configure_deepspeed(plugin.deepspeed_config, cfg)
+    ds = plugin.deepspeed_config
+    ours = (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"])
+    assert ours == (3, 4, 1.0)
+    assert not plugin.is_auto("train_micro_batch_size_per_gpu")
+
+    with patch_environment(**launch_environment(ACCEL_CONFIGS / name)):
+        plugin = DeepSpeedPlugin()
+    with pytest.raises(LaunchError) as refused:
+        configure_deepspeed(plugin.deepspeed_config, load_config(None, ["train.max_grad_norm=0.5"]))
+    assert str(refused.value) == ("the DeepSpeed config sets gradient_clipping=1.0 but train.max_grad_norm=0.5: set "
+                                  "one to the other, or gradient_clipping to auto")

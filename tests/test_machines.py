@@ -1,0 +1,192 @@
+"""Every machine users have, checked from this CPU: the CPU config beside GPUs, CPUs without native bf16 (the
+capability probe faked), fp16's loss scaler with a loss that stays broken, accumulation under DeepSpeed, QLoRA
+refused off GPUs, torch.compile's parameter names, and the prepared GPU check (its plan and its verdicts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ACCEL_CONFIGS, accelerate_launch, python_m, read_metrics, run
+
+from accel_train.config import load_config
+
+QUICK = ["data.builtin_size=200", "train.max_steps=4", "train.log_every=1", "track.log_with=[]"]
+
+
+def multi_gpu_launch_environment(config) -> dict:
+    """What `accelerate launch --config_file CONFIG` puts in the environment of its workers (torchrun branch)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(ACCEL_CONFIGS / config), "accel_train/train.py"]))
+    return prepare_multi_gpu_env(args)
+
+
+def test_the_cpu_config_hides_every_gpu_from_its_workers():
+    """On a laptop with one GPU (or a box with eight) the README's first command must run on the CPU: two workers
+    on one GPU would be refused, and a config named for the CPU must not train on GPUs."""
+    env = multi_gpu_launch_environment("cpu_2proc.yaml")
+    assert env["CUDA_VISIBLE_DEVICES"] == "-1,-1"
+    probe = "import torch; print(torch.cuda.device_count())"
+    hidden = run([sys.executable, "-c", probe], env={"CUDA_VISIBLE_DEVICES": env["CUDA_VISIBLE_DEVICES"]})
+    assert hidden.stdout.strip() == "0"
+    assert multi_gpu_launch_environment("2gpu.yaml").get("CUDA_VISIBLE_DEVICES") is None  # the GPU config keeps them
+
+
+def test_precision_on_a_cpu_with_and_without_native_bf16(monkeypatch):
+    from accel_train.dist import choose_precision
+
+    monkeypatch.setenv("ACCEL_TRAIN_CPU_BF16", "1")
+    assert choose_precision("bf16") == ("bf16", None)
+    assert choose_precision("auto", "bf16")[0] == "bf16" and choose_precision("auto", width=512)[0] == "bf16"
+    assert choose_precision("fp16")[0] == "bf16"
+    monkeypatch.setenv("ACCEL_TRAIN_CPU_BF16", "0")
+    for asked, launcher in (("bf16", "no"), ("auto", "bf16"), ("fp16", "no"), ("auto", "fp16")):
+        precision, note = choose_precision(asked, launcher, width=512)
+        assert precision == "no" and "using fp32" in note, (asked, launcher)
+    assert choose_precision("auto", width=512) == ("no", None)  # nothing asked: nothing to say
+
+
+def test_bf16_launch_config_on_a_cpu_without_bf16_trains_in_fp32(tmp_out):
+    """2gpu.yaml asks bf16; on a CPU without native bf16 (faked) the run says so and trains in fp32, at fp32's
+    speed: no rank measures an emulated bf16 matmul for minutes while the other waits in a collective."""
+    proc = accelerate_launch("2gpu.yaml", f"output_dir={tmp_out}", *QUICK, "train.dist_timeout_s=60",
+                             env={"ACCEL_TRAIN_CPU_BF16": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "this CPU has no native bf16" in log and "mixed precision no (train.mixed_precision=auto)" in log
+    assert [r["step"] for r in read_metrics(tmp_out)[0]] == [1, 2, 3, 4]
+
+
+class FakeScaler:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def get_scale(self):
+        return self.scale
+
+
+def test_nonfinite_policy_under_fp16_loss_scaling():
+    from accel_train.loop import nonfinite_step
+
+    assert not nonfinite_step(3.0, None) and not nonfinite_step(3.0, FakeScaler(0.5))
+    assert nonfinite_step(float("nan"), None) and nonfinite_step(float("inf"), None)
+    # fp16: overflows while the scale calibrates down from 2^16 are expected; below 1 they are the gradient's own
+    assert not nonfinite_step(float("inf"), FakeScaler(2.0**16))
+    assert nonfinite_step(float("inf"), FakeScaler(0.5))
+
+
+def test_a_loss_that_stays_broken_stops_with_the_last_good_state(tmp_out):
+    proc = python_m(f"output_dir={tmp_out}", *QUICK, "train.max_steps=20", "checkpoint.save_every=2",
+                    env={"ACCEL_TRAIN_FAULT": "nan_from@step=5"})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "non-finite loss or gradient at step 7 (3 step(s) in a row); stopped" in proc.stderr
+    train, _ = read_metrics(tmp_out)
+    lrs = [r["lr"] for r in train]
+    assert lrs == sorted(lrs) and len(set(lrs)) == len(lrs)  # warmup: the schedule moves on with every step
+
+
+def test_accumulation_marks_only_the_last_micro_batch_as_the_boundary(tmp_path):
+    """Under DeepSpeed accelerate's backward steps the engine whenever sync_gradients is true: it must be false on
+    every micro-batch but the last of each window (with it always true, accumulation 4 made 4 updates a step)."""
+    seen = tmp_path / "sync.json"
+    proc = run([sys.executable, "tests/scripts/sync_probe.py", seen, f"output_dir={tmp_path / 'out'}", *QUICK,
+                "train.max_steps=3", "train.per_device_batch_size=2", "train.grad_accum_steps=4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(seen.read_text()) == [False, False, False, True] * 3
+
+
+def test_compiled_model_saves_its_adapter_under_the_names_peft_loads(tmp_path):
+    """torch.compile (train.compile) wraps the model: its parameters are named `_orig_mod.…`. Saved under those
+    names, peft loads an adapter that silently keeps its initial weights."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from accel_train.checkpoint import trainable_state
+    from accel_train.config import TINY_MODEL
+
+    def base():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(TINY_MODEL))
+
+    model = get_peft_model(base(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(1.0)  # "trained": no longer the zeros peft starts from
+    compiled = torch.compile(model)
+    assert any(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
+    state = trainable_state(compiled)
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
+    model.save_pretrained(tmp_path / "adapter", state_dict=state)
+    loaded = PeftModel.from_pretrained(base(), tmp_path / "adapter")
+    for name, p in loaded.named_parameters():
+        if "lora_B" in name:
+            assert torch.equal(p, dict(model.named_parameters())[name]), name
+
+
+def test_qlora_off_a_gpu_is_one_line_before_any_work(tmp_out):
+    proc = python_m("model.quantization=4bit", "model.name_or_path=Qwen/Qwen2.5-0.5B",
+                    f"output_dir={tmp_out}", *QUICK)
+    assert proc.returncode == 2 and not tmp_out.exists()
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "model.quantization=4bit needs" in lines[0] and "GPU" in lines[0]
+    from accel_train.config import ConfigError
+    from accel_train.model import quantization
+
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        quantization(load_config(None, ["model.quantization=4bit", "model.random_init=false"]), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="lora.enabled=true"):
+        load_config(None, ["model.quantization=8bit", "lora.enabled=false", "model.random_init=false"])
+
+
+# ---------------------------------------------------------------------------------------------------- gpu_check
+
+
+def test_gpu_check_plan_is_complete_and_every_run_is_a_valid_configuration(tmp_path):
+    from accel_train.cli import parse_cli
+    from accel_train.gpu_check import ORDER, plan
+
+    checks = plan(tmp_path)
+    assert [c.name for c in checks if c.name != "reference_1gpu"] == ORDER
+    for check in checks:
+        if check.args():
+            cfg = parse_cli(check.args())
+            assert cfg.output_dir == str(tmp_path / check.name)
+    configs = {c.name: c.cmd[c.cmd.index("--config_file") + 1] for c in checks if "--config_file" in c.cmd}
+    assert {k: v.rsplit("/", 1)[-1] for k, v in configs.items()} == {
+        "quickstart_1gpu": "1gpu.yaml", "quickstart_cpu": "cpu_2proc.yaml", "reference_1gpu": "1gpu.yaml",
+        "deepspeed_zero2": "deepspeed_zero2.yaml", "deepspeed_zero3": "deepspeed_zero3.yaml", "fsdp2": "fsdp2.yaml"}
+    proc = run([sys.executable, "-m", "accel_train.gpu_check", "--out", tmp_path, "--dry-run", "--only", "fsdp2"])
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2  # the comparison brings its reference
+
+
+def test_gpu_check_verdicts(tmp_path):
+    """The judging of finished runs, on runs made here: a comparison within bf16's tolerance passes, one off by
+    more fails; a failed process fails with its log; the report lists every check."""
+    from accel_train.gpu_check import judge, plan, report
+
+    checks = {c.name: c for c in plan(tmp_path)}
+
+    def fake_run(name, losses):
+        out = checks[name].out
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": x, "mfu": 0.3}) + "\n"
+                                                   for i, x in enumerate(losses)))
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    results = {"reference_1gpu": judge(checks["reference_1gpu"], fake_run("reference_1gpu", [2.0, 1.5]), {})}
+    results["fsdp2"] = judge(checks["fsdp2"], fake_run("fsdp2", [2.01, 1.51]), results)
+    results["deepspeed_zero2"] = judge(checks["deepspeed_zero2"], fake_run("deepspeed_zero2", [2.0, 1.7]), results)
+    results["qlora_4bit"] = judge(checks["qlora_4bit"], subprocess.CompletedProcess([], 1, "", "Traceback: boom"),
+                                  results)
+    assert [results[n]["status"] for n in ("reference_1gpu", "fsdp2", "deepspeed_zero2", "qlora_4bit")] == [
+        "pass", "pass", "fail", "fail"]
+    assert "boom" in results["qlora_4bit"]["log_tail"]
+    table = report(results, tmp_path, 12.0)
+    assert "| fsdp2 | pass |" in table and json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
