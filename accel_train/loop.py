@@ -22,6 +22,7 @@ from accel_train import faults
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
+from accel_train.loss import LossHead
 from accel_train.tracking import RunLog, current_memory_mb
 
 IGNORE = data_lib.IGNORE_INDEX
@@ -44,6 +45,8 @@ class TrainingJob:
     total_steps: int
     run_log: RunLog
     preemption: Preemption
+    loss_head: LossHead | None = None
+    """causal_lm: the output head that computes the loss in chunks (loss.py); None: from full logits."""
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -74,6 +77,15 @@ def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Te
 def forward(model, batch: dict, task: str) -> torch.Tensor:
     """The logits. No KV cache in training: it costs memory, and with one transformers ignores packing."""
     return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
+
+
+def batch_loss(model, batch: dict, task: str, head: LossHead | None) -> torch.Tensor:
+    """The batch's summed target loss: from the final hidden states in chunks when the model has a LossHead
+    (its output head returns the loss in place of the logits), else from the logits."""
+    if head is None:
+        return summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
+    with head.computing(batch["labels"]):
+        return forward(model, batch, task)
 
 
 def fit(cfg: Config, job: TrainingJob) -> dict:
@@ -119,7 +131,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 batch, weight = (window[i], 1.0) if i < len(window) else (replay(), 0.0)
                 sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    loss = summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
+                    loss = batch_loss(model, batch, task, job.loss_head)
                     loss = loss * (math.nan if poison else weight)
                     accelerator.backward(loss * scale)
                 window_loss += loss.detach()
@@ -182,16 +194,24 @@ def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
     model.eval()
     total_loss, total_targets, samples = 0.0, 0, 0
     for batch in job.eval_dl:
-        logits = forward(model, batch, cfg.task).float()
         labels = batch["labels"]
         if cfg.task == "causal_lm":
-            logits, labels = logits[:, :-1], labels[:, 1:]
-            per_sample = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none").sum(1)
-            preds = logits.argmax(-1)
+            if job.loss_head is not None:  # per-token losses and predictions, chunk by chunk
+                with job.loss_head.computing(labels, evaluation=True) as out:
+                    token_loss = forward(model, batch, cfg.task)
+                preds = out["preds"]
+            else:
+                logits = forward(model, batch, cfg.task)[:, :-1].float()
+                token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=IGNORE,
+                                             reduction="none")
+                preds = logits.argmax(-1)
+            labels = labels[:, 1:]
+            per_sample = token_loss.sum(1)
             # Sequence lengths differ between ranks: pad to a common length before gathering.
             preds, labels = (accelerator.pad_across_processes(t, dim=1, pad_index=IGNORE) for t in (preds, labels))
             n_targets = (labels != IGNORE).sum(1)
         else:
+            logits = forward(model, batch, cfg.task).float()
             per_sample = F.cross_entropy(logits, labels, reduction="none")
             preds, n_targets = logits.argmax(-1), torch.ones_like(labels)
         # gather_for_metrics drops the samples that were repeated to give every rank a full last batch.

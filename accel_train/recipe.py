@@ -29,6 +29,7 @@ from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
 from accel_train.export import merge_adapter
 from accel_train.loop import TrainingJob, fit
+from accel_train.loss import loss_head
 from accel_train.metrics import load_metric
 from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
                                count_parameters, model_width)
@@ -168,6 +169,8 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+    # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
+    head = loss_head(model) if cfg.task == "causal_lm" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     metrics = {name: load_metric(name) for name in cfg.eval.metrics}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
@@ -187,7 +190,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
     run_log = RunLog(accelerator, cfg, total_steps, state.step, flops_per_token(total, trainable), peak)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
-                       run_log, Preemption())
+                       run_log, Preemption(), head)
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
