@@ -136,9 +136,11 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
 def setup_loaders(cfg: Config, accelerator, tokenizer, model, train_ds, eval_ds) -> tuple:
     """(train, eval) dataloaders, not yet sharded: packed (causal_lm) or padded batches."""
     pack = cfg.data.packing and cfg.task == "causal_lm"
-    train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, cfg.train.per_device_batch_size, shuffle=True,
+    batch = cfg.train.per_device_batch_size
+    train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True,
                                         pack=pack, attention_cost=attention_cost(model),
-                                        multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision))
+                                        multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision),
+                                        step_samples=batch * cfg.train.grad_accum_steps * accelerator.num_processes)
     eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
                if eval_ds is not None and len(eval_ds) else None)
     return train_dl, eval_dl
