@@ -62,15 +62,16 @@ def count_targets(batch: dict, task: str) -> torch.Tensor | int:
 
 
 def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Tensor:
-    """This rank's [targets, real tokens, computed tokens, micro-batches, signal] for one step (on the device:
-    summing there costs no host sync)."""
-    stats = torch.zeros(5, dtype=torch.long, device=device)
+    """This rank's [targets, real tokens, computed tokens, rows, micro-batches, signal] for one step (on the
+    device: summing there costs no host sync)."""
+    stats = torch.zeros(6, dtype=torch.long, device=device)
     for batch in window:
         real, computed = data_lib.token_counts(batch)
         stats[0] += count_targets(batch, task)
         stats[1] += real
         stats[2] += computed
-    stats[3], stats[4] = len(window), signum
+        stats[3] += batch["input_ids"].shape[0]
+    stats[4], stats[5] = len(window), signum
     return stats
 
 
@@ -95,6 +96,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     last = {}
     rank_loss = torch.zeros((), device=accelerator.device)  # this rank's summed target losses since the last log
     targets_since_log, tokens_since_log, t_log, tokens_total = 0, 0, time.perf_counter(), 0
+    computed_since_log, rows_since_log = 0, 0  # their ratio: the mean row width, for attention's FLOPs (MFU)
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: send_to_device(
         job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
@@ -108,8 +110,8 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # One collective and one device-to-host copy per step: every rank learns every rank's counts.
             stats = window_stats(window, task, job.preemption.signum, accelerator.device)
             rows = accelerator.gather(stats[None]).tolist()
-            targets, real_tokens, computed_tokens = (sum(r[i] for r in rows) for i in range(3))
-            n_micro, signal = max(r[3] for r in rows), max(r[4] for r in rows)
+            targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
+            n_micro, signal = max(r[4] for r in rows), max(r[5] for r in rows)
             if signal:  # a signal reached some rank: every rank stops here, after the same step
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
@@ -158,7 +160,9 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             state.step += 1
             state.step_in_epoch += 1
             tokens_since_log += real_tokens
-            run_log.step(real_tokens, computed_tokens)
+            computed_since_log += computed_tokens
+            rows_since_log += n_rows
+            run_log.step(real_tokens, computed_tokens, n_rows)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 global_loss = accelerator.reduce(rank_loss, reduction="sum").item()
@@ -166,12 +170,13 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 elapsed = time.perf_counter() - t_log
                 last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
                         "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed,
-                        "mfu": run_log.mfu(tokens_since_log / elapsed),
+                        "mfu": run_log.mfu(tokens_since_log / elapsed, computed_since_log / rows_since_log),
                         "memory_mb": current_memory_mb(accelerator.device)}
                 run_log.log(last)
                 rank_loss.zero_()
                 tokens_total += tokens_since_log
                 targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
+                computed_since_log, rows_since_log = 0, 0
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
                 run_log.log({"step": state.step, "epoch": state.epoch, **run_evaluation(cfg, job)})

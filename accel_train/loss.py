@@ -77,18 +77,24 @@ class LossHead:
     def computing(self, labels: torch.Tensor, evaluation: bool = False):
         """Inside, a call of the model returns as its `logits` the summed target loss (a scalar), or with
         `evaluation` the per-position losses (B, T-1), with the predictions in the yielded dict's "preds"."""
-        original, own, out = self.head.forward, self.head.__dict__.get("forward"), {}
+        original, own, out, inside = self.head.forward, self.head.__dict__.get("forward"), {}, [True]
+
+        def call_head(hidden):
+            # Inside the model call the head module was called (its hooks ran): its own forward. A chunk recomputed
+            # in the backward pass, later, calls the module again, with its hooks (ZeRO-3 gathers the weight there).
+            return original(hidden) if inside[0] else self.head(hidden)
 
         def forward(hidden):
             if not evaluation:
-                return summed_target_loss(original, hidden, labels, self.chunk)
-            token_loss, out["preds"] = target_losses_and_preds(original, hidden, labels, self.chunk)
+                return summed_target_loss(call_head, hidden, labels, self.chunk)
+            token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)
             return token_loss
 
         self.head.forward = forward  # on this instance only: the module tree and its parameters are unchanged
         try:
             yield out
         finally:
+            inside[0] = False
             if own is None:
                 del self.head.forward
             else:  # the instance had its own forward already (a test's, a patch's): put it back

@@ -31,11 +31,10 @@ from accel_train.export import merge_adapter
 from accel_train.loop import TrainingJob, fit
 from accel_train.loss import loss_head
 from accel_train.metrics import load_metric
-from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
-                               count_parameters, model_width)
+from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
+                               check_packing, count_parameters, matmul_parameters, model_width)
 from accel_train.preflight import make_output_dir
-from accel_train.tracking import (RunLog, flops_per_token, main_logger, measure_peak_flops, truncate_log,
-                                  write_summary)
+from accel_train.tracking import RunLog, main_logger, measure_peak_flops, truncate_log, write_summary
 
 
 def run(cfg: Config, resume: Path | None) -> dict:
@@ -187,10 +186,11 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
         if resume:
             truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
             set_aside_later(out, state.step)
-    trainable, total = count_parameters(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
-    run_log = RunLog(accelerator, cfg, total_steps, state.step, flops_per_token(total, trainable), peak)
+    unwrapped = accelerator.unwrap_model(model)
+    model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peak)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
                        run_log, Preemption(), head)
 
