@@ -182,22 +182,23 @@ def child_trainer(spec: dict) -> dict:
 
     cfg, tokenizer, ds, model = _setup(spec)
     t = cfg.train
-    steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0}
+    steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0, "rows": 0}
 
     class Timer(TrainerCallback):  # step to step, data loading included, as ours and bare are timed
         def on_train_begin(self, *_, **__):
             self.t_last = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            steps.append((time.perf_counter() - self.t_last, int(totals["real"]), totals["computed"]))
+            steps.append((time.perf_counter() - self.t_last, int(totals["real"]), totals["computed"], totals["rows"]))
             totals["real"].zero_()
-            totals["computed"] = 0
+            totals["computed"] = totals["rows"] = 0
             self.t_last = time.perf_counter()
 
     class CountingTrainer(Trainer):  # counts the tokens of the batches it trains on; computes nothing else
         def training_step(self, model, inputs, num_items_in_batch=None):
             totals["real"] += inputs["attention_mask"].sum().cpu()
             totals["computed"] += inputs["input_ids"].numel()
+            totals["rows"] += inputs["input_ids"].shape[0]
             return super().training_step(model, inputs, num_items_in_batch)
 
     targs = TrainingArguments(
@@ -253,7 +254,7 @@ def child_bare(spec: dict) -> dict:
         loss_total, targets_total = loss_total + loss.detach(), targets_total + targets
         real, computed = data_lib.token_counts(batch)
         real = int(real)  # the synchronisation every loop needs once per step to know it is done
-        steps.append((time.perf_counter() - t_last, real, computed))
+        steps.append((time.perf_counter() - t_last, real, computed, batch["input_ids"].shape[0]))
         t_last = time.perf_counter()
     return _child_result(steps, float(loss_total / targets_total))
 
@@ -263,43 +264,48 @@ def _child_result(steps: list[tuple], mean_loss: float) -> dict:
 
     import torch
 
-    seconds, real, computed = zip(*steps)
+    seconds, real, computed, rows = zip(*steps)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return {"seconds": seconds, "real_tokens": real, "computed_tokens": computed,
+    return {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "rows": rows,
             "peak_memory_mb": round(peak_memory_mb(device), 1), "mean_loss": mean_loss}
 
 
 # ---------------------------------------------------------------------------------------------------- figures
 
 
-def figures(record: dict, warmup: int, flops_per_token: float, peak_flops: float) -> dict:
-    """Throughput over the measured steps (warm-up excluded)."""
+def figures(record: dict, warmup: int, flops: tuple[int, int, int], peak_flops: float) -> dict:
+    """Throughput over the measured steps (warm-up excluded); MFU at their mean row width."""
+    from accel_train.tracking import flops_per_token
+
     warmup_seconds = sum(record["seconds"][:warmup])  # includes torch.compile's compilation, when on
-    seconds, real, computed = (record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens"))
+    seconds, real, computed, rows = (record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens",
+                                                                      "rows"))
     tps = sum(real) / sum(seconds)
+    fpt = flops_per_token(*flops, sum(computed) / sum(rows))
     record.update({"steps_measured": len(seconds), "tokens_per_sec": round(tps, 1),
                    "warmup_seconds": round(warmup_seconds, 2),
                    "step_time_median_s": round(statistics.median(seconds), 4),
                    "padding_efficiency": round(sum(real) / sum(computed), 4),
-                   "mfu": round(flops_per_token * tps / peak_flops, 4), "real_tokens_per_step": list(real)})
+                   "flops_per_token": round(fpt), "mfu": round(fpt * tps / peak_flops, 4),
+                   "real_tokens_per_step": list(real)})
     return record
 
 
-def model_flops_per_token(wd: Path) -> tuple[int, int, float]:
-    """(parameters, LoRA parameters, training FLOPs per token) of the bench model with its adapter."""
+def model_flops(wd: Path) -> tuple[int, int, tuple[int, int, int]]:
+    """(parameters, LoRA parameters, (matmul weights, trainable ones, attention size)) of the bench model with its
+    adapter: tracking.flops_per_token's arguments but the width."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from accel_train.config import load_config
-    from accel_train.model import apply_lora
-    from accel_train.tracking import flops_per_token
+    from accel_train.model import apply_lora, attention_size, matmul_parameters
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(wd / "model"))
     model = apply_lora(load_config(None, LORA), model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return total, trainable, flops_per_token(total, trainable)
+    return total, trainable, (*matmul_parameters(model), attention_size(model))
 
 
 def machine() -> dict:
@@ -348,7 +354,7 @@ def main(argv=None) -> dict | None:
     print(f"bench: {args.size} model, precision {precision}, batch {args.batch}, max_len {args.max_len}, "
           f"{args.warmup} warm-up + {args.steps} measured steps; work folder {wd}", flush=True)
     write_workload(args, wd)
-    n_params, n_lora, fpt = model_flops_per_token(wd)
+    n_params, n_lora, flops = model_flops(wd)
     device = torch.device("cuda" if _cuda() else "cpu")
     peak = measure_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32, seconds=1.0)
 
@@ -365,7 +371,7 @@ def main(argv=None) -> dict | None:
     can_scale = not args.no_scaling and "ours" in args.contenders and (not _cuda() or torch.cuda.device_count() >= 2)
     if can_scale:
         results.append(run_ours(args, wd, args.workloads[0], precision, 2))
-    results = [figures(r, args.warmup, fpt, peak) for r in results]
+    results = [figures(r, args.warmup, flops, peak) for r in results]
 
     def find(contender, workload, procs=1, options=()):
         return next((r for r in results if (r["contender"], r["workload"], r["processes"], tuple(r["options"]))
@@ -390,7 +396,8 @@ def main(argv=None) -> dict | None:
         r.pop("real_tokens_per_step")
     report = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("child", "spec")},
               "precision": precision, "model": {"parameters": n_params, "lora_parameters": n_lora,
-                                                "flops_per_token": fpt, **SIZES[args.size]},
+                                                "matmul_weights": flops[0], "attention_size": flops[2],
+                                                **SIZES[args.size]},
               "peak_flops": peak, "results": results, "ratios": ratios, "targets": TARGETS,
               "wall_seconds": round(time.perf_counter() - t_start, 1)}
     Path(args.out).write_text(json.dumps(report, indent=1))

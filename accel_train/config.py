@@ -135,6 +135,11 @@ class DataConfig:
     packing: bool = True
     """causal_lm training: pack each micro-batch's sequences into rows as long as its longest one (position_ids
     restart per sequence, so none attends to another): the same samples and loss, without computing padding."""
+    group_by_length: Optional[bool] = None
+    """Padded batches of samples of similar lengths: each epoch's seeded shuffle is cut into groups of 50
+    optimizer steps, each group sorted by length and its steps put in a new random order (evaluation batches are
+    sorted by length). The order depends on the effective batch only, not on its split over processes and
+    accumulation. None: true for seq_cls, whose batches are padded (causal_lm batches are packed)."""
     pad_to_multiple_of: Optional[int] = None
     """Round each training batch's width up to a multiple of this, so that kernels meet fewer distinct shapes;
     None: 32 under bf16/fp16 (oneDNN on CPUs and tensor cores on GPUs reuse their kernels), 1 in fp32."""
@@ -239,6 +244,8 @@ class Config:
     def __post_init__(self):
         if self.model.random_init is None:  # resolved here, so config.yaml records what the run did
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
+        if self.data.group_by_length is None:
+            self.data.group_by_length = self.task == "seq_cls"
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
             "train.grad_accum_steps": self.train.grad_accum_steps,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pyarrow.compute as pc
 import torch
 from accelerate.logging import get_logger
 from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, Value, load_dataset, load_from_disk
@@ -248,14 +249,57 @@ def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: fl
     return DataCollatorWithPadding(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
 
 
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """Training order for padded batches with little padding (transformers' LengthGroupedSampler, made
+    independent of the process count): each epoch, a shuffle seeded with seed + epoch (as accelerate's seedable
+    sampler) is cut into groups of `group_steps` optimizer steps of `step_samples` samples (the effective batch);
+    each group is sorted by length, longest first, cut into steps, and its full steps are put in a random order
+    (so that training does not sweep from long to short). A step, and so each of its micro-batches, then holds
+    samples of similar lengths. The order is one list for all ranks, which accelerate deals out in batches: the
+    same steps whatever the split of the effective batch over processes and accumulation."""
+
+    def __init__(self, lengths: list[int], step_samples: int, seed: int, group_steps: int = 50):
+        self.lengths, self.step, self.seed, self.group_steps, self.epoch = lengths, step_samples, seed, group_steps, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order, size, out = torch.randperm(len(self.lengths), generator=g).tolist(), self.step * self.group_steps, []
+        for start in range(0, len(order), size):
+            group = sorted(order[start:start + size], key=lambda i: -self.lengths[i])  # stable: ties stay shuffled
+            steps = [group[i:i + self.step] for i in range(0, len(group), self.step)]
+            full = [s for s in steps if len(s) == self.step]  # a short step (the epoch's last) stays last
+            out += [i for k in torch.randperm(len(full), generator=g).tolist() for i in full[k]]
+            out += [i for s in steps[len(full):] for i in s]
+        return iter(out)
+
+
+def sample_lengths(ds: Dataset) -> list[int]:
+    """Tokens per sample, read from the arrow column (not the token lists)."""
+    return pc.list_value_length(ds.with_format("arrow")["input_ids"]).to_pylist()
+
+
 def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffle: bool, pack: bool = False,
-                    attention_cost: float = 0.0, multiple: int = 1) -> DataLoader:
-    # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
+                    attention_cost: float = 0.0, multiple: int = 1, step_samples: int | None = None) -> DataLoader:
+    """With data.group_by_length (an in-memory dataset): training batches from a LengthGroupedSampler over
+    steps of `step_samples` samples (the effective batch), evaluation batches (shuffle=False) longest first."""
     collate = make_collator(tokenizer, cfg, pack, attention_cost, multiple)
-    shuffle = shuffle and not isinstance(ds, IterableDataset)  # a stream shuffles itself (dist.shard_stream)
-    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
-                      generator=torch.Generator().manual_seed(cfg.seed), num_workers=cfg.data.num_workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=cfg.data.num_workers > 0)
+    in_memory = not isinstance(ds, IterableDataset)  # a stream shuffles itself (dist.shard_stream)
+    sampler = None
+    if cfg.data.group_by_length and in_memory:
+        lengths = sample_lengths(ds)
+        sampler = (LengthGroupedSampler(lengths, step_samples or batch_size, cfg.seed) if shuffle
+                   else sorted(range(len(lengths)), key=lambda i: -lengths[i]))
+    # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle and in_memory and sampler is None, sampler=sampler,
+                      collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed),
+                      num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available(),
+                      persistent_workers=cfg.data.num_workers > 0)
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")

@@ -22,6 +22,7 @@ from accel_train import faults
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
+from accel_train.loss import LossHead
 from accel_train.tracking import RunLog, current_memory_mb
 
 IGNORE = data_lib.IGNORE_INDEX
@@ -44,6 +45,8 @@ class TrainingJob:
     total_steps: int
     run_log: RunLog
     preemption: Preemption
+    loss_head: LossHead | None = None
+    """causal_lm: the output head that computes the loss in chunks (loss.py); None: from full logits."""
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -59,15 +62,16 @@ def count_targets(batch: dict, task: str) -> torch.Tensor | int:
 
 
 def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Tensor:
-    """This rank's [targets, real tokens, computed tokens, micro-batches, signal] for one step (on the device:
-    summing there costs no host sync)."""
-    stats = torch.zeros(5, dtype=torch.long, device=device)
+    """This rank's [targets, real tokens, computed tokens, rows, micro-batches, signal] for one step (on the
+    device: summing there costs no host sync)."""
+    stats = torch.zeros(6, dtype=torch.long, device=device)
     for batch in window:
         real, computed = data_lib.token_counts(batch)
         stats[0] += count_targets(batch, task)
         stats[1] += real
         stats[2] += computed
-    stats[3], stats[4] = len(window), signum
+        stats[3] += batch["input_ids"].shape[0]
+    stats[4], stats[5] = len(window), signum
     return stats
 
 
@@ -89,6 +93,15 @@ def forward(model, batch: dict, task: str) -> torch.Tensor:
     return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
 
 
+def batch_loss(model, batch: dict, task: str, head: LossHead | None) -> torch.Tensor:
+    """The batch's summed target loss: from the final hidden states in chunks when the model has a LossHead
+    (its output head returns the loss in place of the logits), else from the logits."""
+    if head is None:
+        return summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
+    with head.computing(batch["labels"]):
+        return forward(model, batch, task)
+
+
 def fit(cfg: Config, job: TrainingJob) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
@@ -96,6 +109,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     last = {}
     rank_loss = torch.zeros((), device=accelerator.device)  # this rank's summed target losses since the last log
     targets_since_log, tokens_since_log, t_log, tokens_total = 0, 0, time.perf_counter(), 0
+    computed_since_log, rows_since_log = 0, 0  # their ratio: the mean row width, for attention's FLOPs (MFU)
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: send_to_device(
         job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
@@ -109,8 +123,8 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # One collective and one device-to-host copy per step: every rank learns every rank's counts.
             stats = window_stats(window, task, job.preemption.signum, accelerator.device)
             rows = accelerator.gather(stats[None]).tolist()
-            targets, real_tokens, computed_tokens = (sum(r[i] for r in rows) for i in range(3))
-            n_micro, signal = max(r[3] for r in rows), max(r[4] for r in rows)
+            targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
+            n_micro, signal = max(r[4] for r in rows), max(r[5] for r in rows)
             if signal:  # a signal reached some rank: every rank stops here, after the same step
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
@@ -135,7 +149,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 # engine steps (it is true again after the window's last micro-batch, as optimizer.step needs)
                 accelerator.sync_gradients = sync
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    loss = summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
+                    loss = batch_loss(model, batch, task, job.loss_head)
                     loss = loss * (math.nan if poison else weight)
                     accelerator.backward(loss * scale)
                 window_loss += loss.detach()
@@ -163,7 +177,9 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             state.step += 1
             state.step_in_epoch += 1
             tokens_since_log += real_tokens
-            run_log.step(real_tokens, computed_tokens)
+            computed_since_log += computed_tokens
+            rows_since_log += n_rows
+            run_log.step(real_tokens, computed_tokens, n_rows)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 global_loss = accelerator.reduce(rank_loss, reduction="sum").item()
@@ -171,12 +187,13 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 elapsed = time.perf_counter() - t_log
                 last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
                         "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed,
-                        "mfu": run_log.mfu(tokens_since_log / elapsed),
+                        "mfu": run_log.mfu(tokens_since_log / elapsed, computed_since_log / rows_since_log),
                         "memory_mb": current_memory_mb(accelerator.device)}
                 run_log.log(last)
                 rank_loss.zero_()
                 tokens_total += tokens_since_log
                 targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
+                computed_since_log, rows_since_log = 0, 0
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
                 run_log.log({"step": state.step, "epoch": state.epoch, **run_evaluation(cfg, job)})
@@ -199,16 +216,24 @@ def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
     model.eval()
     total_loss, total_targets, samples = 0.0, 0, 0
     for batch in job.eval_dl:
-        logits = forward(model, batch, cfg.task).float()
         labels = batch["labels"]
         if cfg.task == "causal_lm":
-            logits, labels = logits[:, :-1], labels[:, 1:]
-            per_sample = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none").sum(1)
-            preds = logits.argmax(-1)
+            if job.loss_head is not None:  # per-token losses and predictions, chunk by chunk
+                with job.loss_head.computing(labels, evaluation=True) as out:
+                    token_loss = forward(model, batch, cfg.task)
+                preds = out["preds"]
+            else:
+                logits = forward(model, batch, cfg.task)[:, :-1].float()
+                token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=IGNORE,
+                                             reduction="none")
+                preds = logits.argmax(-1)
+            labels = labels[:, 1:]
+            per_sample = token_loss.sum(1)
             # Sequence lengths differ between ranks: pad to a common length before gathering.
             preds, labels = (accelerator.pad_across_processes(t, dim=1, pad_index=IGNORE) for t in (preds, labels))
             n_targets = (labels != IGNORE).sum(1)
         else:
+            logits = forward(model, batch, cfg.task).float()
             per_sample = F.cross_entropy(logits, labels, reduction="none")
             preds, n_targets = logits.argmax(-1), torch.ones_like(labels)
         # gather_for_metrics drops the samples that were repeated to give every rank a full last batch.

@@ -135,13 +135,31 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
                           f"{', '.join(linear)} (or use [all-linear])") from None
 
 
+def attention_size(model: torch.nn.Module) -> int:
+    """layers x heads x head_dim, from the model's config: attention's FLOPs per token are proportional to it
+    and to the sequence width."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * c.num_attention_heads * head_dim
+
+
 def attention_cost(model: torch.nn.Module) -> float:
     """Attention's FLOPs per token and per unit of sequence width, relative to the linear layers' FLOPs per token
     (QK^T and AV: 4 x width x heads x head_dim per layer; linear layers: 2 x their weights), for the packer."""
-    c = model.config.get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return 4 * c.num_attention_heads * head_dim * c.num_hidden_layers / (2 * linear)
+    return 4 * attention_size(model) / (2 * linear)
+
+
+def matmul_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) weights that multiply activations: every parameter of 2 or more dimensions (linear and
+    Conv1D weights, the output head, LoRA's A and B) but the embedding tables, which are looked up (token,
+    position and token-type embeddings), unless tied to the output head. Biases and norms (adds, elementwise
+    products) are left out."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = {id(head.weight)} if head is not None else set()
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - tied
+    weights = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in looked_up]
+    return sum(p.numel() for p in weights), sum(p.numel() for p in weights if p.requires_grad)
 
 
 @torch.no_grad()

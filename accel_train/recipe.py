@@ -30,12 +30,12 @@ from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
 from accel_train.export import merge_adapter
 from accel_train.loop import TrainingJob, fit
+from accel_train.loss import loss_head
 from accel_train.metrics import load_metric
-from accel_train.model import (apply_lora, attention_cost, build_model, build_tokenizer, check_packing,
-                               count_parameters, model_width, quantization)
+from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
+                               check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.preflight import make_output_dir
-from accel_train.tracking import (RunLog, flops_per_token, main_logger, measure_peak_flops, truncate_log,
-                                  write_summary)
+from accel_train.tracking import RunLog, main_logger, measure_peak_flops, truncate_log, write_summary
 
 
 def run(cfg: Config, resume: Path | None) -> dict:
@@ -137,9 +137,11 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
 def setup_loaders(cfg: Config, accelerator, tokenizer, model, train_ds, eval_ds) -> tuple:
     """(train, eval) dataloaders, not yet sharded: packed (causal_lm) or padded batches."""
     pack = cfg.data.packing and cfg.task == "causal_lm"
-    train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, cfg.train.per_device_batch_size, shuffle=True,
+    batch = cfg.train.per_device_batch_size
+    train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True,
                                         pack=pack, attention_cost=attention_cost(model),
-                                        multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision))
+                                        multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision),
+                                        step_samples=batch * cfg.train.grad_accum_steps * accelerator.num_processes)
     eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
                if eval_ds is not None and len(eval_ds) else None)
     return train_dl, eval_dl
@@ -170,6 +172,8 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+    # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
+    head = loss_head(model) if cfg.task == "causal_lm" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     metrics = {name: load_metric(name) for name in cfg.eval.metrics}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
@@ -184,12 +188,13 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
         if resume:
             truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
             set_aside_later(out, state.step)
-    trainable, total = count_parameters(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
-    run_log = RunLog(accelerator, cfg, total_steps, state.step, flops_per_token(total, trainable), peak)
+    unwrapped = accelerator.unwrap_model(model)
+    model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peak)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
-                       run_log, Preemption())
+                       run_log, Preemption(), head)
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:

@@ -59,10 +59,15 @@ def flat_config(cfg: Config) -> dict:
     return flat
 
 
-def flops_per_token(n_total: int, n_trainable: int) -> int:
-    """Matmul FLOPs per token of a training step: forward 2N, backward through the activations 2N, weight
-    gradients 2 x trainable (for LoRA a sliver of N). Attention scores are left out, as in the usual 6N."""
-    return 4 * n_total + 2 * n_trainable
+def flops_per_token(n_matmul: int, n_trainable: int, attention_size: int, width: float) -> float:
+    """Matmul FLOPs per token of a training step (README, Speed): 4N + 2N_trainable + 12 x attention_size x width.
+
+    N: the weights that multiply activations (model.matmul_parameters: not the input or position embeddings,
+    which are looked up, unless tied to the output head). Forward 2N, backward through the activations 2N,
+    weight gradients 2 x the trainable ones (for LoRA a sliver of N). Attention: QK^T and AV take
+    2 x 2 x width x heads x head_dim per layer and token forward, twice that backward; attention_size =
+    layers x heads x head_dim, `width` the row width computed (sdpa computes masked blocks too)."""
+    return 4 * n_matmul + 2 * n_trainable + 12 * attention_size * width
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
@@ -123,10 +128,11 @@ class RunLog:
     """Main-process sink for the run's records: console, progress bar, metrics.jsonl (flushed per line, so it
     survives a crash) and the trackers. On other ranks every method does nothing."""
 
-    def __init__(self, accelerator, cfg: Config, total_steps: int, start_step: int, flops_per_token: int = 0,
-                 peak_flops: float = 0.0):
+    def __init__(self, accelerator, cfg: Config, total_steps: int, start_step: int,
+                 model_flops: tuple[int, int, int] = (0, 0, 0), peak_flops: float = 0.0):
         self.accelerator, self.main = accelerator, accelerator.is_main_process
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        # (matmul weights, trainable ones, attention size): flops_per_token's first three arguments
+        self.model_flops, self.peak_flops = model_flops, peak_flops
         self.file = open(Path(cfg.output_dir) / "metrics.jsonl", "a") if self.main else None
         # A bar only on a terminal; in CI logs and files the log lines below are the progress (one per log step).
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
@@ -137,14 +143,17 @@ class RunLog:
         self.steps: list[tuple[float, int, int]] = []  # (seconds, real tokens, computed tokens) per step
         self.t_last = time.perf_counter()
 
-    def mfu(self, tokens_per_sec: float) -> float | None:
-        """Model FLOPs utilisation: achieved matmul FLOP/s over the measured peak (main process only)."""
-        return self.flops_per_token * tokens_per_sec / self.peak_flops if self.peak_flops else None
+    def mfu(self, tokens_per_sec: float, width: float) -> float | None:
+        """Model FLOPs utilisation: achieved matmul FLOP/s over the measured peak (main process only), for real
+        tokens in rows `width` tokens wide on average."""
+        if not self.peak_flops:
+            return None
+        return flops_per_token(*self.model_flops, width) * tokens_per_sec / self.peak_flops
 
-    def step(self, real_tokens: int, computed_tokens: int) -> None:
-        """One optimizer step ended: its duration and tokens (over all ranks) go to steps.json at the end."""
+    def step(self, real_tokens: int, computed_tokens: int, rows: int) -> None:
+        """One optimizer step ended: its duration, tokens and rows (over all ranks) go to steps.json at the end."""
         now = time.perf_counter()
-        self.steps.append((now - self.t_last, real_tokens, computed_tokens))
+        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows))
         self.t_last = now
         self.bar.update(1)
 
@@ -152,7 +161,7 @@ class RunLog:
         """Median step time and padding efficiency (real / computed tokens) of this run's steps."""
         if not self.steps:
             return {}
-        seconds, real, computed = zip(*self.steps)
+        seconds, real, computed, _ = zip(*self.steps)
         return {"step_seconds_median": round(statistics.median(seconds), 5),
                 "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4)}
 
@@ -178,9 +187,10 @@ class RunLog:
         self.bar.close()
         if self.file:
             self.file.close()
-            seconds, real, computed = zip(*self.steps) if self.steps else ((), (), ())
+            seconds, real, computed, rows = zip(*self.steps) if self.steps else ((), (), (), ())
             (self.out / "steps.json").write_text(json.dumps(
-                {"seconds": [round(x, 6) for x in seconds], "real_tokens": real, "computed_tokens": computed}))
+                {"seconds": [round(x, 6) for x in seconds], "real_tokens": real, "computed_tokens": computed,
+                 "rows": rows}))
 
 
 def truncate_log(path: Path, step: int) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import random
 
 import pytest
 import torch
@@ -309,7 +311,7 @@ def test_causal_batches_are_padded_per_batch(tok):
 
 
 def test_seq_cls_batches_are_padded_per_batch(tok):
-    cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment")
+    cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment", "data.group_by_length=false")
     raw = data_lib.builtin_dataset("sentiment", 8)
     ds = data_lib.tokenize(raw, tok, cfg)
     batch = next(iter(data_lib.make_dataloader(ds, tok, cfg, batch_size=4, shuffle=False)))
@@ -318,6 +320,54 @@ def test_seq_cls_batches_are_padded_per_batch(tok):
     assert batch["input_ids"].shape == (4, max(lengths))
     assert batch["attention_mask"].sum(dim=1).tolist() == lengths
     assert batch["input_ids"].dtype == torch.long
+
+
+def skewed_lengths(n: int, seed: int = 0) -> list[int]:
+    """Short sentences with a long tail (log-normal, median 12 tokens, up to 128)."""
+    rng = random.Random(seed)
+    return [min(128, max(2, round(rng.lognormvariate(math.log(12), 0.8)))) for _ in range(n)]
+
+
+def padding_efficiency(order: list[int], lengths: list[int], batch: int) -> float:
+    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    return sum(lengths) / sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+
+def test_length_grouped_order_is_seeded_complete_and_pads_little():
+    lengths, step, batch = skewed_lengths(1000), 16, 4  # effective batch 16: e.g. 2 processes x batch 4 x accum 2
+    sampler = data_lib.LengthGroupedSampler(lengths, step, seed=3)
+    epochs = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+        assert sorted(epochs[-1]) == list(range(1000)), "a sample was dropped or repeated"
+        assert list(sampler) == epochs[-1], "iterating again changed the order"
+    assert epochs[0] != epochs[1], "no reshuffle between epochs"
+    again = data_lib.LengthGroupedSampler(lengths, step, seed=3)
+    again.set_epoch(1)
+    assert list(again) == epochs[1], "the order is not a function of (seed, epoch)"
+    shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(3)).tolist()
+    print(f"padding efficiency: shuffled {padding_efficiency(shuffled, lengths, batch):.3f}, "
+          f"grouped {padding_efficiency(epochs[0], lengths, batch):.3f}")
+    assert padding_efficiency(shuffled, lengths, batch) < 0.6 < 0.9 < padding_efficiency(epochs[0], lengths, batch)
+    # each group of 50 steps is the same samples as the plain seeded shuffle's, in steps in a random order
+    for g in range(0, 1000, 50 * step):
+        assert sorted(epochs[0][g:g + 50 * step]) == sorted(shuffled[g:g + 50 * step])
+    longest = [max(lengths[i] for i in epochs[0][s:s + step]) for s in range(0, 50 * step, step)]
+    assert longest != sorted(longest, reverse=True), "steps sweep from long to short"
+
+
+def test_grouped_evaluation_batches_are_longest_first_and_complete(tok):
+    cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment")
+    assert cfg.data.group_by_length and not make_cfg().data.group_by_length  # the defaults per task
+    raw = data_lib.builtin_dataset("sentiment", 30)
+    ds = data_lib.tokenize(raw, tok, cfg)
+    batches = list(data_lib.make_dataloader(ds, tok, cfg, batch_size=4, shuffle=False))
+    widths = [b["input_ids"].shape[1] for b in batches]
+    assert widths == sorted(widths, reverse=True)
+    real = [int(n) for b in batches for n in b["attention_mask"].sum(1)]
+    assert real == sorted(real, reverse=True) and sum(len(b["labels"]) for b in batches) == 30
+    assert sorted(real) == sorted(len(x) for x in ds["input_ids"])
 
 
 # ---------------------------------------------------------------------------------------------------- built-in data

@@ -149,6 +149,37 @@ def test_shards_disjoint_complete_and_reshuffled(tmp_path):
     assert ranks[1]["train"][0] == [i for b in batches[1::2] for i in b]
 
 
+def test_length_grouped_steps_are_the_same_on_1_and_2_processes_and_resume(tmp_path):
+    """data.group_by_length: the order is one list of steps of the effective batch (4 samples here: 2 processes x
+    batch 2, or 1 process x batch 2 x accumulation 2), whatever its split; shards disjoint and complete; a resume
+    after 3 batches continues the same order."""
+    n_train, n_eval, batch = 45, 7, 2
+    args = [n_train, n_eval, batch, "seed=7", "data.group_by_length=true"]
+    env = {"PROBE_VARIED_LENGTHS": "1"}
+    proc = run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
+                str(free_port()), "tests/scripts/shard_probe.py", tmp_path, *args], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    one = tmp_path / "one"
+    proc = run([sys.executable, "tests/scripts/shard_probe.py", one, *args, "train.grad_accum_steps=2"], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = json.loads((one / "rank0.json").read_text())
+    for epoch in (0, 1):
+        order = single["train"][epoch]
+        assert sorted(order) == list(range(n_train)), "a sample was dropped or repeated"
+        batches = [order[i:i + batch] for i in range(0, n_train, batch)]
+        assert ranks[0]["train"][epoch] == [i for b in batches[0::2] for i in b]
+        assert ranks[1]["train"][epoch] == [i for b in batches[1::2] for i in b]
+        steps = [order[i:i + 2 * batch] for i in range(0, n_train, 2 * batch)]
+        # lengths 1 + i % 5: grouped steps hold one length each but where a length runs out
+        assert sum(len({1 + i % 5 for i in s}) > 1 for s in steps) <= 5
+    assert single["train"][0] != single["train"][1], "no reshuffle between epochs"
+    assert single["resumed"] == single["train"][1][3 * batch:]
+    for r, rank in enumerate(ranks):
+        assert rank["resumed"] == rank["train"][1][3 * batch:]
+        assert sorted(rank["eval"]) == list(range(1000, 1000 + n_eval))
+
+
 def test_resume_into_an_uneven_last_window(runs, tmp_path):
     """Run C again, crashed in step 6 (the last of epoch 0: 11 batches of 2 over 2 ranks, rank 1 has none left)
     and resumed from the step-5 checkpoint: rank 1 must replay a weight-0 batch it has never seen in this process."""

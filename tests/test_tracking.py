@@ -32,3 +32,49 @@ def test_peak_memory_on_windows_reads_the_peak_working_set(monkeypatch):
 def test_current_memory_is_this_process_resident_set():
     rss = psutil.Process().memory_info().rss / MB
     assert tracking.current_memory_mb(CPU) == pytest.approx(rss, rel=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- MFU's FLOPs
+
+
+def test_matmul_weights_of_a_llama_leave_the_input_embeddings_out_unless_tied():
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accel_train.model import attention_size, matmul_parameters
+
+    h, inter, layers, vocab = 64, 128, 2, 100
+    linear = layers * (4 * h * h + 3 * h * inter)  # q, k, v, o (4 heads x 16, no grouping); gate, up, down
+    for tied in (False, True):
+        config = LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=vocab, tie_word_embeddings=tied)
+        model = LlamaForCausalLM(config)
+        # the head once (tied or not), never the input embeddings as such; norms left out
+        assert matmul_parameters(model) == (linear + vocab * h,) * 2
+        assert sum(p.numel() for p in model.parameters()) > linear + vocab * h  # what 4N counted before
+    assert attention_size(model) == layers * 4 * 16
+    r = 8
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"]))
+    assert matmul_parameters(lora) == (linear + vocab * h + layers * 2 * r * (h + h), layers * 2 * r * (h + h))
+
+
+def test_matmul_weights_of_a_bert_classifier_leave_the_three_embedding_tables_out():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from accel_train.model import attention_size, matmul_parameters
+
+    h, inter, layers = 32, 64, 2
+    config = BertConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
+                        vocab_size=100, max_position_embeddings=64, type_vocab_size=2, num_labels=3)
+    model = BertForSequenceClassification(config)
+    # per layer q, k, v, attention output, intermediate, output; then the pooler and the classifier
+    assert matmul_parameters(model)[0] == layers * (4 * h * h + 2 * h * inter) + h * h + 3 * h
+    assert attention_size(model) == layers * h
+
+
+def test_flops_per_token_counts_attention_at_the_row_width():
+    n, trainable, attention = 1000, 10, 64
+    assert tracking.flops_per_token(n, trainable, attention, 0) == 4 * n + 2 * trainable
+    # QK^T and AV: 4 x width x heads x head_dim per layer forward, 3x that with the backward
+    assert tracking.flops_per_token(n, trainable, attention, 256) - tracking.flops_per_token(n, trainable, attention, 0) \
+        == 12 * attention * 256

@@ -1,0 +1,127 @@
+"""Cross-entropy of a causal LM without its full logits (batch x length x vocabulary, 0.6 GB in fp32 for 1,024
+tokens of a 152k vocabulary): computed from the final hidden states at the target positions only (prompt and
+padding carry no loss), in chunks of target tokens, fp32 inside a chunk only, and recomputed chunk by chunk in the
+backward pass, so no more than one chunk's logits is ever held.
+
+How the hidden states are reached: for the duration of one model call, the output head's forward is replaced by
+one that computes the loss (`LossHead.computing`). The loss is thus computed inside the prepared model's forward:
+accelerate's autocast applies to it, DDP's forward and FSDP's hooks run as for any forward, and accelerate's fp32
+conversion of the outputs converts a scalar instead of the logits (accelerate 1.15 has no option to skip it). The
+head itself is called, not its weight read: under LoRA it may be a peft layer. A model whose logits are more than
+its head's output (Gemma 2's soft-capping, Cohere's logit scale) fails `loss_head`'s check and keeps full logits.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from accel_train.formats import IGNORE_INDEX
+
+CHUNK_BYTES = 2**28  # fp32 logits of one chunk: at most 256 MiB (1,733 tokens of Llama 3's 128k vocabulary)
+
+
+def _targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask over positions 0..T-2, hidden states that predict a target (N, H), the targets (N,)): position t
+    predicts label t+1."""
+    mask = labels[:, 1:] != IGNORE_INDEX
+    return mask, hidden[:, :-1][mask], labels[:, 1:][mask]
+
+
+def _chunk_sum(head_forward, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head_forward(hidden).float(), targets, reduction="sum")
+
+
+def summed_target_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum over the targets of the next-token cross-entropy. `hidden` (B, T, H): final hidden states; `labels`
+    (B, T), unshifted. Each chunk is checkpointed: its logits are freed after its loss and recomputed in backward."""
+    _, hidden, targets = _targets(hidden, labels)
+    total = 0
+    # An empty batch still calls the head once (on no rows): DDP expects a gradient for each of its parameters.
+    for i in range(0, max(len(targets), 1), chunk):
+        total = total + checkpoint(_chunk_sum, head_forward, hidden[i:i + chunk], targets[i:i + chunk],
+                                   use_reentrant=False)
+    return total
+
+
+@torch.no_grad()
+def target_losses_and_preds(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation: per-position cross-entropy (B, T-1; 0 where no target) and argmax predictions (B, T-1;
+    IGNORE_INDEX where no target), computed chunk by chunk."""
+    mask, hidden, targets = _targets(hidden, labels)
+    losses, preds = [], []
+    for i in range(0, len(targets), chunk):
+        logits = head_forward(hidden[i:i + chunk]).float()
+        losses.append(F.cross_entropy(logits, targets[i:i + chunk], reduction="none"))
+        preds.append(logits.argmax(-1))
+    token_loss = torch.zeros(mask.shape, dtype=torch.float32, device=labels.device)
+    token_preds = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long, device=labels.device)
+    if losses:
+        token_loss[mask], token_preds[mask] = torch.cat(losses), torch.cat(preds)
+    return token_loss, token_preds
+
+
+class LossHead:
+    """A causal LM's output head, made to return the loss instead of the logits during one model call."""
+
+    def __init__(self, head: torch.nn.Module, vocab_size: int, chunk: int | None = None):
+        self.head = head
+        self.chunk = chunk or max(1, CHUNK_BYTES // (4 * vocab_size))
+        """Target tokens per chunk."""
+
+    @contextmanager
+    def computing(self, labels: torch.Tensor, evaluation: bool = False):
+        """Inside, a call of the model returns as its `logits` the summed target loss (a scalar), or with
+        `evaluation` the per-position losses (B, T-1), with the predictions in the yielded dict's "preds"."""
+        original, own, out, inside = self.head.forward, self.head.__dict__.get("forward"), {}, [True]
+
+        def call_head(hidden):
+            # Inside the model call the head module was called (its hooks ran): its own forward. A chunk recomputed
+            # in the backward pass, later, calls the module again, with its hooks (ZeRO-3 gathers the weight there).
+            return original(hidden) if inside[0] else self.head(hidden)
+
+        def forward(hidden):
+            if not evaluation:
+                return summed_target_loss(call_head, hidden, labels, self.chunk)
+            token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)
+            return token_loss
+
+        self.head.forward = forward  # on this instance only: the module tree and its parameters are unchanged
+        try:
+            yield out
+        finally:
+            inside[0] = False
+            if own is None:
+                del self.head.forward
+            else:  # the instance had its own forward already (a test's, a patch's): put it back
+                self.head.forward = own
+
+
+@torch.no_grad()
+def loss_head(model: torch.nn.Module) -> LossHead | None:
+    """The model's output head as a LossHead, or None (full logits) when the model's loss is not its head's
+    cross-entropy alone: one forward of 8 tokens, chunked (3 targets per chunk) against full logits."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return None
+    was_training = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(vocab, (2, 8), generator=g).to(model.device)
+    labels = ids.clone()
+    labels[:, :2] = IGNORE_INDEX
+    logits = model(input_ids=ids, use_cache=False).logits
+    full = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
+    try:
+        with LossHead(head, vocab, chunk=3).computing(labels):
+            chunked = model(input_ids=ids, use_cache=False).logits
+        same = chunked.shape == () and torch.allclose(chunked.float(), full, rtol=1e-4, atol=1e-4)
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # the model did more with the head's output
+        same = False
+    model.train(was_training)
+    return LossHead(head, vocab) if same else None

@@ -1,0 +1,123 @@
+"""The causal-LM loss from hidden states in chunks (loss.py) is the loss from full logits, with the same LoRA
+gradients, packed and padded, and never keeps a full-vocabulary tensor for the backward pass.
+
+(That whole runs keep their losses, 1 vs 2 processes and the golden numbers, is tests/test_topology.py.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import peft
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from accel_train.config import TINY_MODEL
+from accel_train.data import IGNORE_INDEX, PackingCollator
+from accel_train.loop import batch_loss
+from accel_train.loss import LossHead, loss_head
+
+VOCAB = 2048  # larger than the tiny model's 52, so that full logits dwarf every other tensor
+
+
+def sample(length: int, rng: random.Random) -> dict:
+    ids = [rng.randrange(4, VOCAB) for _ in range(length)]
+    prompt = max(1, length // 3)
+    return {"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]}
+
+
+def padded(features: list[dict]) -> dict:
+    width = max(len(f["input_ids"]) for f in features)
+    pad = [width - len(f["input_ids"]) for f in features]
+    return {"input_ids": torch.tensor([f["input_ids"] + [0] * p for f, p in zip(features, pad)]),
+            "attention_mask": torch.tensor([[1] * len(f["input_ids"]) + [0] * p for f, p in zip(features, pad)]),
+            "labels": torch.tensor([f["labels"] + [IGNORE_INDEX] * p for f, p in zip(features, pad)])}
+
+
+BATCHES = {
+    "padded": lambda features: padded(features),
+    "packed": lambda features: {k: v for k, v in PackingCollator(0, attention_cost=0.002)(features).items()
+                                if k != "real_tokens"},
+}
+
+
+def lora_model(targets: list[str] | str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL, vocab_size=VOCAB))
+    model = peft.get_peft_model(model, peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=4, lora_alpha=8,
+                                                       target_modules=targets, init_lora_weights=False))
+    return model.train()
+
+
+def loss_and_grads(model, batch: dict, head) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = batch_loss(model, batch, "causal_lm", head)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("layout", list(BATCHES))
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "lm_head"]])  # the head a peft layer too
+def test_chunked_loss_and_lora_gradients_equal_full_logits(layout, targets):
+    rng = random.Random(0)
+    batch = BATCHES[layout]([sample(n, rng) for n in [30, 4, 11, 19, 2, 25]])
+    model = lora_model(targets)
+    head = loss_head(model)
+    assert head is not None and head.chunk > 100  # the model is accepted; its chunks hold every target here
+    head.chunk = 7  # many chunks, the last one short
+    full_loss, full_grads = loss_and_grads(model, batch, None)
+    loss, grads = loss_and_grads(model, batch, head)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == full_grads.keys() and any("lm_head" in n for n in grads) == ("lm_head" in targets)
+    for name, grad in full_grads.items():
+        assert grad.abs().sum() > 0, name
+        # relative difference in norm, as tests/test_topology.py (elementwise, summation order shows near 0)
+        assert (grads[name] - grad).norm() <= 1e-5 * grad.norm(), name
+    assert type(model.get_output_embeddings()).forward is model.get_output_embeddings().forward.__func__  # restored
+
+
+def logits_kept_for_backward(model, batch: dict, head) -> int:
+    """Elements of the logits-like tensors (last dimension: the vocabulary) that autograd keeps from the forward
+    pass for the backward pass, in all."""
+    kept = []
+
+    def pack(t):
+        if t.shape and t.shape[-1] == VOCAB:
+            kept.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = batch_loss(model, batch, "causal_lm", head)
+    loss.backward()
+    return sum(kept)
+
+
+def test_no_full_vocabulary_logits_are_kept_for_backward():
+    rng = random.Random(1)
+    batch = padded([sample(n, rng) for n in [60, 50, 40, 64]])
+    targets = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    model = lora_model("all-linear")
+    head = loss_head(model)
+    head.chunk = 16
+    assert logits_kept_for_backward(model, batch, None) >= targets * VOCAB  # the full path keeps softmaxed logits
+    assert logits_kept_for_backward(model, batch, head) <= head.chunk * VOCAB  # recomputed chunk by chunk
+
+
+def test_a_model_whose_logits_are_more_than_its_head_keeps_full_logits():
+    model = lora_model("all-linear")
+    head = model.get_output_embeddings()
+    forward = head.forward
+    head.forward = lambda x: 30 * torch.tanh(forward(x) / 30)  # Gemma 2's soft-capping, done by the head here
+    assert loss_head(model) is not None  # the head's own output: the chunks apply it too
+    del head.forward
+    base = model.get_base_model()
+    model_forward = base.forward
+
+    def capped(*args, **kwargs):  # soft-capping after the head, in the model's forward (as Gemma 2 does it)
+        out = model_forward(*args, **kwargs)
+        out.logits = 30 * torch.tanh(out.logits / 30)
+        return out
+
+    base.forward = capped
+    assert loss_head(model) is None
