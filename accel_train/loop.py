@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice
@@ -108,8 +107,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
     last = {}
     rank_loss = torch.zeros((), device=accelerator.device)  # this rank's summed target losses since the last log
-    targets_since_log, tokens_since_log, t_log, tokens_total = 0, 0, time.perf_counter(), 0
-    computed_since_log, rows_since_log = 0, 0  # their ratio: the mean row width, for attention's FLOPs (MFU)
+    targets_since_log = 0  # and their number, over all ranks
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: send_to_device(
         job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
@@ -176,24 +174,16 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
-            tokens_since_log += real_tokens
-            computed_since_log += computed_tokens
-            rows_since_log += n_rows
             run_log.step(real_tokens, computed_tokens, n_rows)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 global_loss = accelerator.reduce(rank_loss, reduction="sum").item()
                 loss = global_loss / targets_since_log if targets_since_log else math.nan  # only skipped steps
-                elapsed = time.perf_counter() - t_log
-                last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
-                        "grad_norm": float(grad_norm), "tokens_per_sec": tokens_since_log / elapsed,
-                        "mfu": run_log.mfu(tokens_since_log / elapsed, computed_since_log / rows_since_log),
-                        "memory_mb": current_memory_mb(accelerator.device)}
+                last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                        **run_log.throughput(), "memory_mb": current_memory_mb(accelerator.device)}
                 run_log.log(last)
                 rank_loss.zero_()
-                tokens_total += tokens_since_log
-                targets_since_log, tokens_since_log, t_log = 0, 0, time.perf_counter()
-                computed_since_log, rows_since_log = 0, 0
+                targets_since_log = 0
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
                 run_log.log({"step": state.step, "epoch": state.epoch, **run_evaluation(cfg, job)})
@@ -206,7 +196,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     final = run_evaluation(cfg, job) if job.eval_dl is not None else {}
     if final:
         run_log.log({"step": state.step, "epoch": state.epoch, **final})
-    return {**last, **final, "train_tokens": tokens_total}
+    return {**last, **final}
 
 
 @torch.no_grad()

@@ -140,8 +140,9 @@ class RunLog:
         if cfg.track.log_with:
             accelerator.init_trackers(cfg.track.project, config=flat_config(cfg))
         self.out = Path(cfg.output_dir)
-        self.steps: list[tuple[float, int, int]] = []  # (seconds, real tokens, computed tokens) per step
-        self.t_last = time.perf_counter()
+        self.steps: list[tuple[float, int, int, int]] = []  # (seconds, real tokens, computed tokens, rows) per step
+        self.t_last = self.t_logged = time.perf_counter()
+        self.n_logged = 0  # steps up to the last throughput()
 
     def mfu(self, tokens_per_sec: float, width: float) -> float | None:
         """Model FLOPs utilisation: achieved matmul FLOP/s over the measured peak (main process only), for real
@@ -157,12 +158,21 @@ class RunLog:
         self.t_last = now
         self.bar.update(1)
 
+    def throughput(self) -> dict:
+        """Real tokens per second and MFU over the steps since the previous call (the previous log line)."""
+        now = time.perf_counter()
+        _, real, computed, rows = zip(*self.steps[self.n_logged:]) if len(self.steps) > self.n_logged else ((0,),) * 4
+        rate = sum(real) / (now - self.t_logged)
+        self.n_logged, self.t_logged = len(self.steps), now
+        return {"tokens_per_sec": rate, "mfu": self.mfu(rate, sum(computed) / max(sum(rows), 1))}
+
     def timing(self) -> dict:
-        """Median step time and padding efficiency (real / computed tokens) of this run's steps."""
+        """Real tokens trained on, median step time and padding efficiency (real / computed tokens) of this run's
+        steps."""
         if not self.steps:
-            return {}
+            return {"train_tokens": 0}
         seconds, real, computed, _ = zip(*self.steps)
-        return {"step_seconds_median": round(statistics.median(seconds), 5),
+        return {"train_tokens": sum(real), "step_seconds_median": round(statistics.median(seconds), 5),
                 "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4)}
 
     def log(self, record: dict) -> None:
