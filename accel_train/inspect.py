@@ -49,19 +49,25 @@ def distribution(lengths: list[int]) -> str:
 
 def batch_efficiency(cfg: Config, lengths: list[int], tokenizer) -> str:
     """Padding efficiency (real tokens / computed tokens) of the training batches in the order the first epoch of
-    one process sees them: padded to their longest sample, and for causal_lm packed into rows."""
+    one process sees them (length-grouped with data.group_by_length): padded to their longest sample, and for
+    causal_lm packed into rows."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from accel_train.data import PackingCollator
+    from accel_train.data import LengthGroupedSampler, PackingCollator
     from accel_train.model import attention_cost
 
-    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     batch = cfg.train.per_device_batch_size
+    if cfg.data.group_by_length:
+        order = list(LengthGroupedSampler(lengths, batch * cfg.train.grad_accum_steps, cfg.seed))
+    else:
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     batches = [[lengths[i] for i in order[start: start + batch]] for start in range(0, len(order), batch)]
     real, padded = sum(lengths), sum(max(b) * len(b) for b in batches)
     if cfg.task != "causal_lm":
-        return f"padding (batch {batch}): efficiency {real / padded:.3f} (each batch padded to its longest sample)"
+        grouped = "length-grouped batches" if cfg.data.group_by_length else "shuffled batches"
+        return (f"padding (batch {batch}): efficiency {real / padded:.3f} ({grouped}, each padded to its longest "
+                f"sample; data.group_by_length={str(cfg.data.group_by_length).lower()})")
     with torch.device("meta"):  # the shapes only: no memory, no weights
         config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
                                             trust_remote_code=cfg.model.trust_remote_code)
