@@ -1,4 +1,4 @@
-"""The throughput benchmark runs end to end (`--quick`), and the automatic precision choice.
+"""The throughput benchmark runs end to end (`--quick`, and repeated runs), and the automatic precision choice.
 
 No test here asserts a speed: speeds are what the benchmark measures and reports.
 """
@@ -6,6 +6,7 @@ No test here asserts a speed: speeds are what the benchmark measures and reports
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -23,25 +24,59 @@ def test_bench_quick_writes_every_figure(tmp_path):
     report = json.loads(out.read_text())
     assert report["precision"] in ("bf16", "no") and report["peak_flops"] > 0
     assert report["model"]["parameters"] > report["model"]["lora_parameters"] > 0
-    rows = {(r["contender"], r["workload"], r["processes"]) for r in report["results"]}
-    assert rows == {(c, w, 1) for c in ("ours", "trainer", "bare") for w in ("skewed", "fixed")} | {("ours", "skewed", 2)}
+    rows = {(r["contender"], r["workload"], r["processes"], *r["options"]) for r in report["results"]}
+    # Classification: no bare loop, and Trainer also with its length-grouped sampler.
+    assert rows == ({(c, w, 1) for c in ("ours", "trainer", "bare") for w in ("skewed", "fixed")}
+                    | {("ours", "skewed", 2), ("ours", "cls", 1), ("trainer", "cls", 1),
+                       ("trainer", "cls", 1, "group_by_length")})
     for r in report["results"]:
         assert r["steps_measured"] == report["settings"]["steps"]
         assert r["tokens_per_sec"] > 0 and r["step_time_median_s"] > 0 and r["peak_memory_mb"] > 0
         assert 0 < r["padding_efficiency"] <= 1 and 0 < r["mfu"] < 1
+        assert [run["tokens_per_sec"] for run in r["runs"]] == [r["tokens_per_sec"]]  # one run each
     ratios = report["ratios"]
     for key in ("ours_vs_trainer_skewed", "ours_vs_trainer_fixed", "ours_vs_bare_skewed", "ours_vs_bare_fixed",
-                "padding_efficiency_skewed", "mfu_of_peak", "scaling_efficiency"):
+                "padding_efficiency_skewed", "mfu_of_peak", "scaling_efficiency", "ours_vs_trainer_cls",
+                "ours_vs_trainer_grouped_cls", "padding_efficiency_cls", "memory_ours_vs_trainer_skewed",
+                "memory_ours_vs_trainer_fixed", "memory_ours_vs_trainer_cls"):
         assert ratios[key] > 0, key
     # The bare loop trained on exactly the batches ours did (same real tokens at every step).
     assert ratios["same_batches_skewed"] == ratios["same_batches_fixed"] == 1.0
     # Trainer pads each batch to its longest sample; ours packs: more real tokens per computed token.
-    by = {(r["contender"], r["workload"], r["processes"]): r for r in report["results"]}
+    by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
     assert by["ours", "skewed", 1]["padding_efficiency"] > by["trainer", "skewed", 1]["padding_efficiency"]
+    # The memory ratio is the two peaks' quotient.
+    assert ratios["memory_ours_vs_trainer_skewed"] == pytest.approx(
+        by["ours", "skewed", 1]["peak_memory_mb"] / by["trainer", "skewed", 1]["peak_memory_mb"], abs=1e-4)
+    # Classification: ours groups batches by length, Trainer by default does not: less padding computed.
+    assert by["ours", "cls", 1]["padding_efficiency"] > by["trainer", "cls", 1]["padding_efficiency"]
     # Same seed, same samples, same loss normalisation: the bare loop's mean loss is ours.
     assert by["bare", "skewed", 1]["mean_loss"] == pytest.approx(by["ours", "skewed", 1]["mean_loss"], rel=2e-2)
     table = proc.stdout
     assert "| skewed | ours | 1 x" in table and "ours_vs_trainer_skewed" in table
+    assert "| cls | trainer +group_by_length | 1 x" in table and "| memory_ours_vs_trainer_skewed |" in table
+
+
+def test_bench_repeat_reports_medians(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--steps", "3", "--warmup", "1", "--repeat", "2",
+                "--workloads", "fixed", "--contenders", "ours,bare", "--no-scaling", "--out", out], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Interleaved: ours, bare, ours, bare.
+    assert [line.split(":")[0].strip() for line in proc.stdout.splitlines() if line.startswith("  ")] == [
+        "ours-fixed-1p", "bare-fixed", "ours-fixed-1p", "bare-fixed"]
+    report = json.loads(out.read_text())
+    by = {r["contender"]: r for r in report["results"]}
+    assert set(by) == {"ours", "bare"}
+    for r in by.values():
+        assert len(r["runs"]) == 2 and all(run["tokens_per_sec"] > 0 for run in r["runs"])
+        for key in ("tokens_per_sec", "step_time_median_s", "mfu", "peak_memory_mb"):
+            assert r[key] == pytest.approx(statistics.median(run[key] for run in r["runs"])), key
+    # The ratio is that of the medians, and both runs of each trained on the same batches.
+    assert report["ratios"]["ours_vs_bare_fixed"] == pytest.approx(
+        by["ours"]["tokens_per_sec"] / by["bare"]["tokens_per_sec"], abs=1e-4)
+    assert report["ratios"]["same_batches_fixed"] == 1.0
+    assert "(median of 2 runs)" in proc.stdout
 
 
 @pytest.mark.parametrize("requested, launcher, native, width, expected", [
