@@ -56,8 +56,8 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
 WORKLOADS = ("skewed", "fixed", "cls")
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
-TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare": 0.97,
-           "padding_efficiency_skewed": 0.95, "mfu_of_peak": 0.5, "scaling_efficiency": 0.9}
+TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
+           "ours_vs_bare_fixed": 0.97, "padding_efficiency_skewed": 0.95, "mfu_of_peak": 0.5, "scaling_efficiency": 0.9}
 """Ratios that should be at least this."""
 TARGETS_AT_MOST = {"memory_ours_vs_trainer_skewed": 0.5, "memory_ours_vs_trainer_fixed": 0.5}
 """Ratios that should be at most this: ours' peak memory against Trainer's at equal batch, on --size large-vocab
