@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from accel_train.config import TINY_MODEL
 from accel_train.data import IGNORE_INDEX, PackingCollator
 from accel_train.loop import batch_loss
-from accel_train.loss import LossHead, loss_head
+from accel_train.loss import loss_head
 
 VOCAB = 2048  # larger than the tiny model's 52, so that full logits dwarf every other tensor
 
