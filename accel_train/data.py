@@ -112,19 +112,19 @@ def label_names(cfg: Config, *splits: Dataset | IterableDataset | None) -> list[
     return None
 
 
-def num_labels(cfg: Config, *splits: Dataset | None) -> int:
+def num_labels(cfg: Config, *splits: Dataset | None, names: list[str] | None = None) -> int:
     """model.num_labels, else the dataset's ClassLabel or label names, else the largest label seen in any split + 1."""
     if cfg.model.num_labels is not None:
         return cfg.model.num_labels
-    names = label_names(cfg, *splits)
+    names = names if names is not None else label_names(cfg, *splits)
     if names is not None:
         return len(names)
     return max(int(max(s[cfg.data.label_field])) for s in splits if s is not None and len(s)) + 1
 
 
-def check_labels(cfg: Config, n_labels: int, *splits: Dataset | None) -> None:
+def check_labels(cfg: Config, n_labels: int, *splits: Dataset | None, names: list[str] | None = None) -> None:
     """seq_cls: every label is a class of the classifier: 0 <= label < num_labels, or one of the names."""
-    names = label_names(cfg, *splits)
+    names = names if names is not None else label_names(cfg, *splits)
     if names is not None and len(names) > n_labels:
         raise ConfigError(f"data: column {cfg.data.label_field!r} holds {len(names)} classes ({', '.join(names[:5])}"
                           f"{', ...' if len(names) > 5 else ''}) but model.num_labels={n_labels}")

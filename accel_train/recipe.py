@@ -94,10 +94,11 @@ def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
         data_lib.check_columns(cfg, train_raw)
         if cfg.task == "seq_cls":
             labels = data_lib.label_names(cfg, train_raw, eval_raw)
-            cfg.model.num_labels = data_lib.num_labels(cfg, train_raw, eval_raw)  # resolved: predict/export read it
+            # resolved: predict/export read it
+            cfg.model.num_labels = data_lib.num_labels(cfg, train_raw, eval_raw, names=labels)
             # a stream's labels are not read ahead (cross-entropy checks them)
             data_lib.check_labels(cfg, cfg.model.num_labels,
-                                  *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)))
+                                  *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)), names=labels)
         train_ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
         eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg, labels) if eval_raw is not None else None
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
