@@ -303,9 +303,23 @@ class Preempted(StoppedWithCheckpoint):
         self.signum, self.exit_status = signum, 128 + signum
 
 
+# The accelerators of multi-process runs, kept until the process exits (see `teardown`).
+_KEPT_UNTIL_EXIT: list = []
+
+
 def teardown(accelerator: Accelerator | None) -> None:
-    """End trackers and destroy the process group; safe to call in `finally` whatever happened."""
+    """End trackers and destroy the process group; safe to call in `finally` whatever happened.
+
+    After a multi-process run the accelerator (hence the DDP model, whose reducer holds the gloo process group) is
+    kept alive until the process exits, which both entries do without finalization (cli.exit_process, and
+    multiprocessing's children under notebook_launcher). Freeing it earlier runs the group's destructor, which joins
+    gloo's worker threads while holding the GIL; a worker still releasing the last collective's Python tensors needs
+    the GIL: both ranks then hang for ever. Seen under load after a ConfigError raised right after an all-gather
+    (the traceback's frames were the last holders of the model); see pytorch/pytorch#179291.
+    """
     if accelerator is not None:
         accelerator.end_training()
+        if accelerator.num_processes > 1:
+            _KEPT_UNTIL_EXIT.append(accelerator)
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
