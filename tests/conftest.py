@@ -46,6 +46,19 @@ def accelerate_launch(config: str, *args, **kw) -> subprocess.CompletedProcess:
                 "--main_process_port", str(free_port()), "accel_train/train.py", *args], **kw)
 
 
+def scenarios(tmp: Path, cases: dict[str, list[str] | tuple[list[str], dict]], timeout: float = 600) -> dict:
+    """Run each case (argv, or (argv, extra environment)) through `accel_train.cli.main` in one Python process
+    (tests/scripts/scenarios.py); returns {name: (exit status, everything printed, returned metrics or None)}."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = {name: {"argv": list(map(str, c[0])), "env": c[1]} if isinstance(c, tuple) else {"argv": list(map(str, c))}
+            for name, c in cases.items()}
+    (tmp / "cases.json").write_text(json.dumps(spec))
+    proc = run([sys.executable, REPO / "tests" / "scripts" / "scenarios.py", tmp / "cases.json"], timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp / "results.json").read_text())
+    return {name: (r["status"], (tmp / f"{name}.out").read_text(), r["result"]) for name, r in results.items()}
+
+
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from a run's metrics.jsonl."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
