@@ -24,6 +24,7 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train import faults
+from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
@@ -79,6 +80,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
             if cfg.merge and cfg.lora.enabled:
                 merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
             write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
+            write_cards(cfg.output_dir)
         accelerator.wait_for_everyone()
         return results
     finally:

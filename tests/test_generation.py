@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from conftest import accelerate_launch, python_m, read_metrics
 from safetensors.torch import load_file
 
@@ -102,8 +103,74 @@ def test_the_best_checkpoint_survives_rotation_and_is_the_saved_adapter(runs):
     assert any((adapter[k] != last[k]).any() for k in adapter)
 
 
+def test_model_card(runs):
+    card = (runs["two"] / "adapter" / "README.md").read_text()
+    front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "peft" and meta["pipeline_tag"] == "text-generation"
+    assert {"accel_train", "causal_lm", "lora"} <= set(meta["tags"])
+    assert "base_model" not in meta and "datasets" not in meta  # random tiny base, built-in data: nothing on the hub
+    summary = json.loads((runs["two"] / "summary.json").read_text())
+    assert f"| exact_match | {summary['final']['eval_exact_match']:.4g} |" in body
+    assert f"| chrf | {summary['final']['eval_chrf']:.4g} |" in body
+    assert "Best evaluation by `exact_match`: exact_match = 0 at step 30." in body
+    assert "stopped early" in body and "the weights here are the best (step 30)" in body
+    assert "| learning rate | 0.003 |" in body and "| effective batch | 32 |" in body
+    assert "2 process(es) on cpu" in body and f"{summary['train_seconds']} s of training" in body
+    assert "AutoPeftModelForCausalLM.from_pretrained(" in body
+    merged = (runs["one"] / "merged" / "README.md").read_text()
+    assert "library_name: transformers" in merged and "AutoModelForCausalLM.from_pretrained(" in merged
+
+
+def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
+    from accel_train.card import model_card
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = yaml.safe_load((runs["one"] / "config.yaml").read_text())
+    cfg["model"].update(name_or_path="Qwen/Qwen2.5-0.5B-Instruct", random_init=False)
+    cfg["data"]["path"] = "tatsu-lab/alpaca"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "summary.json").write_text((runs["one"] / "summary.json").read_text())
+    card = model_card(run, "adapter", repo_id="me/reverse")
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct" and card.data.datasets == ["tatsu-lab/alpaca"]
+    assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in card.text
+
+
+def test_push_uploads_the_adapter_with_its_card(runs, monkeypatch):
+    from accel_train import push
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, **kwargs):
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return "https://huggingface.co/me/reverse/commit/abc"
+
+    monkeypatch.setattr(push, "HfApi", FakeApi)
+    push.main([str(runs["one"]), "--repo-id", "me/reverse", "--private"])
+    folder = runs["one"] / "adapter"
+    assert calls == [
+        ("create_repo", {"repo_id": "me/reverse", "repo_type": "model", "private": True, "exist_ok": True}),
+        ("upload_folder", {"repo_id": "me/reverse", "repo_type": "model", "folder_path": str(folder),
+                           "revision": None, "commit_message": "accel_train: upload adapter of one"}),
+    ]
+    assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in (folder / "README.md").read_text()
+
+
 def test_generation_is_refused_under_fsdp(tmp_out):
     """Sharded parameters: generate() would need every rank in lock-step; refused at start, not a hang."""
     proc = accelerate_launch("fsdp2.yaml", "eval.generate=true", "train.max_steps=2", f"output_dir={tmp_out}")
     assert proc.returncode != 0
     assert "accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters)" in proc.stderr
+
+
+def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
+    from accel_train import push
+
+    with pytest.raises(SystemExit) as e:
+        push.main([str(tmp_path), "--repo-id", "me/reverse"])
+    assert e.value.code == 2 and "is not a finished accel_train run (no summary.json)" in capsys.readouterr().err
