@@ -104,3 +104,13 @@ def test_metric_kwargs_are_typed():
     cfg = load_config(None, ["eval.metrics=[accuracy,f1]", "eval.metric_kwargs={f1: {average: macro}, "
                              "accuracy: {normalize: true}}"])
     assert cfg.eval.metric_kwargs == {"f1": {"average": "macro"}, "accuracy": {"normalize": True}}
+
+
+def test_f1():
+    # classes 0, 1, 2; references [0, 0, 1, 1, 2], predictions [0, 1, 1, 1, 0]
+    # class 0: tp 1, predicted 2, actual 2 -> F1 2/4; class 1: tp 2, 3 predicted, 2 actual -> 4/5; class 2: 0
+    predictions, references = [0, 1, 1, 1, 0], [0, 0, 1, 1, 2]
+    assert compute("f1", predictions, references, average="macro")["f1"] == pytest.approx((1 / 2 + 4 / 5 + 0) / 3)
+    assert compute("f1", predictions, references, average="weighted")["f1"] == pytest.approx((2 * 1 / 2 + 2 * 4 / 5) / 5)
+    assert compute("f1", predictions, references, average="micro")["f1"] == pytest.approx(3 / 5)
+    assert compute("f1", predictions, references)["f1"] == pytest.approx(4 / 5)  # binary: class 1

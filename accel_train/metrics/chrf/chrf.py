@@ -8,7 +8,7 @@ Same name, inputs, options and output as the hub's `chrf`: {"score": chrF in [0,
 import evaluate
 from sacrebleu import CHRF
 
-from accel_train.metrics.text import TEXT_FEATURES, reference_streams
+from accel_train.metrics.features import TEXT_FEATURES, reference_streams
 
 
 class Chrf(evaluate.Metric):

@@ -10,7 +10,7 @@ mean of the per-sample F-measures. The hub's module reports the median of a boot
 import evaluate
 from rouge_score import rouge_scorer, tokenizers
 
-from accel_train.metrics.text import TEXT_FEATURES
+from accel_train.metrics.features import TEXT_FEATURES
 
 
 class Rouge(evaluate.Metric):

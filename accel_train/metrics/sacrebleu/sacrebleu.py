@@ -9,7 +9,7 @@ prediction the same number).
 import evaluate
 from sacrebleu import BLEU
 
-from accel_train.metrics.text import TEXT_FEATURES, reference_streams
+from accel_train.metrics.features import TEXT_FEATURES, reference_streams
 
 
 class Sacrebleu(evaluate.Metric):

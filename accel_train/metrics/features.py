@@ -1,9 +1,12 @@
-"""What the bundled text metrics (rouge, sacrebleu, chrf) share: their inputs. Imported by their scripts only
-(it imports datasets)."""
+"""The inputs the bundled metrics take, shared by their scripts (which alone import this: it imports datasets)."""
 
 import datasets
 
-# predictions: strings; references: one string per prediction, or a list of them (several references)
+# accuracy, f1: int class (or token) ids
+ID_FEATURES = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
+ID_INPUTS = "predictions, references: sequences of int class (or token) ids of equal length"
+
+# rouge, sacrebleu, chrf: predictions: strings; references: one string per prediction, or a list of them (several references)
 TEXT_FEATURES = [
     datasets.Features({"predictions": datasets.Value("string"),
                        "references": datasets.Sequence(datasets.Value("string"))}),
