@@ -89,6 +89,12 @@ class TrainState:
     """Steps skipped for a non-finite gradient norm."""
     nonfinite_in_a_row: int = 0
     """Consecutive non-finite steps up to now."""
+    best_metric: float | None = None
+    """Best value of eval.metric_for_best so far (None: no evaluation yet)."""
+    best_step: int = 0
+    """Step of that evaluation (its checkpoint is kept with checkpoint.keep_best)."""
+    evals_without_improvement: int = 0
+    """Evaluations in a row that did not improve on the best: the early-stopping patience counter."""
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -129,21 +135,25 @@ def register_hooks(accelerator) -> None:
             weights[i] = {k: v for k, v in unwrapped.state_dict().items() if k in keep}
 
     def load_hook(models, input_dir):
-        from safetensors.torch import load_file  # imports torch: only once a checkpoint is loaded
-
         for i in reversed(range(len(models))):
-            unwrapped = accelerator.unwrap_model(models[i], keep_torch_compile=False)
             name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
-            state = {plain_name(k): v for k, v in load_file(Path(input_dir) / name).items()}
-            missing = _trainable_keys(unwrapped) - state.keys()
-            result = unwrapped.load_state_dict(state, strict=False)
-            if missing or result.unexpected_keys:
-                raise CheckpointError(f"{input_dir} does not fit this model: missing {sorted(missing)[:3]}, "
-                                      f"unexpected {sorted(result.unexpected_keys)[:3]}")
+            load_trainable(accelerator.unwrap_model(models[i], keep_torch_compile=False), Path(input_dir) / name)
             models.pop(i)  # loaded here: accelerate must not load it again
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+def load_trainable(unwrapped, path: Path) -> None:
+    """Load a checkpoint's trainable weights (`path`: its model.safetensors) into an unwrapped model, by name."""
+    from safetensors.torch import load_file  # imports torch: only once a checkpoint is loaded
+
+    state = {plain_name(k): v for k, v in load_file(path).items()}
+    missing = _trainable_keys(unwrapped) - state.keys()
+    result = unwrapped.load_state_dict(state, strict=False)
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{path.parent} does not fit this model: missing {sorted(missing)[:3]}, "
+                              f"unexpected {sorted(result.unexpected_keys)[:3]}")
 
 
 def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
@@ -163,8 +173,10 @@ def save_checkpoint(accelerator, cfg: Config, state: TrainState) -> Path:
         tmp = path / f".{MARKER}.tmp"
         tmp.write_text(f"step {state.step}\n")
         os.replace(tmp, path / MARKER)  # atomic: the checkpoint is complete or it is not
+        best = checkpoints_dir(cfg.output_dir) / f"step-{state.best_step}" if cfg.checkpoint.keep_best else None
         for old in complete_checkpoints(cfg.output_dir)[: -cfg.checkpoint.keep_last]:
-            shutil.rmtree(old)
+            if old != best:  # the best one is kept whatever its age
+                shutil.rmtree(old)
         main_logger().info(f"checkpoint saved: {path}")
     accelerator.wait_for_everyone()
     return path

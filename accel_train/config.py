@@ -195,6 +195,11 @@ class TrainConfig:
     """Timeout of the process group's collectives, in seconds (torchrun's default is ten minutes)."""
     debug_collectives: bool = False
     """Check that all ranks issue matching collectives (ACCELERATE_DEBUG_MODE, TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    early_stopping_patience: Optional[int] = None
+    """Stop (a normal end: adapter saved, exit 0) after this many evaluations in a row without improvement of
+    eval.metric_for_best; None: never stop early. Needs train.eval_every."""
+    early_stopping_threshold: float = 0.0
+    """An evaluation improves on the best only by more than this (in the metric's units)."""
 
 
 @dataclass
@@ -203,6 +208,16 @@ class CheckpointConfig:
     """Save a resumable checkpoint every N optimizer steps (one is also saved on SIGTERM/SIGINT); None: never."""
     keep_last: int = 2
     """Complete checkpoints kept in output_dir/checkpoints; older ones are deleted once a newer one is complete."""
+    keep_best: bool = False
+    """Also keep the checkpoint of the best evaluation by eval.metric_for_best (saved when an evaluation improves
+    on the best), whatever keep_last says."""
+
+
+@dataclass
+class SaveConfig:
+    final: Literal["last", "best"] = "last"
+    """Which weights go to output_dir/adapter (or model): those of the last step, or of the best evaluation by
+    eval.metric_for_best (read from its checkpoint: needs checkpoint.keep_best)."""
 
 
 @dataclass
@@ -216,7 +231,30 @@ class TrackConfig:
 @dataclass
 class EvalConfig:
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
-    """`evaluate` metrics; bundled ones (accuracy) load offline, other names load from the hub."""
+    """`evaluate` metrics on argmax predictions (tokens for causal_lm, classes for seq_cls); bundled ones
+    (accel_train/metrics) load offline, other names load from the hub."""
+    generate: bool = False
+    """causal_lm: also generate an answer to each eval sample's prompt (everything before its last trained
+    response) and score it against that response with eval.generation_metrics."""
+    generation_metrics: list[str] = field(default_factory=lambda: ["exact_match", "rouge", "sacrebleu", "chrf"])
+    """`evaluate` metrics on the generated texts (eval.generate); bundled: exact_match, rouge, sacrebleu, chrf."""
+    metric_kwargs: dict[str, dict[str, Union[bool, int, float, str, list[str]]]] = field(default_factory=dict)
+    """Keyword arguments of each metric's compute, by metric name, e.g. {f1: {average: macro}}."""
+    max_new_tokens: int = 64
+    """eval.generate: tokens generated at most per answer."""
+    num_beams: int = 1
+    """eval.generate: beam search with this many beams (1: greedy, or sampling with do_sample)."""
+    do_sample: bool = False
+    """eval.generate: sample (with temperature and top_p) instead of greedy decoding."""
+    temperature: float = 1.0
+    """eval.generate with do_sample: softmax temperature."""
+    top_p: float = 1.0
+    """eval.generate with do_sample: nucleus sampling's probability mass."""
+    metric_for_best: Optional[str] = None
+    """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
+    loss, perplexity, or a metric's result name (accuracy, exact_match, rougeL, sacrebleu, chrf, ...)."""
+    greater_is_better: Optional[bool] = None
+    """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
 
 @dataclass
@@ -239,6 +277,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
 
     def __post_init__(self):
@@ -260,19 +299,25 @@ class Config:
             "lora.r": self.lora.r,
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "train.max_nonfinite_steps": self.train.max_nonfinite_steps,
+            "eval.max_new_tokens": self.eval.max_new_tokens,
+            "eval.num_beams": self.eval.num_beams,
+            "eval.temperature": self.eval.temperature,
+            "eval.top_p": self.eval.top_p,
         }
         for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
                               ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),
                               ("checkpoint.save_every", self.checkpoint.save_every),
                               ("data.pad_to_multiple_of", self.data.pad_to_multiple_of),
-                              ("model.num_labels", self.model.num_labels)):
+                              ("model.num_labels", self.model.num_labels),
+                              ("train.early_stopping_patience", self.train.early_stopping_patience)):
             if optional is not None:
                 positive[key] = optional
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         for key, value in (("train.warmup_steps", self.train.warmup_steps), ("train.weight_decay", self.train.weight_decay),
-                           ("lora.dropout", self.lora.dropout), ("data.num_workers", self.data.num_workers)):
+                           ("lora.dropout", self.lora.dropout), ("data.num_workers", self.data.num_workers),
+                           ("train.early_stopping_threshold", self.train.early_stopping_threshold)):
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
         if self.data.streaming and self.train.max_steps is None:
@@ -288,6 +333,34 @@ class Config:
                               "be used with random weights (model.random_init)")
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
+        self._check_best()
+
+    def _check_best(self):
+        """Generation, early stopping and the best checkpoint: the combinations that can work."""
+        if self.eval.generate and self.task != "causal_lm":
+            raise ConfigError("eval.generate=true is for task causal_lm (seq_cls is scored on its predicted classes)")
+        if self.eval.generate and (self.data.train_on == "all" or self.data.format == "text"):
+            raise ConfigError("eval.generate=true needs a prompt to answer: not with data.format=text or "
+                              "data.train_on=all, where every token is trained")
+        unknown = set(self.eval.metric_kwargs) - set(self.eval.metrics) - set(self.eval.generation_metrics)
+        if unknown:
+            raise ConfigError(f"eval.metric_kwargs: {', '.join(sorted(unknown))} is not in eval.metrics or "
+                              "eval.generation_metrics")
+        no_eval = (self.data.eval_split is None and (self.data.eval_fraction == 0 or self.data.streaming))
+        users = [name for name, on in (("train.early_stopping_patience", self.train.early_stopping_patience),
+                                       ("checkpoint.keep_best", self.checkpoint.keep_best),
+                                       ("save.final=best", self.save.final == "best")) if on]
+        for user in users:
+            if self.eval.metric_for_best is None:
+                raise ConfigError(f"{user} needs eval.metric_for_best (e.g. eval.metric_for_best=loss)")
+            if self.train.eval_every is None:
+                raise ConfigError(f"{user} needs train.eval_every: the best is chosen among evaluations")
+            if no_eval:
+                raise ConfigError(f"{user} needs evaluation data (data.eval_split, or data.eval_fraction > 0 "
+                                  "without streaming)")
+        if self.save.final == "best" and not self.checkpoint.keep_best:
+            raise ConfigError("save.final=best needs checkpoint.keep_best=true: the best weights are read from the "
+                              "best checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------------- loading

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import signal
 import sys
 import threading
@@ -107,7 +108,23 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
             raise LaunchError(f"the accelerate config asks for {kind.value} but accelerate set up "
                               f"{accelerator.distributed_type.value} on {accelerator.device}"
                               + (": DeepSpeed needs GPUs" if kind == DistributedType.DEEPSPEED else ""))
+    # Sharded parameters: generate() would need every rank in lock-step (synced_gpus), and a checkpoint's weights
+    # are accelerate's sharded files. Neither is done here: say so now, rather than hang or fail at the end.
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    for key, on in (("eval.generate=true", cfg.eval.generate), ("save.final=best", cfg.save.final == "best")):
+        if sharded and on:
+            raise LaunchError(f"{key} is not supported under {accelerator.distributed_type.value} (sharded "
+                              "parameters); use DDP (configs/accelerate/2gpu.yaml) or turn it off")
     return accelerator
+
+
+def hardware(accelerator: Accelerator) -> str:
+    """What the run ran on, in words (summary.json, model card)."""
+    if accelerator.device.type == "cuda":
+        name = torch.cuda.get_device_name(accelerator.device)
+    else:
+        name = f"{accelerator.device.type} ({platform.machine()}, {os.cpu_count()} cores)"
+    return f"{accelerator.num_processes} process(es) on {name}"
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -21,8 +21,10 @@ from accel_train import faults
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
+from accel_train.generation import GenerationEval, evaluate_generations
 from accel_train.loss import LossHead
-from accel_train.tracking import RunLog, current_memory_mb
+from accel_train.metrics import greater_is_better, result_name, scores
+from accel_train.tracking import RunLog, current_memory_mb, main_logger
 
 IGNORE = data_lib.IGNORE_INDEX
 
@@ -46,6 +48,8 @@ class TrainingJob:
     preemption: Preemption
     loss_head: LossHead | None = None
     """causal_lm: the output head that computes the loss in chunks (loss.py); None: from full logits."""
+    generation: GenerationEval | None = None
+    """eval.generate: the prompts to answer at each evaluation (generation.py)."""
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -87,6 +91,31 @@ def nonfinite_step(grad_norm: float, scaler) -> bool:
     return scaler is None or scaler.get_scale() < MIN_LOSS_SCALE
 
 
+def judge(cfg: Config, job: TrainingJob, results: dict) -> bool:
+    """After an evaluation: track the best by eval.metric_for_best (with checkpoint.keep_best, its checkpoint is
+    saved now) and say whether patience has run out. `results` are computed from gathered values, the same on
+    every rank, so every rank takes the same decision without a collective."""
+    key, state = cfg.eval.metric_for_best, job.state
+    if key is None:
+        return False
+    if result_name(key) not in results:
+        found = ", ".join(k.removeprefix("eval_") for k in results if k.startswith("eval_"))
+        raise ConfigError(f"eval.metric_for_best={key}: not an evaluation result of this run ({found})")
+    value, margin = results[result_name(key)], cfg.train.early_stopping_threshold
+    if greater_is_better(key, cfg.eval.greater_is_better):
+        improved = state.best_metric is None or value > state.best_metric + margin
+    else:
+        improved = state.best_metric is None or value < state.best_metric - margin
+    if improved:
+        state.best_metric, state.best_step, state.evals_without_improvement = value, state.step, 0
+        if cfg.checkpoint.keep_best:
+            save_checkpoint(job.accelerator, cfg, state)
+    else:
+        state.evals_without_improvement += 1
+    patience = cfg.train.early_stopping_patience
+    return patience is not None and state.evals_without_improvement >= patience
+
+
 def forward(model, batch: dict, task: str) -> torch.Tensor:
     """The logits. No KV cache in training: it costs memory, and with one transformers ignores packing."""
     return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
@@ -105,7 +134,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
     accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
-    last = {}
+    last, evaluation, stopped = {}, {}, None
     rank_loss = torch.zeros((), device=accelerator.device)  # this rank's summed target losses since the last log
     targets_since_log = 0  # and their number, over all ranks
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
@@ -114,7 +143,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     model.train()
     while state.step < job.total_steps:
         batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch * accum)
-        while state.step < job.total_steps:
+        while state.step < job.total_steps and stopped is None:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             window = list(islice(batches, accum))
@@ -186,17 +215,28 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 targets_since_log = 0
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
-                run_log.log({"step": state.step, "epoch": state.epoch, **run_evaluation(cfg, job)})
+                evaluation = run_evaluation(cfg, job)
+                run_log.log({"step": state.step, "epoch": state.epoch, **evaluation})
+                if judge(cfg, job, evaluation):  # a normal end, after this step on every rank
+                    stopped = "early_stopping"
+                    main_logger().info(
+                        f"early stopping after step {state.step}: {cfg.eval.metric_for_best} has not improved on "
+                        f"{state.best_metric:.6g} (step {state.best_step}) for {state.evals_without_improvement} "
+                        f"evaluations (train.early_stopping_patience)")
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
                 save_checkpoint(accelerator, cfg, state)
         else:
             break  # total_steps reached inside the epoch
         state.epoch += 1
         state.step_in_epoch = 0
-    final = run_evaluation(cfg, job) if job.eval_dl is not None else {}
-    if final:
+    final = evaluation if stopped else run_evaluation(cfg, job) if job.eval_dl is not None else {}
+    if final and not stopped:
         run_log.log({"step": state.step, "epoch": state.epoch, **final})
-    return {**last, **final}
+        judge(cfg, job, final)  # the last weights may be the best
+    best = {"step": state.best_step, result_name(cfg.eval.metric_for_best): state.best_metric} if (
+        cfg.eval.metric_for_best and state.best_metric is not None) else None
+    return {**last, **final, "step": state.step, "epoch": state.epoch, "stopped": stopped or "completed",
+            "best": best}
 
 
 @torch.no_grad()
@@ -234,10 +274,12 @@ def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
         keep = labels != IGNORE
         for metric in job.metrics.values():
             metric.add_batch(predictions=preds[keep].cpu(), references=labels[keep].cpu())
-    model.train()
     results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": samples}
     if cfg.task == "causal_lm":
         results["eval_perplexity"] = math.exp(min(results["eval_loss"], 50.0))
-    for metric in job.metrics.values():
-        results.update({f"eval_{k}": v for k, v in metric.compute().items()})
+    for name, metric in job.metrics.items():
+        results.update(scores(name, metric.compute(**cfg.eval.metric_kwargs.get(name, {}))))
+    if job.generation is not None:
+        results.update(evaluate_generations(cfg, accelerator, model, job.generation, job.state.step))
+    model.train()
     return results

@@ -24,11 +24,13 @@ from transformers import get_scheduler
 
 from accel_train import data as data_lib
 from accel_train import faults
-from accel_train.checkpoint import (TrainState, load_checkpoint, plain_name, register_hooks, set_aside_later,
-                                    trainable_state)
+from accel_train.card import write_cards
+from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
+                                    register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.dist import Preemption, make_accelerator, prepare_dataloaders, shard_stream, teardown
+from accel_train.dist import Preemption, hardware, make_accelerator, prepare_dataloaders, shard_stream, teardown
 from accel_train.export import merge_adapter
+from accel_train.generation import PREDICTIONS_FILE, setup_generation
 from accel_train.loop import TrainingJob, fit
 from accel_train.loss import loss_head
 from accel_train.metrics import load_metric
@@ -53,6 +55,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         total_steps = count_steps(cfg, accelerator, train_ds)
         optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
         job = prepare(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
+        if cfg.eval.generate and job.eval_dl is not None:
+            job.generation = setup_generation(cfg, accelerator, tokenizer, eval_ds)
         describe(cfg, job, train_ds, eval_ds)
 
         t0 = time.perf_counter()
@@ -64,11 +68,19 @@ def run(cfg: Config, resume: Path | None) -> dict:
             job.run_log.close()
         results.update(job.run_log.timing())
         train_seconds = time.perf_counter() - t0
+        best = cfg.save.final == "best" and job.state.best_metric is not None
+        saved_step = job.state.best_step if best else job.state.step
+        if saved_step != job.state.step:  # save.final=best: the best evaluation's weights, from its checkpoint
+            load_trainable(accelerator.unwrap_model(job.model, keep_torch_compile=False),
+                           checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
+        results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
+                       effective_batch=job.state.effective_batch)
         target = save_model(cfg, accelerator, job.model, tokenizer)
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
                 merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
             write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
+            write_cards(cfg.output_dir)
         accelerator.wait_for_everyone()
         return results
     finally:
@@ -187,7 +199,8 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
         if resume:
-            truncate_log(out / "metrics.jsonl", state.step)  # drop what the interrupted run logged later
+            for log in ("metrics.jsonl", PREDICTIONS_FILE):  # drop what the interrupted run logged later
+                truncate_log(out / log, state.step)
             set_aside_later(out, state.step)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0

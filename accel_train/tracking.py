@@ -217,6 +217,10 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
     out = Path(cfg.output_dir)
     summary = {
         "final": {k: v for k, v in results.items() if k.startswith("eval_") or k in ("step", "epoch", "loss")},
+        # why training ended (completed, early_stopping), the best evaluation by eval.metric_for_best, which
+        # weights were saved (save.final)
+        "stopped": results.get("stopped"), "best": results.get("best"), "saved_weights": results.get("saved_weights"),
+        "hardware": results.get("hardware"), "effective_batch": results.get("effective_batch"),
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
         "step_seconds_median": results.get("step_seconds_median"),
@@ -227,6 +231,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_runs([out], out / "loss.png")
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items() if isinstance(v, float))
+    if summary["stopped"] == "early_stopping":
+        final = f"{final}; stopped early at step {results['step']}, best {summary['best']}"
     main_logger().info(f"final: {final}; {summary['train_seconds']} s training, {summary['tokens_per_sec']:.0f} "
                        f"tokens/s, peak memory {summary['peak_memory_mb']:.0f} MB; saved to {target}; summary in "
                        f"{out}/summary.json")

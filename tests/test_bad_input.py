@@ -63,8 +63,8 @@ CASES = {
                                    "layers are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
     "resume without checkpoint": (lambda t: ["resume_from=latest"], "resume_from=latest: no complete checkpoint"),
     "unknown metric": (lambda t: ["eval.metrics=[accuracy,no_such_metric]"],
-                       ("eval.metrics: cannot load metric 'no_such_metric' (bundled: accuracy; other names load "
-                        "from the hub with evaluate):")),
+                       ("eval.metrics: cannot load metric 'no_such_metric' (bundled: accuracy, chrf, exact_match, f1, "
+                        "rouge, sacrebleu; other names load from the hub with evaluate):")),
 }
 
 

@@ -270,6 +270,8 @@ def test_predict_with_a_classification_adapter(tmp_path):
     out = tmp_path / "cls"
     proc = launch(1, "--config", "configs/train/tiny_cls.yaml", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    final = read_metrics(out)[1][-1]
+    assert 0.7 < final["eval_f1"] < 1  # F1 of each class, averaged (the recipe's eval.metric_kwargs)
     texts = ["good great fun film", "bad sad dull plot"]
     proc = run([sys.executable, "-m", "accel_train.predict", out, "--text", texts[0], "--text", texts[1]])
     assert proc.returncode == 0, proc.stderr[-3000:]

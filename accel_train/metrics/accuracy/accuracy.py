@@ -3,9 +3,10 @@
 Same name, inputs and output key as the hub's `accuracy` metric: {"accuracy": correct / total}.
 """
 
-import datasets
 import evaluate
 import numpy as np
+
+from accel_train.metrics.features import ID_FEATURES, ID_INPUTS
 
 
 class Accuracy(evaluate.Metric):
@@ -13,8 +14,8 @@ class Accuracy(evaluate.Metric):
         return evaluate.MetricInfo(
             description="Proportion of predictions equal to their reference.",
             citation="",
-            inputs_description="predictions, references: sequences of int class (or token) ids of equal length",
-            features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
+            inputs_description=ID_INPUTS,
+            features=ID_FEATURES,
         )
 
     def _compute(self, predictions, references):

@@ -1,0 +1,138 @@
+"""The model card: README.md in each exported folder of a run (adapter/ or model/, and merged/), which is what the
+Hugging Face hub shows once the folder is pushed (`python -m accel_train.push`).
+
+A card is made from what the run left on disk (config.yaml and summary.json), so it can be written again for any
+finished run: YAML front-matter the hub reads (base_model, library_name, tags, datasets when the data is a hub
+dataset, pipeline_tag), then the results (final and best evaluation), the training hyper-parameters, the
+hardware and time, how to load it, and the full configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from accel_train.config import Config, is_embedded_tiny_model, load_config, to_dict
+from accel_train.data_sources import FILE_BUILDERS
+
+EXPORTS = ("adapter", "model", "merged")  # the folders of a run that hold a loadable model
+PIPELINE_TAGS = {"causal_lm": "text-generation", "seq_cls": "text-classification"}
+AUTO_CLASSES = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification"}
+
+
+def hub_id(name: str) -> str | None:
+    """`name` when it names something on the hub, None for a local path or a built-in/builder name."""
+    local = Path(name).expanduser()
+    if name.startswith(("builtin:", ".", "/", "~")) or local.exists() or name in set(FILE_BUILDERS.values()):
+        return None
+    return name
+
+
+def _value(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None = None) -> ModelCard:
+    """The card of `run_dir/folder` from the run's config.yaml and summary.json; its usage example loads it from
+    `repo_id` (once pushed), else from the folder."""
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    adapter = folder == "adapter"
+    base = hub_id(cfg.model.name_or_path)
+    dataset = hub_id(cfg.data.path)
+    data = ModelCardData(
+        base_model=base, library_name="peft" if adapter else "transformers",
+        tags=["accel_train", cfg.task, *(["lora"] if cfg.lora.enabled else []),
+              *(["merged"] if folder == "merged" else [])],
+        datasets=[dataset] if dataset else None, pipeline_tag=PIPELINE_TAGS[cfg.task])
+    body = [f"# {run_dir.resolve().name}", "",
+            f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg)}, trained with "
+            f"accel_train (task `{cfg.task}`) on {describe_data(cfg)}.", "",
+            *results_section(cfg, summary), *hyperparameters_section(cfg, summary), *hardware_section(summary),
+            *usage_section(cfg, folder, repo_id or str(run_dir / folder)), "<details><summary>accel_train configuration (config.yaml)</summary>", "",
+            "```yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "```", "", "</details>", ""]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+
+
+def describe_base(cfg: Config) -> str:
+    if is_embedded_tiny_model(cfg.model.name_or_path):
+        return "accel_train's embedded tiny Llama (random weights, saved with the run in base_model/)"
+    base = hub_id(cfg.model.name_or_path)
+    return f"[{base}](https://huggingface.co/{base})" if base else f"`{cfg.model.name_or_path}`"
+
+
+def describe_data(cfg: Config) -> str:
+    dataset = hub_id(cfg.data.path)
+    if dataset:
+        return f"[{dataset}](https://huggingface.co/datasets/{dataset})" + (f" ({cfg.data.name})" if cfg.data.name else "")
+    return f"`{cfg.data.path}`"
+
+
+def results_section(cfg: Config, summary: dict) -> list[str]:
+    final, best = summary.get("final") or {}, summary.get("best") or {}
+    rows = [(k.removeprefix("eval_"), v) for k, v in final.items() if k.startswith("eval_")]
+    if not rows:
+        return []
+    lines = ["## Evaluation", "", f"| metric | final (step {final.get('step')}) |", "|---|---|"]
+    lines += [f"| {name} | {_value(v)} |" for name, v in rows]
+    lines.append("")
+    if best:
+        (key, value), = [(k, v) for k, v in best.items() if k != "step"]
+        lines.append(f"Best evaluation by `{cfg.eval.metric_for_best}`: {key.removeprefix('eval_')} = {_value(value)} "
+                     f"at step {best['step']}.")
+    stopped = ("stopped early (no improvement for train.early_stopping_patience="
+               f"{cfg.train.early_stopping_patience} evaluations)" if summary.get("stopped") == "early_stopping"
+               else "ran to the end")
+    lines += [f"Training {stopped} at step {final.get('step')}; the weights here are the "
+              f"{summary.get('saved_weights') or 'last'}.", ""]
+    if cfg.eval.generate:
+        lines += [f"Generation metrics ({', '.join(cfg.eval.generation_metrics)}) score answers generated "
+                  f"({'sampled' if cfg.eval.do_sample else f'{cfg.eval.num_beams} beam(s)' if cfg.eval.num_beams > 1 else 'greedy'}, "
+                  f"at most {cfg.eval.max_new_tokens} new tokens) to the eval prompts against their references.", ""]
+    return lines
+
+
+def hyperparameters_section(cfg: Config, summary: dict) -> list[str]:
+    t = cfg.train
+    params = {
+        "learning rate": t.lr, "schedule": f"{t.lr_scheduler}, {t.warmup_steps} warmup steps",
+        "optimizer": f"AdamW, weight decay {t.weight_decay}", "max grad norm": t.max_grad_norm,
+        "training length": f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epochs",
+        "per-device batch": t.per_device_batch_size, "gradient accumulation": t.grad_accum_steps,
+        "effective batch": summary.get("effective_batch"), "mixed precision": t.mixed_precision,
+        "max length": cfg.data.max_length, "packing": cfg.data.packing, "seed": cfg.seed,
+    }
+    if cfg.lora.enabled:
+        params.update({"LoRA r / alpha / dropout": f"{cfg.lora.r} / {cfg.lora.alpha} / {cfg.lora.dropout}",
+                       "LoRA target modules": ", ".join(cfg.lora.target_modules)})
+    return ["## Training hyper-parameters", "", "| | |", "|---|---|",
+            *(f"| {k} | {_value(v)} |" for k, v in params.items()), ""]
+
+
+def hardware_section(summary: dict) -> list[str]:
+    return ["## Hardware and time", "",
+            f"{summary.get('hardware')}; {summary.get('train_seconds')} s of training "
+            f"({summary.get('wall_seconds')} s in all), {summary.get('tokens_per_sec')} tokens/s, peak memory "
+            f"{summary.get('peak_memory_mb')} MB.", ""]
+
+
+def usage_section(cfg: Config, folder: str, source: str) -> list[str]:
+    auto = AUTO_CLASSES[cfg.task]
+    package, cls = ("peft", f"AutoPeftModelFor{auto}") if folder == "adapter" else ("transformers", f"AutoModelFor{auto}")
+    load = f"from {package} import {cls}\n\nmodel = {cls}.from_pretrained({source!r})"
+    return ["## Usage", "", "```python", load, "```", ""]
+
+
+def write_cards(run_dir: str | Path, repo_id: str | None = None) -> list[Path]:
+    """README.md into every exported folder of the run (replacing the generic card peft writes)."""
+    written = []
+    for folder in EXPORTS:
+        if (Path(run_dir) / folder).is_dir():
+            path = Path(run_dir) / folder / "README.md"
+            model_card(run_dir, folder, repo_id).save(path)
+            written.append(path)
+    return written

@@ -1,0 +1,176 @@
+"""Judging a fine-tune by its generations, launched as users launch: the embedded default recipe (builtin:reverse on
+the tiny model) with eval.generate=true, on 1 process and on 2.
+
+Both runs train on the same samples per step (1 x 32 and 2 x 16) with the same schedule and evaluate every 30
+steps on 61 held-out prompts in batches of 4 (61 divides by neither 2 nor 4: the last batch is short, and on 2
+processes accelerate repeats samples to fill it). The 2-process run also stops early: exact match does not improve
+from step 30 to step 60 (patience 1), and it keeps the best checkpoint and saves its weights (save.final=best).
+The runs agree to 1e-7 up to step 60 (later the fp32 rounding of the gradient reduction makes them drift apart, as
+any two trainings do), so at steps 30 and 60 each generation and every metric must be the same to the last digit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import accelerate_launch, python_m, read_metrics
+from safetensors.torch import load_file
+
+N_EVAL = 61  # ceil(0.0203 x 3000 samples of builtin:reverse)
+# one thread per process: the 2 processes share 2 cores, and tiny generate() steps crawl when threads outnumber cores
+ENV = {"OMP_NUM_THREADS": "1"}
+COMMON = ["eval.generate=true", "train.max_steps=300", "train.eval_every=30", "data.eval_fraction=0.0203",
+          "train.eval_batch_size=4", "eval.max_new_tokens=12", "train.mixed_precision=no", "track.log_with=[]",
+          "train.dist_timeout_s=60"]
+EARLY = ["eval.metric_for_best=exact_match", "train.early_stopping_patience=1", "checkpoint.keep_best=true",
+         "save.final=best", "checkpoint.save_every=10", "checkpoint.keep_last=1"]
+GENERATION_KEYS = ["eval_exact_match", "eval_rouge1", "eval_rouge2", "eval_rougeL", "eval_rougeLsum",
+                   "eval_sacrebleu", "eval_chrf"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generation")
+    one = python_m(*COMMON, "train.per_device_batch_size=32", "merge=true", f"output_dir={root / 'one'}", env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = accelerate_launch("cpu_2proc.yaml", *COMMON, *EARLY, "train.per_device_batch_size=16",
+                            f"output_dir={root / 'two'}", env=ENV)
+    assert two.returncode == 0, two.stderr[-3000:]
+    return {"one": root / "one", "two": root / "two", "two_log": two.stdout + two.stderr}
+
+
+def evals(out) -> dict:
+    return {r["step"]: r for r in read_metrics(out)[1]}
+
+
+def predictions(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval_predictions.jsonl").read_text().splitlines()]
+
+
+def test_same_generation_metrics_on_1_and_2_processes(runs):
+    one, two = evals(runs["one"]), evals(runs["two"])
+    assert sorted(two) == [30, 60]
+    for step in (30, 60):
+        for key in GENERATION_KEYS:
+            assert two[step][key] == one[step][key], (step, key)  # to the last digit
+    # and so is every generation: the 2-process run's file holds the same rows as the 1-process one up to step 60
+    assert predictions(runs["two"]) == [r for r in predictions(runs["one"]) if r["step"] <= 60]
+
+
+def test_every_eval_sample_is_generated_and_scored_once(runs):
+    rows = predictions(runs["two"])
+    for step in (30, 60):
+        at = [r for r in rows if r["step"] == step]
+        assert sorted(r["index"] for r in at) == list(range(N_EVAL))
+        assert all(r["prompt"].startswith("<|user|>reverse ") and r["prompt"].endswith("<|assistant|>") for r in at)
+        # the reference is the trained response, without the end-of-turn token
+        assert all(r["reference"] == r["prompt"].removeprefix("<|user|>reverse ").removesuffix("<|assistant|>")[::-1]
+                   for r in at)
+        # the corpus metric is the mean of the per-sample scores where it is a mean
+        assert evals(runs["two"])[step]["eval_exact_match"] == pytest.approx(
+            sum(r["scores"]["exact_match"] for r in at) / N_EVAL, abs=1e-12)
+
+
+def test_exact_match_rises_over_training_in_the_default_recipe(runs):
+    exact = [r["eval_exact_match"] for _, r in sorted(evals(runs["one"]).items())]
+    print("exact match at steps 30..300:", exact)
+    assert len(exact) == 10
+    assert exact[0] == 0.0 and exact[-1] >= 3 / N_EVAL and max(exact[:3]) < max(exact[-4:])
+
+
+def test_early_stopping_stops_every_rank_after_the_same_step(runs):
+    out = runs["two"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "early_stopping" and summary["final"]["step"] == 60
+    assert summary["best"] == {"step": 30, "eval_exact_match": 0.0}
+    assert summary["saved_weights"] == "best (step 30)"
+    assert read_metrics(out)[0][-1]["step"] == 60  # no rank trained past it (a rank left alone would hang)
+    assert runs["two_log"].count("early stopping after step 60: exact_match has not improved on 0 (step 30)") == 1
+
+
+def test_the_best_checkpoint_survives_rotation_and_is_the_saved_adapter(runs):
+    out = runs["two"]
+    # checkpoints every 10 steps, keep_last=1: only the newest would remain, but the best (step 30) is kept
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-30", "step-60"]
+    # a checkpoint names the adapter's tensors as peft holds them (".default"), the saved adapter without it
+    best, last = ({k.replace(".default", ""): v for k, v in load_file(out / "checkpoints" / step / "model.safetensors")
+                   .items()} for step in ("step-30", "step-60"))
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == best.keys()
+    assert all((adapter[k] == best[k]).all() for k in adapter)
+    assert any((adapter[k] != last[k]).any() for k in adapter)
+
+
+def test_model_card(runs):
+    card = (runs["two"] / "adapter" / "README.md").read_text()
+    front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "peft" and meta["pipeline_tag"] == "text-generation"
+    assert {"accel_train", "causal_lm", "lora"} <= set(meta["tags"])
+    assert "base_model" not in meta and "datasets" not in meta  # random tiny base, built-in data: nothing on the hub
+    summary = json.loads((runs["two"] / "summary.json").read_text())
+    assert f"| exact_match | {summary['final']['eval_exact_match']:.4g} |" in body
+    assert f"| chrf | {summary['final']['eval_chrf']:.4g} |" in body
+    assert "Best evaluation by `exact_match`: exact_match = 0 at step 30." in body
+    assert "stopped early" in body and "the weights here are the best (step 30)" in body
+    assert "| learning rate | 0.003 |" in body and "| effective batch | 32 |" in body
+    assert "2 process(es) on cpu" in body and f"{summary['train_seconds']} s of training" in body
+    assert "AutoPeftModelForCausalLM.from_pretrained(" in body
+    merged = (runs["one"] / "merged" / "README.md").read_text()
+    assert "library_name: transformers" in merged and "AutoModelForCausalLM.from_pretrained(" in merged
+
+
+def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
+    from accel_train.card import model_card
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = yaml.safe_load((runs["one"] / "config.yaml").read_text())
+    cfg["model"].update(name_or_path="Qwen/Qwen2.5-0.5B-Instruct", random_init=False)
+    cfg["data"]["path"] = "tatsu-lab/alpaca"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "summary.json").write_text((runs["one"] / "summary.json").read_text())
+    card = model_card(run, "adapter", repo_id="me/reverse")
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct" and card.data.datasets == ["tatsu-lab/alpaca"]
+    assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in card.text
+
+
+def test_push_uploads_the_adapter_with_its_card(runs, monkeypatch):
+    from accel_train import push
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, **kwargs):
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return "https://huggingface.co/me/reverse/commit/abc"
+
+    monkeypatch.setattr(push, "HfApi", FakeApi)
+    push.main([str(runs["one"]), "--repo-id", "me/reverse", "--private"])
+    folder = runs["one"] / "adapter"
+    assert calls == [
+        ("create_repo", {"repo_id": "me/reverse", "repo_type": "model", "private": True, "exist_ok": True}),
+        ("upload_folder", {"repo_id": "me/reverse", "repo_type": "model", "folder_path": str(folder),
+                           "revision": None, "commit_message": "accel_train: upload adapter of one"}),
+    ]
+    assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in (folder / "README.md").read_text()
+
+
+def test_generation_is_refused_under_fsdp(tmp_out):
+    """Sharded parameters: generate() would need every rank in lock-step; refused at start, not a hang."""
+    proc = accelerate_launch("fsdp2.yaml", "eval.generate=true", "train.max_steps=2", f"output_dir={tmp_out}")
+    assert proc.returncode != 0
+    assert "accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters)" in proc.stderr
+
+
+def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
+    from accel_train import push
+
+    with pytest.raises(SystemExit) as e:
+        push.main([str(tmp_path), "--repo-id", "me/reverse"])
+    assert e.value.code == 2 and "is not a finished accel_train run (no summary.json)" in capsys.readouterr().err
