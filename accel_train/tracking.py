@@ -216,7 +216,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
 
     out = Path(cfg.output_dir)
     summary = {
-        "final": {k: v for k, v in results.items() if k.startswith("eval_") or k in ("step", "epoch", "loss")},
+        "final": {k: v for k, v in results.items()
+                  if k.startswith(("eval_", "rewards/")) or k in ("step", "epoch", "loss")},
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
         "step_seconds_median": results.get("step_seconds_median"),
