@@ -31,6 +31,15 @@ LOGGED = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewar
           "logps/rejected", "grad_norm"]
 
 
+def assert_same_steps(got: list[dict], want: list[dict], rel: float) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 15))
+    for a, b in zip(want, got):
+        for key in LOGGED:
+            # the margin is a difference of rewards: its rounding is that of the rewards
+            scale = abs(a["rewards/chosen"]) if key == "rewards/margin" else 0
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=rel * scale + 1e-7), f"step {a['step']} {key}"
+
+
 def launch(procs: int, *args, env=None):
     return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
 
@@ -102,12 +111,8 @@ def test_step_one_loss_is_the_dpo_formula_on_the_models_logps(runs, sft):
 
 @pytest.mark.parametrize("name", ["B", "C", "P"])
 def test_same_losses_and_rewards_for_any_topology_and_precomputed_reference(runs, name):
-    ref, other = runs["A"]["train"], runs[name]["train"]
-    assert [r["step"] for r in other] == [r["step"] for r in ref] == list(range(1, 15))
-    assert ref[-1]["epoch"] == 1
-    for a, b in zip(ref, other):
-        for key in LOGGED:
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), f"step {a['step']} {key}"
+    assert runs["A"]["train"][-1]["epoch"] == 1
+    assert_same_steps(runs[name]["train"], runs["A"]["train"], rel=1e-5)
 
 
 def test_adapter_continued_and_saved_on_its_base(runs, sft):
@@ -130,19 +135,12 @@ def test_resume_mid_accumulation_is_exact(runs, sft):
     assert crashed.returncode != 0
     resumed = python_m(*args, "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    got, want = read_metrics(out)[0], runs["B"]["train"]
-    assert [r["step"] for r in got] == list(range(1, 15))
-    for a, b in zip(got, want):
-        for key in LOGGED:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), f"step {a['step']} {key}"
+    assert_same_steps(read_metrics(out)[0], runs["B"]["train"], rel=1e-6)
 
 
 def test_builtin_recipe_learns_the_preference(sft):
-    """builtin:reverse_pref after the SFT run: rewards/accuracy climbs well above chance, and greedy generations
-    start reversed (the chosen form) more often than the SFT model's."""
-    from accel_train.data_sources import builtin_rows
-    from accel_train.model import load_trained
-
+    """builtin:reverse_pref after the SFT run: rewards/accuracy climbs well above chance, and the policy's own
+    log-probs (not relative to the reference) prefer the chosen form more than at the start."""
     out = sft.parent / "recipe"
     proc = python_m(*dpo_args(sft, out), "data.builtin_size=1200", "train.max_steps=60",
                     "train.per_device_batch_size=16", "train.lr=1e-3", "train.warmup_steps=5", "train.log_every=10")
@@ -152,21 +150,9 @@ def test_builtin_recipe_learns_the_preference(sft):
     print("rewards/accuracy every 10 steps:", accuracy, "eval:", evals[-1]["eval_rewards/accuracy"])
     assert evals[-1]["eval_rewards/accuracy"] > 0.7 and max(accuracy[-3:]) > accuracy[0] + 0.1
     assert train[-1]["rewards/margin"] > train[0]["rewards/margin"]
-
-    prompts = [r["prompt"] for r in builtin_rows("reverse_pref", 100)[-50:]]
-    starts_reversed = {}
-    for name, run_dir in (("sft", sft), ("dpo", out)):
-        model, tokenizer = load_trained(run_dir, AutoModelForCausalLM)
-        hits = 0
-        for prompt in prompts:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                first = model(input_ids=ids).logits[0, -1].argmax()
-            hits += tokenizer.decode(first) == prompt[-1]  # the reversal starts with the word's last letter
-        starts_reversed[name] = hits / len(prompts)
-    print("generations starting with the reversal's first letter:", starts_reversed)
-    assert starts_reversed["dpo"] > starts_reversed["sft"]
+    gap = [r["logps/chosen"] - r["logps/rejected"] for r in train]
+    print("policy log-prob gap chosen - rejected every 10 steps:", gap)
+    assert gap[-1] > gap[0]
 
 
 def write(path, rows):
@@ -208,7 +194,7 @@ def different_prompts(tmp):
 
 BAD = {
     "missing column": (missing_rejected, "lacks column(s) rejected needed by task dpo; columns found: prompt, chosen"),
-    "empty response": (empty_chosen, "data: row 5: the chosen response is empty; fill it or drop the row"),
+    "empty response": (empty_chosen, "the chosen response is empty; fill it or drop the row"),
     "prompts differ": (different_prompts, "data: row 0: chosen and rejected do not share their prompt turns"),
     "adapter_from not an adapter": (lambda t: [f"model.adapter_from={t}"],
                                     "is not a LoRA adapter folder (no adapter_config.json)"),
@@ -224,3 +210,40 @@ def test_bad_pairs_one_line_exit_2(tmp_path, case):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("accel_train: error: ") and message in lines[-1], lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [["dpo.loss_type=ipo"], ["dpo.label_smoothing=0.2"]], ids=["ipo", "smoothing"])
+def test_ipo_and_label_smoothing_follow_their_formulas(overrides):
+    """In process, on the tiny model: a frozen copy as reference, the policy's weights then moved; the losses
+    written out here from per-token log-probs."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from accel_train.dpo import PairCollator, PreferenceLoss, tokenize_pair
+    from accel_train.model import build_model, build_tokenizer
+
+    cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
+    tokenizer = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, tokenizer)
+    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abc"},
+            {"prompt": "reverse hijab", "chosen": "bajih", "rejected": "bajid"}]
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
+    got = loss.pair_values(model, batch)[:, 0]
+    want = []
+    for row in rows:
+        with torch.no_grad():
+            pc, pr = (logps(model, tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+            rc, rr = (logps(loss.reference, tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+        nc, nr = len(row["chosen"]) + 1, len(row["rejected"]) + 1  # a character tokenizer; + end of turn (eos)
+        if cfg.dpo.loss_type == "ipo":
+            margin = (pc - rc) / nc - (pr - rr) / nr
+            want.append(float((margin - 1 / (2 * BETA)) ** 2))
+        else:
+            e, z = cfg.dpo.label_smoothing, float(BETA * ((pc - rc) - (pr - rr)))
+            want.append((1 - e) * math.log1p(math.exp(-z)) + e * math.log1p(math.exp(z)))
+    assert got.tolist() == pytest.approx(want, rel=1e-5)
