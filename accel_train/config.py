@@ -69,6 +69,9 @@ class ModelConfig:
     bf16) and train a LoRA adapter on it; GPUs only."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (only for models that need it)."""
+    adapter_from: Optional[str] = None
+    """A LoRA adapter folder (a run's output_dir/adapter) to continue training instead of a fresh adapter; its own
+    adapter_config.json (r, alpha, targets) applies, lora.r etc. are not used. model.name_or_path must be its base."""
 
 
 @dataclass
@@ -134,7 +137,8 @@ class DataConfig:
     """Number of samples a builtin:NAME dataset generates."""
     packing: bool = True
     """causal_lm training: pack each micro-batch's sequences into rows as long as its longest one (position_ids
-    restart per sequence, so none attends to another): the same samples and loss, without computing padding."""
+    restart per sequence, so none attends to another): the same samples and loss, without computing padding.
+    task dpo pads its pairs (chosen and rejected rows of one batch): there it is set to false."""
     group_by_length: Optional[bool] = None
     """Padded batches of samples of similar lengths: each epoch's seeded shuffle is cut into groups of 50
     optimizer steps, each group sorted by length and its steps put in a new random order (evaluation batches are
@@ -258,9 +262,27 @@ class EvalConfig:
 
 
 @dataclass
+class DpoConfig:
+    beta: float = 0.1
+    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs."""
+    label_smoothing: float = 0.0
+    """sigmoid loss: assumed probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on per-token mean log-probs."""
+    precompute_ref: bool = False
+    """Compute the reference log-probs once before training (cached with the tokenized data) instead of in each
+    step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA."""
+    chosen_field: str = "chosen"
+    """Column with the preferred response: text, or a conversation ending with the assistant's answer."""
+    rejected_field: str = "rejected"
+    """Column with the dispreferred response (same form as chosen; a conversation shares chosen's prompt turns)."""
+
+
+@dataclass
 class Config:
-    task: Literal["causal_lm", "seq_cls"] = "causal_lm"
-    """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification."""
+    task: Literal["causal_lm", "seq_cls", "dpo"] = "causal_lm"
+    """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
+    on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -276,6 +298,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     save: SaveConfig = field(default_factory=SaveConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
@@ -285,6 +308,8 @@ class Config:
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         if self.data.group_by_length is None:
             self.data.group_by_length = self.task == "seq_cls"
+        if self.task == "dpo":  # resolved here, so config.yaml records what the run did
+            self.data.packing = False
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
             "train.grad_accum_steps": self.train.grad_accum_steps,
@@ -303,6 +328,7 @@ class Config:
             "eval.num_beams": self.eval.num_beams,
             "eval.temperature": self.eval.temperature,
             "eval.top_p": self.eval.top_p,
+            "dpo.beta": self.dpo.beta,
         }
         for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
                               ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),
@@ -331,6 +357,13 @@ class Config:
         if self.model.quantization and self.model.random_init:
             raise ConfigError(f"model.quantization={self.model.quantization} quantizes pretrained weights: it cannot "
                               "be used with random weights (model.random_init)")
+        if self.model.adapter_from and not self.lora.enabled:
+            raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
+        if self.task == "dpo" and self.data.group_by_length:
+            raise ConfigError("data.group_by_length is not supported with task dpo (pairs are padded in the order "
+                              "they are read); set it to false")
+        if not 0 <= self.dpo.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()

@@ -16,7 +16,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, Value, l
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
-from accel_train import formats
+from accel_train import dpo, formats
 from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.data_sources import FILE_BUILDERS, builtin_rows
 from accel_train.formats import IGNORE_INDEX
@@ -159,6 +159,8 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
     arguments: only what tokenizing reads goes into them, so later runs (another output_dir, learning rate, ...)
     reuse the cache. A stream is tokenized lazily, as it is read."""
     d, cols = cfg.data, columns(ds)
+    if cfg.task == "dpo":
+        return dpo.tokenize_pairs(ds, tokenizer, cfg, cols)
     fmt = formats.resolve_format(cfg, cols) if cfg.task == "causal_lm" else None
     key = Config(task=cfg.task, data=DataConfig(
         prompt_field=d.prompt_field, response_field=d.response_field, messages_field=d.messages_field,
@@ -241,6 +243,8 @@ def width_multiple(cfg: Config, precision: str) -> int:
 def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
     """Packing, or dynamic padding: each batch padded to its own longest sequence (rounded up to `multiple`),
     labels with IGNORE_INDEX."""
+    if cfg.task == "dpo":
+        return dpo.PairCollator(tokenizer.pad_token_id, multiple)
     if cfg.task == "causal_lm" and pack:
         return PackingCollator(tokenizer.pad_token_id, attention_cost, multiple)
     if cfg.task == "causal_lm":
@@ -317,4 +321,4 @@ def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
 
 
 def check_columns(cfg: Config, ds: Dataset | IterableDataset) -> None:
-    formats.check_columns(cfg, columns(ds))
+    (dpo.pair_columns if cfg.task == "dpo" else formats.check_columns)(cfg, columns(ds))

@@ -22,6 +22,15 @@ def _reverse(rng: random.Random) -> dict:
     return {"prompt": f"reverse {word}", "response": word[::-1]}
 
 
+def _reverse_pref(rng: random.Random) -> dict:
+    """dpo: the reversal of a short word (drawn as builtin:reverse draws them: a model tuned on that knows the
+    task) preferred to the word left as it is (a palindrome: to its reversal with one letter changed)."""
+    row = _reverse(rng)
+    answer, word = row.pop("response"), row["prompt"].removeprefix("reverse ")
+    wrong = word if word != answer else answer[:-1] + rng.choice([c for c in "abcdefghij" if c != answer[-1]])
+    return {**row, "chosen": answer, "rejected": wrong}
+
+
 POSITIVE_WORDS, NEGATIVE_WORDS = ["good", "great", "fun", "nice", "happy"], ["bad", "sad", "dull", "awful", "poor"]
 _FILL = ["the", "film", "was", "a", "plot", "and", "very", "it"]
 
@@ -36,7 +45,7 @@ def _sentiment(rng: random.Random) -> dict:
 
 
 # builtin:NAME -> the generator of one sample
-BUILTIN = {"reverse": _reverse, "sentiment": _sentiment}
+BUILTIN = {"reverse": _reverse, "sentiment": _sentiment, "reverse_pref": _reverse_pref}
 
 
 def builtin_rows(name: str, size: int) -> list[dict]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from accelerate.utils import send_to_device
 
 from accel_train import data as data_lib
-from accel_train import faults
+from accel_train import dpo, faults
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
@@ -50,6 +50,8 @@ class TrainingJob:
     """causal_lm: the output head that computes the loss in chunks (loss.py); None: from full logits."""
     generation: GenerationEval | None = None
     """eval.generate: the prompts to answer at each evaluation (generation.py)."""
+    preference: dpo.PreferenceLoss | None = None
+    """dpo: the loss of pairs against the reference, and its reward metrics."""
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -60,7 +62,9 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) 
 
 
 def count_targets(batch: dict, task: str) -> torch.Tensor | int:
-    """Targets the loss of this batch is summed over (response tokens after the shift, or samples)."""
+    """Targets the loss of this batch is summed over (response tokens after the shift, samples, or pairs)."""
+    if task == "dpo":
+        return batch["labels"].shape[0] // 2  # chosen and rejected rows
     return (batch["labels"][:, 1:] != IGNORE).sum() if task == "causal_lm" else batch["labels"].numel()
 
 
@@ -130,13 +134,23 @@ def batch_loss(model, batch: dict, task: str, head: LossHead | None) -> torch.Te
         return forward(model, batch, task)
 
 
+def loss_and_logged(model, batch: dict, task: str, job: TrainingJob) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the batch's summed loss, the detached sums to log: that loss, then dpo's METRICS summed over pairs)."""
+    if task == "dpo":
+        return job.preference(model, batch)
+    loss = batch_loss(model, batch, task, job.loss_head)
+    return loss, loss.detach()[None]
+
+
 def fit(cfg: Config, job: TrainingJob) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
     accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
     last, evaluation, stopped = {}, {}, None
-    rank_loss = torch.zeros((), device=accelerator.device)  # this rank's summed target losses since the last log
-    targets_since_log = 0  # and their number, over all ranks
+    # This rank's summed target losses (and dpo's pair metrics) since the last log; their targets over all ranks.
+    logged = ("loss", *dpo.METRICS) if task == "dpo" else ("loss",)
+    rank_sums = torch.zeros(len(logged), device=accelerator.device)
+    targets_since_log = 0
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: send_to_device(
         job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
@@ -165,7 +179,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
             # effective batch.
             scale = accelerator.num_processes * accum / targets
-            window_loss = torch.zeros((), device=accelerator.device)
+            window_sums = torch.zeros_like(rank_sums)
             for i in range(n_micro):
                 poison = faults.inject(state.step + 1, i, rank)
                 # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
@@ -176,10 +190,10 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 # engine steps (it is true again after the window's last micro-batch, as optimizer.step needs)
                 accelerator.sync_gradients = sync
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    loss = batch_loss(model, batch, task, job.loss_head)
-                    loss = loss * (math.nan if poison else weight)
-                    accelerator.backward(loss * scale)
-                window_loss += loss.detach()
+                    loss, sums = loss_and_logged(model, batch, task, job)
+                    factor = math.nan if poison else weight
+                    accelerator.backward(loss * factor * scale)
+                window_sums += sums * factor
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
@@ -197,7 +211,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             if finite or scaler is not None:
                 optimizer.step()  # fp16: the scaler skips a non-finite step itself, and lowers its scale
             if finite:
-                rank_loss += window_loss
+                rank_sums += window_sums
                 targets_since_log += targets
             job.scheduler.step()  # once per optimizer step, skipped or not: the rate follows state.step
             optimizer.zero_grad(set_to_none=True)
@@ -206,12 +220,13 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             run_log.step(real_tokens, computed_tokens, n_rows)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
-                global_loss = accelerator.reduce(rank_loss, reduction="sum").item()
-                loss = global_loss / targets_since_log if targets_since_log else math.nan  # only skipped steps
-                last = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                sums = accelerator.reduce(rank_sums, reduction="sum").tolist()  # one collective, on every rank
+                means = {k: s / targets_since_log if targets_since_log else math.nan  # nan: only skipped steps
+                         for k, s in zip(logged, sums)}
+                last = {"step": state.step, "epoch": state.epoch, **means, "lr": lr, "grad_norm": float(grad_norm),
                         **run_log.throughput(), "memory_mb": current_memory_mb(accelerator.device)}
                 run_log.log(last)
-                rank_loss.zero_()
+                rank_sums.zero_()
                 targets_since_log = 0
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
@@ -243,6 +258,8 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
 def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
     """Loss over every eval target, and `evaluate` metrics on argmax predictions (tokens or classes)."""
     accelerator, model = job.accelerator, job.model
+    if cfg.task == "dpo":
+        return dpo.evaluate(accelerator, model, job.eval_dl, job.preference)
     model.eval()
     total_loss, total_targets, samples = 0.0, 0, 0
     for batch in job.eval_dl:

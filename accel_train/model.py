@@ -14,8 +14,9 @@ from accel_train.config import Config, ConfigError
 
 logger = get_logger(__name__)
 
-AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification}
-PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS}
+AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification,
+              "dpo": AutoModelForCausalLM}
+PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS, "dpo": peft.TaskType.CAUSAL_LM}
 
 
 def build_tokenizer(cfg: Config):
@@ -112,9 +113,12 @@ def quantization(cfg: Config, device: torch.device | None) -> dict:
 
 
 def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
-    """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained)."""
+    """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained): a fresh one, or
+    the one model.adapter_from names, trained further."""
     if not cfg.lora.enabled:
         return model
+    if cfg.model.adapter_from:
+        return peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
     targets = cfg.lora.target_modules
     lora = peft.LoraConfig(
         task_type=PEFT_TASK[cfg.task],

@@ -1,4 +1,5 @@
-"""Loss curves: train and eval loss and the learning rate of one or more runs, in one PNG.
+"""Loss curves: train and eval loss and the learning rate of one or more runs, in one PNG (with dpo's rewards
+when a run logged them).
 
     python -m accel_train.plot RUN_DIR [RUN_DIR ...] [--out runs.png]
 """
@@ -21,16 +22,29 @@ def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
-    for run_dir in run_dirs:
-        train, evals = read_records(run_dir)
+    records = {run_dir: read_records(run_dir) for run_dir in run_dirs}
+    rewards = any("rewards/margin" in r for train, _ in records.values() for r in train)
+    fig, axes = plt.subplots(3 if rewards else 2, 1, figsize=(8, 9 if rewards else 6), sharex=True,
+                             height_ratios=[3, 2, 1] if rewards else [3, 1])
+    ax_loss, ax_lr = axes[0], axes[-1]
+    for run_dir, (train, evals) in records.items():
         name = Path(run_dir).name
         line, = ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{name} train")
         if evals:
             ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=line.get_color(),
                          label=f"{name} eval")
         ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color=line.get_color())
-    ax_loss.set_ylabel("loss (per target token)")
+        if rewards and "rewards/margin" in train[0]:
+            steps = [r["step"] for r in train]
+            for key, style in (("rewards/chosen", "-"), ("rewards/rejected", "--"), ("rewards/margin", ":")):
+                axes[1].plot(steps, [r[key] for r in train], style, color=line.get_color(), label=f"{name} {key}")
+            axes[1].plot(steps, [r["rewards/accuracy"] for r in train], "-.", color=line.get_color(), alpha=0.5,
+                         label=f"{name} rewards/accuracy")
+    ax_loss.set_ylabel("loss (per target token, or pair)")
+    if rewards:
+        axes[1].set_ylabel("rewards (beta x log-ratio)")
+        axes[1].legend(fontsize="small")
+        axes[1].grid(alpha=0.3)
     ax_loss.set_yscale("log")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)

@@ -9,6 +9,8 @@ Only a metric that is not bundled is loaded here, with `evaluate` (which imports
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +25,7 @@ def preflight(cfg: Config) -> Path | None:
     """Every cheap check; returns the checkpoint to resume from, if any."""
     check_data_source(cfg)
     check_model_source(cfg)
+    check_adapter_source(cfg)
     check_output_dir(cfg)
     check_trackers(cfg)
     check_metrics(cfg.eval.metrics)
@@ -58,6 +61,24 @@ def check_model_source(cfg: Config) -> None:
     if folder.is_dir() and not cfg.model.random_init and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
         raise ConfigError(f"model.name_or_path: {path} holds no weights ({', '.join(WEIGHT_FILES)}); pass "
                           "model.random_init=true to train from random weights built from its config.json")
+
+
+def check_adapter_source(cfg: Config) -> None:
+    """model.adapter_from is a peft adapter folder; a base other than the one it names is worth a warning (a hub id
+    and a local copy of it differ in name only)."""
+    if not cfg.model.adapter_from:
+        return
+    folder = Path(cfg.model.adapter_from).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise ConfigError(f"model.adapter_from: {folder} is not a LoRA adapter folder (no adapter_config.json); "
+                          "give a run's output_dir/adapter")
+    named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    same = (Path(named).expanduser().resolve() == Path(cfg.model.name_or_path).expanduser().resolve()
+            if Path(named).expanduser().is_dir() else named == cfg.model.name_or_path)
+    if not same:
+        logging.getLogger(__name__).warning(
+            f"model.adapter_from: {folder} was trained on {named}, and model.name_or_path is "
+            f"{cfg.model.name_or_path}: set model.name_or_path={named} unless they hold the same model")
 
 
 # Written first into an output_dir the run creates: it marks the folder as accel_train's even when the run died

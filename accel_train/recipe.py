@@ -23,7 +23,7 @@ from datasets import Dataset, IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
-from accel_train import faults
+from accel_train import dpo, faults
 from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
@@ -148,9 +148,14 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
 
 
 def setup_loaders(cfg: Config, accelerator, tokenizer, model, train_ds, eval_ds) -> tuple:
-    """(train, eval) dataloaders, not yet sharded: packed (causal_lm) or padded batches."""
+    """(train, eval) dataloaders, not yet sharded: packed (causal_lm) or padded batches. With dpo.precompute_ref,
+    the reference log-probs are added to the data first."""
     pack = cfg.data.packing and cfg.task == "causal_lm"
     batch = cfg.train.per_device_batch_size
+    if cfg.task == "dpo" and cfg.dpo.precompute_ref:
+        collate = data_lib.make_collator(tokenizer, cfg)
+        train_ds, eval_ds = (ds if ds is None else dpo.add_reference_logps(ds, cfg, accelerator, model, collate)
+                             for ds in (train_ds, eval_ds))
     train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True,
                                         pack=pack, attention_cost=attention_cost(model),
                                         multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision),
@@ -187,6 +192,8 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
     head = loss_head(model) if cfg.task == "causal_lm" else None
+    # dpo: the reference is this model (its adapter disabled) or a frozen copy of its initial weights
+    preference = dpo.PreferenceLoss(cfg, model, accelerator) if cfg.task == "dpo" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     metrics = {name: load_metric(name) for name in cfg.eval.metrics}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
@@ -208,7 +215,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
     run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peak)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
-                       run_log, Preemption(), head)
+                       run_log, Preemption(), head, preference)
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:

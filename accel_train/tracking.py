@@ -216,7 +216,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
 
     out = Path(cfg.output_dir)
     summary = {
-        "final": {k: v for k, v in results.items() if k.startswith("eval_") or k in ("step", "epoch", "loss")},
+        "final": {k: v for k, v in results.items()
+                  if k.startswith(("eval_", "rewards/")) or k in ("step", "epoch", "loss")},
         # why training ended (completed, early_stopping), the best evaluation by eval.metric_for_best, which
         # weights were saved (save.final)
         "stopped": results.get("stopped"), "best": results.get("best"), "saved_weights": results.get("saved_weights"),

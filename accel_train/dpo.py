@@ -1,0 +1,265 @@
+"""Preference tuning (task dpo): pairs of responses to one prompt, the chosen one preferred to the rejected one.
+
+One row is one pair, in one of these forms (the chat template applied as for causal_lm):
+
+    {"prompt": "...", "chosen": "...", "rejected": "..."}                     texts
+    {"chosen": [turns..., answer], "rejected": [the same turns..., answer]}   conversations sharing their prompt turns
+    {"prompt": [turns...], "chosen": [answer] or "...", "rejected": ...}      the prompt as turns (TRL's form)
+
+A pair is tokenized into two sequences, prompt + chosen and prompt + rejected, with labels on the response (the
+last assistant turn and its end-of-turn tokens). Truncation to data.max_length keeps the responses: the prompt
+loses its first tokens before a response loses its last ones. Pairs whose two sequences are identical (after
+truncation) teach nothing: they are dropped, and counted in the log; an empty response is an error.
+
+The loss (Rafailov et al. 2023) compares the policy's and the reference's log-probabilities of the two responses,
+each summed over its tokens. Chosen and rejected go through the model in one forward (a batch of 2B rows, chosen
+first). The reference is the same model with its LoRA adapter disabled (peft's `disable_adapter`, no second
+model), a frozen copy of the initial model under full fine-tuning, or log-probs computed once before training
+(dpo.precompute_ref). Per pair, with m = (policy - reference)(chosen) - (policy - reference)(rejected):
+
+    sigmoid:  -(1 - e) log sigmoid(beta m) - e log sigmoid(-beta m)      e = dpo.label_smoothing
+    ipo:      (m - 1 / (2 beta))^2, on log-probs averaged over each response's tokens (Azar et al. 2023)
+
+The loop sums the per-pair losses and divides by the number of pairs in the effective batch (all ranks, all
+micro-batches), as it does with target tokens for causal_lm.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from accelerate.logging import get_logger
+from accelerate.utils import send_to_device
+from datasets import Dataset, IterableDataset
+
+from accel_train import formats
+from accel_train.config import Config, ConfigError, DataConfig, DpoConfig
+from accel_train.formats import IGNORE_INDEX
+
+logger = get_logger(__name__)
+
+# Logged per pair, after the loss: means over the pairs of the log interval, gathered over all ranks.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+           "logps/rejected")
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def pair_columns(cfg: Config, columns: list[str]) -> None:
+    """The chosen and rejected columns are there (the prompt is optional: conversations carry it)."""
+    missing = [c for c in (cfg.dpo.chosen_field, cfg.dpo.rejected_field) if c not in columns]
+    if missing:
+        raise ConfigError(f"data: {cfg.data.path} lacks column(s) {', '.join(missing)} needed by task dpo; columns "
+                          f"found: {', '.join(columns)} (set dpo.chosen_field, dpo.rejected_field, "
+                          f"data.prompt_field to map them)")
+
+
+def _turns(value, row: int, role: str) -> list[dict]:
+    """A column's value as chat turns: a conversation as is, a text as one turn of `role`."""
+    if isinstance(value, list):
+        return [formats._message(m, row) for m in value]
+    return [{"role": role, "content": "" if value is None else str(value)}]
+
+
+def pair_conversations(example: dict, cfg: Config, row: int) -> tuple[list[dict], list[dict]]:
+    """(chosen, rejected) as conversations: the prompt turns, then the answer."""
+    prompt = example.get(cfg.data.prompt_field)
+    head = [] if prompt is None else _turns(prompt, row, "user")
+    pair = []
+    for name in (cfg.dpo.chosen_field, cfg.dpo.rejected_field):
+        messages = head + _turns(example[name], row, "assistant")
+        if messages[-1]["role"] != "assistant":
+            raise ConfigError(f"data: row {row}: {name} ends with {messages[-1]['role']!r}, not the assistant's "
+                              "answer")
+        if not messages[-1]["content"].strip():
+            raise ConfigError(f"data: row {row}: the {name} response is empty; fill it or drop the row")
+        pair.append(messages)
+    if pair[0][:-1] != pair[1][:-1]:
+        raise ConfigError(f"data: row {row}: {cfg.dpo.chosen_field} and {cfg.dpo.rejected_field} do not share "
+                          "their prompt turns (only the last, the assistant's answer, may differ)")
+    return pair[0], pair[1]
+
+
+def _split(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """(prompt, response) tokens: the response is the labelled tail."""
+    start = next(i for i, t in enumerate(labels) if t != IGNORE_INDEX)
+    return ids[:start], ids[start:]
+
+
+def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config) -> dict:
+    """Prompt + chosen and prompt + rejected token ids and labels, truncated to data.max_length prompt first."""
+    render = formats.tokens_with_template if tokenizer.chat_template else formats.tokens_without_template
+    (prompt, chosen), (prompt_rejected, rejected) = (
+        _split(*render(messages, tokenizer, "last_assistant")) for messages in pair_conversations(example, cfg, row))
+    if prompt != prompt_rejected:
+        raise ConfigError("the tokenizer's chat template renders the shared prompt of a pair differently before "
+                          "chosen and rejected; use another template")
+    size = cfg.data.max_length
+    # Keep the prompt's last tokens (at least one, which predicts the response's first token), then the responses.
+    keep = min(len(prompt), max(size - max(len(chosen), len(rejected)), 1))
+    truncated = keep < len(prompt) or max(len(chosen), len(rejected)) > size - keep
+    prompt, chosen, rejected = prompt[len(prompt) - keep:], chosen[:size - keep], rejected[:size - keep]
+    out = {"truncated": truncated}
+    for name, response in (("chosen", chosen), ("rejected", rejected)):
+        out[f"{name}_input_ids"] = prompt + response
+        out[f"{name}_labels"] = [IGNORE_INDEX] * len(prompt) + response
+    return out
+
+
+def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str]) -> Dataset | IterableDataset:
+    """Tokenized pairs; the truncated ones are counted, the identical ones dropped and counted (in-memory data)."""
+    d = cfg.data
+    # Only what tokenizing reads goes into the cache key (see data.tokenize).
+    key = Config(task="dpo", data=DataConfig(prompt_field=d.prompt_field, max_length=d.max_length),
+                 dpo=DpoConfig(chosen_field=cfg.dpo.chosen_field, rejected_field=cfg.dpo.rejected_field))
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key}, "remove_columns": cols, "with_indices": True}
+    ds = ds.map(tokenize_pair, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
+        tokenize_pair, **kwargs, desc="tokenizing pairs")
+    n, truncated = (len(ds), sum(ds["truncated"])) if isinstance(ds, Dataset) else (None, 0)
+    ds = ds.filter(lambda c, r: c != r, input_columns=["chosen_input_ids", "rejected_input_ids"])
+    ds = ds.remove_columns("truncated")
+    if n is not None:
+        if truncated:
+            logger.info(f"dpo: {truncated} of {n} pairs truncated to data.max_length={d.max_length} (prompt first)")
+        if len(ds) < n:
+            logger.warning(f"dpo: dropped {n - len(ds)} of {n} pairs whose chosen and rejected are identical "
+                           f"(after truncation to data.max_length={d.max_length})")
+    return ds
+
+
+class PairCollator:
+    """A batch of B pairs as 2B padded rows, chosen first (one forward for both); labels IGNORE_INDEX on prompt and
+    padding; with precomputed reference log-probs, `ref_logps` (2B,) in the same order."""
+
+    def __init__(self, pad_token_id: int, multiple: int = 1):
+        self.pad_token_id, self.multiple = pad_token_id, multiple
+
+    def __call__(self, features: list[dict]) -> dict:
+        rows = [(f[f"{k}_input_ids"], f[f"{k}_labels"]) for k in ("chosen", "rejected") for f in features]
+        width = max(len(ids) for ids, _ in rows)
+        width = -(-width // self.multiple) * self.multiple
+        batch = {"input_ids": torch.tensor([ids + [self.pad_token_id] * (width - len(ids)) for ids, _ in rows]),
+                 "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]),
+                 "labels": torch.tensor([labels + [IGNORE_INDEX] * (width - len(labels)) for _, labels in rows])}
+        if "ref_chosen_logps" in features[0]:
+            batch["ref_logps"] = torch.tensor([f[f"ref_{k}_logps"] for k in ("chosen", "rejected") for f in features],
+                                              dtype=torch.float32)
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+def sequence_logps(model, batch: dict) -> torch.Tensor:
+    """(2B,) log-probability of each row's labelled tokens, summed, in fp32."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    token_logps = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
+                                   reduction="none")  # 0 where ignored
+    return token_logps.sum(1)
+
+
+@contextmanager
+def reference_mode(model, lora: bool):
+    """The reference: no gradient, evaluation mode (no dropout: the same numbers online and precomputed), and
+    under LoRA the adapter disabled. `model` is the unwrapped module, so DDP's forward (and its gradient
+    bookkeeping) is not involved."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), model.disable_adapter() if lora else nullcontext():
+            yield
+    finally:
+        model.train(was_training)
+
+
+class PreferenceLoss:
+    """The DPO loss of a batch of pairs, and its reward metrics."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, accelerator):
+        """`model`: the policy before accelerate wraps it (the same module afterwards)."""
+        self.cfg, self.lora, self.autocast = cfg.dpo, cfg.lora.enabled, accelerator.autocast
+        if cfg.dpo.precompute_ref:
+            self.reference = None  # the batches carry ref_logps
+        elif cfg.lora.enabled:
+            self.reference = model
+        else:  # full fine-tuning: the initial weights, frozen
+            self.reference = copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
+
+    def reference_logps(self, batch: dict, reference=None) -> torch.Tensor:
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        reference = reference if reference is not None else self.reference
+        with reference_mode(reference, self.lora), self.autocast():
+            return sequence_logps(reference, batch)
+
+    def pair_values(self, model, batch: dict) -> torch.Tensor:
+        """(B, 1 + len(METRICS)): each pair's loss, then its METRICS."""
+        reference = self.reference_logps(batch)
+        policy = sequence_logps(model, batch)
+        if self.cfg.loss_type == "ipo":  # per-token means
+            n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)
+            policy_used, reference = policy / n_tokens, reference / n_tokens
+        else:
+            policy_used = policy
+        chosen, rejected = (policy_used - reference).chunk(2)
+        margin, beta = chosen - rejected, self.cfg.beta
+        if self.cfg.loss_type == "ipo":
+            losses = (margin - 1 / (2 * beta)) ** 2
+        else:
+            e = self.cfg.label_smoothing
+            losses = -(1 - e) * F.logsigmoid(beta * margin) - e * F.logsigmoid(-beta * margin)
+        reward_chosen, reward_rejected = (beta * chosen).detach(), (beta * rejected).detach()
+        logps_chosen, logps_rejected = policy.detach().chunk(2)
+        return torch.stack([losses, reward_chosen, reward_rejected, reward_chosen - reward_rejected,
+                            (reward_chosen > reward_rejected).float(), logps_chosen, logps_rejected], 1)
+
+    def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed pair losses, detached sums of [loss, *METRICS] over the batch's pairs)."""
+        values = self.pair_values(model, batch)
+        return values[:, 0].sum(), values.detach().sum(0)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, eval_dl, loss: PreferenceLoss) -> dict:
+    """Mean loss and METRICS over every eval pair (gather_for_metrics drops the repeated ones)."""
+    model.eval()
+    sums, pairs = 0, 0
+    for batch in eval_dl:
+        values = accelerator.gather_for_metrics(loss.pair_values(model, batch))
+        sums, pairs = sums + values.sum(0), pairs + len(values)
+    model.train()
+    means = (sums / max(pairs, 1)).tolist()
+    return {"eval_loss": means[0], "eval_samples": pairs, **{f"eval_{k}": v for k, v in zip(METRICS, means[1:])}}
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every weight: the cache key of log-probs computed with them."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def add_reference_logps(ds: Dataset, cfg: Config, accelerator, model, collate) -> Dataset:
+    """dpo.precompute_ref: the reference log-probs of each pair as columns ref_chosen_logps/ref_rejected_logps,
+    computed once with the initial weights (before training or a resume loads later ones) and cached by
+    `datasets` with the tokenized data, keyed by the data and a hash of the weights."""
+    model.to(accelerator.device)
+    loss = PreferenceLoss(cfg, model, accelerator)
+
+    def add(rows: dict) -> dict:
+        features = [dict(zip(rows, values)) for values in zip(*rows.values())]
+        chosen, rejected = loss.reference_logps(send_to_device(collate(features), accelerator.device), model).chunk(2)
+        return {"ref_chosen_logps": chosen.tolist(), "ref_rejected_logps": rejected.tolist()}
+
+    fingerprint = hashlib.sha256(f"{ds._fingerprint} {weights_digest(model)} {cfg.lora.enabled}".encode())
+    with accelerator.local_main_process_first():
+        return ds.map(add, batched=True, batch_size=cfg.train.eval_batch_size, desc="reference log-probs",
+                      new_fingerprint=fingerprint.hexdigest()[:32])

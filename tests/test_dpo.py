@@ -1,0 +1,249 @@
+"""task dpo, launched as users launch it, after a short SFT run whose adapter it continues (model.adapter_from):
+the step-1 loss against the DPO formula computed here from the model's log-probs, the same losses and reward
+metrics for any split of the effective batch over processes and accumulation, with precomputed reference
+log-probs, and after a resume mid-accumulation; full fine-tuning against a frozen copy; the builtin preference
+recipe learning; bad pairs answered in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import accelerate_launch, python_m, read_metrics
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from accel_train import data as data_lib
+from accel_train.config import load_config
+
+BETA = 0.2
+# 100 pairs -> 90 train: 11 steps of 8 per epoch and a short 12th; 14 steps cross the epoch boundary.
+TOPOLOGY = ["data.builtin_size=100", "train.max_steps=14", "train.lr=1e-3", "train.warmup_steps=2"]
+TOPOLOGIES = {
+    "A": (1, ["train.per_device_batch_size=8", "train.grad_accum_steps=1"]),
+    "B": (1, ["train.per_device_batch_size=4", "train.grad_accum_steps=2"]),
+    "C": (2, ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]),
+    "P": (1, ["train.per_device_batch_size=8", "train.grad_accum_steps=1", "dpo.precompute_ref=true"]),
+}
+LOGGED = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+          "logps/rejected", "grad_norm"]
+
+
+def assert_same_steps(got: list[dict], want: list[dict], rel: float) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 15))
+    for a, b in zip(want, got):
+        for key in LOGGED:
+            # the margin is a difference of rewards: its rounding is that of the rewards
+            scale = abs(a["rewards/chosen"]) if key == "rewards/margin" else 0
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=rel * scale + 1e-7), f"step {a['step']} {key}"
+
+
+def launch(procs: int, *args, env=None):
+    return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A short SFT run on builtin:reverse: its random base (base_model/) and adapter are what DPO starts from."""
+    out = tmp_path_factory.mktemp("dpo") / "sft"
+    proc = python_m("train.max_steps=150", "train.log_every=50", "train.mixed_precision=no", "track.log_with=[]",
+                    f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def dpo_args(sft, out) -> list[str]:
+    return ["task=dpo", "data.path=builtin:reverse_pref", f"model.name_or_path={sft / 'base_model'}",
+            "model.random_init=false", f"model.adapter_from={sft / 'adapter'}", f"dpo.beta={BETA}",
+            "train.mixed_precision=no", "train.log_every=1", "track.log_with=[]", "train.dist_timeout_s=120",
+            f"output_dir={out}"]
+
+
+@pytest.fixture(scope="module")
+def runs(sft):
+    results = {}
+    for name, (procs, extra) in TOPOLOGIES.items():
+        out = sft.parent / name
+        proc = launch(procs, *dpo_args(sft, out), *TOPOLOGY, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = {"out": out, "train": read_metrics(out)[0], "log": proc.stderr}
+    return results
+
+
+def logps(model, tokenizer, prompt: str, response: str) -> torch.Tensor:
+    """Summed log-probability of the response's tokens (answer and end of turn) after the chat-templated prompt."""
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    start = len(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)["input_ids"])
+    ids = torch.tensor([tokenizer.apply_chat_template(messages)["input_ids"]])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, start - 1:-1].double(), -1)
+    return logp.gather(1, ids[0, start:, None]).sum()
+
+
+def test_step_one_loss_is_the_dpo_formula_on_the_models_logps(runs, sft):
+    """Step 1 of run A from the SFT adapter (policy) and the base with the adapter disabled (reference), on the
+    first 8 pairs of the seeded shuffle, with -log sigmoid(beta ((pc - rc) - (pr - rr))) written out here."""
+    from peft import PeftModel
+
+    cfg = load_config(runs["A"]["out"] / "config.yaml")
+    train, _ = data_lib.load_splits(cfg)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft / "base_model"), sft / "adapter")
+    policy.eval()
+    losses, margins = [], []
+    with torch.no_grad():
+        for i in order[:8]:
+            row = train[i]
+            pc, pr = (logps(policy, tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+            with policy.disable_adapter():
+                rc, rr = (logps(policy, tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+            margin = BETA * ((pc - rc) - (pr - rr))
+            losses.append(math.log1p(math.exp(-float(margin))))  # -log sigmoid(margin)
+            margins.append(float(margin))
+    step1 = runs["A"]["train"][0]
+    assert step1["loss"] == pytest.approx(sum(losses) / 8, rel=1e-5)
+    assert step1["rewards/margin"] == pytest.approx(sum(margins) / 8, rel=1e-5, abs=1e-7)
+    assert step1["rewards/accuracy"] == sum(m > 0 for m in margins) / 8
+    assert step1["loss"] != pytest.approx(math.log(2), abs=1e-3), "the reference must differ from the policy here"
+
+
+@pytest.mark.parametrize("name", ["B", "C", "P"])
+def test_same_losses_and_rewards_for_any_topology_and_precomputed_reference(runs, name):
+    assert runs["A"]["train"][-1]["epoch"] == 1
+    assert_same_steps(runs[name]["train"], runs["A"]["train"], rel=1e-5)
+
+
+def test_adapter_continued_and_saved_on_its_base(runs, sft):
+    out = runs["A"]["out"]
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((sft / "base_model").resolve())
+    start, end = load_file(sft / "adapter" / "adapter_model.safetensors"), load_file(
+        out / "adapter" / "adapter_model.safetensors")
+    assert start.keys() == end.keys()
+    # continued: changed by 14 steps, but still close to the SFT adapter it started from (a fresh one has B = 0)
+    for key in (k for k in start if "lora_B" in k):
+        assert 0 < (end[key] - start[key]).norm() < start[key].norm(), key
+
+
+def test_resume_mid_accumulation_is_exact(runs, sft):
+    """Run B crashed in the 2nd micro-batch of step 7, resumed from the step-5 checkpoint."""
+    out = sft.parent / "B-resumed"
+    args = [*dpo_args(sft, out), *TOPOLOGY, *TOPOLOGIES["B"][1], "checkpoint.save_every=5"]
+    crashed = python_m(*args, env={"ACCEL_TRAIN_FAULT": "crash@step=7,micro=1,rank=0"})
+    assert crashed.returncode != 0
+    resumed = python_m(*args, "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_steps(read_metrics(out)[0], runs["B"]["train"], rel=1e-6)
+
+
+def test_builtin_recipe_learns_the_preference(sft):
+    """builtin:reverse_pref after the SFT run: rewards/accuracy climbs well above chance, and the policy's own
+    log-probs (not relative to the reference) prefer the chosen form more than at the start."""
+    out = sft.parent / "recipe"
+    proc = python_m(*dpo_args(sft, out), "data.builtin_size=1200", "train.max_steps=60",
+                    "train.per_device_batch_size=16", "train.lr=1e-3", "train.warmup_steps=5", "train.log_every=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train, evals = read_metrics(out)
+    accuracy = [r["rewards/accuracy"] for r in train]
+    print("rewards/accuracy every 10 steps:", accuracy, "eval:", evals[-1]["eval_rewards/accuracy"])
+    assert evals[-1]["eval_rewards/accuracy"] > 0.7 and max(accuracy[-3:]) > accuracy[0] + 0.1
+    assert train[-1]["rewards/margin"] > train[0]["rewards/margin"]
+    gap = [r["logps/chosen"] - r["logps/rejected"] for r in train]
+    print("policy log-prob gap chosen - rejected every 10 steps:", gap)
+    assert gap[-1] > gap[0]
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_full_fine_tuning_against_a_frozen_copy_drops_identical_pairs(tmp_path):
+    """lora.enabled=false: the reference is a frozen copy of the initial weights, so step 1's loss is log 2; pairs
+    whose chosen and rejected are the same are dropped and counted."""
+    rows = [{"prompt": f"reverse {w}", "chosen": w[::-1], "rejected": w if i % 10 else w[::-1]}
+            for i, w in enumerate(["abc", "bcd", "cde", "def", "efg"] * 8)]
+    out = tmp_path / "full"
+    proc = python_m("task=dpo", f"data.path={write(tmp_path / 'pairs.jsonl', rows)}", "data.eval_fraction=0",
+                    "lora.enabled=false", "train.max_steps=6", "train.per_device_batch_size=4", "train.lr=1e-3",
+                    "train.mixed_precision=no", "train.log_every=1", "track.log_with=[]", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dpo: dropped 4 of 40 pairs whose chosen and rejected are identical" in proc.stderr
+    train = read_metrics(out)[0]
+    assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and train[0]["rewards/margin"] == 0
+    assert train[-1]["loss"] < math.log(2) and train[-1]["rewards/margin"] > 0
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+def missing_rejected(tmp):
+    return [f"data.path={write(tmp / 'p.jsonl', [{'prompt': 'a', 'chosen': 'b'}] * 20)}"]
+
+
+def empty_chosen(tmp):
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 5 + [{"prompt": "a", "chosen": " ", "rejected": "c"}]
+    return [f"data.path={write(tmp / 'p.jsonl', rows * 4)}"]
+
+
+def different_prompts(tmp):
+    rows = [{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+             "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "c"}]}] * 20
+    return [f"data.path={write(tmp / 'p.jsonl', rows)}"]
+
+
+BAD = {
+    "missing column": (missing_rejected, "lacks column(s) rejected needed by task dpo; columns found: prompt, chosen"),
+    "empty response": (empty_chosen, "the chosen response is empty; fill it or drop the row"),
+    "prompts differ": (different_prompts, "data: row 0: chosen and rejected do not share their prompt turns"),
+    "adapter_from not an adapter": (lambda t: [f"model.adapter_from={t}"],
+                                    "is not a LoRA adapter folder (no adapter_config.json)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_pairs_one_line_exit_2(tmp_path, case):
+    make_args, message = BAD[case]
+    proc = python_m("task=dpo", "train.max_steps=2", "track.log_with=[]", *make_args(tmp_path),
+                    f"output_dir={tmp_path / 'out'}", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("accel_train: error: ") and message in lines[-1], lines[-1]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [["dpo.loss_type=ipo"], ["dpo.label_smoothing=0.2"]], ids=["ipo", "smoothing"])
+def test_ipo_and_label_smoothing_follow_their_formulas(overrides):
+    """In process, on the tiny model: a frozen copy as reference, the policy's weights then moved; the losses
+    written out here from per-token log-probs."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from accel_train.dpo import PairCollator, PreferenceLoss, tokenize_pair
+    from accel_train.model import build_model, build_tokenizer
+
+    cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
+    tokenizer = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, tokenizer)
+    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abc"},
+            {"prompt": "reverse hijab", "chosen": "bajih", "rejected": "bajid"}]
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
+    got = loss.pair_values(model, batch)[:, 0]
+    want = []
+    for row in rows:
+        with torch.no_grad():
+            pc, pr = (logps(model, tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+            rc, rr = (logps(loss.reference, tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+        nc, nr = len(row["chosen"]) + 1, len(row["rejected"]) + 1  # a character tokenizer; + end of turn (eos)
+        if cfg.dpo.loss_type == "ipo":
+            margin = (pc - rc) / nc - (pr - rr) / nr
+            want.append(float((margin - 1 / (2 * BETA)) ** 2))
+        else:
+            e, z = cfg.dpo.label_smoothing, float(BETA * ((pc - rc) - (pr - rr)))
+            want.append((1 - e) * math.log1p(math.exp(-z)) + e * math.log1p(math.exp(z)))
+    assert got.tolist() == pytest.approx(want, rel=1e-5)
