@@ -215,7 +215,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
     run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peak)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
-                       run_log, Preemption(), head, preference)
+                       run_log, Preemption(), head, preference=preference)
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
