@@ -16,10 +16,12 @@ written: a start that fails half-way. KIND: crash or raise.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
 
+@functools.lru_cache(maxsize=4)
 def _parse(spec: str | None) -> tuple[str, dict] | None:
     if not spec:
         return None
@@ -28,21 +30,26 @@ def _parse(spec: str | None) -> tuple[str, dict] | None:
     return kind, {k: int(v) if v else True for k, v in fields.items()}  # a bare name ("start") is a flag
 
 
-FAULT = _parse(os.environ.get("ACCEL_TRAIN_FAULT"))
+def fault() -> tuple[str, dict] | None:
+    """The fault asked for, read when asked (not at import: a process forked from one that imported this module
+    has its own environment)."""
+    return _parse(os.environ.get("ACCEL_TRAIN_FAULT"))
 
 
 def _fires(kinds: tuple[str, ...], step: int, micro: int, rank: int) -> str | None:
-    if FAULT is None or FAULT[0] not in kinds:
+    spec = fault()
+    if spec is None or spec[0] not in kinds:
         return None
-    kind, at = FAULT
+    kind, at = spec
     hit = (at.get("step"), at.get("micro", 0)) == (step, micro) and at.get("rank", rank) == rank
     return kind if hit else None
 
 
 def inject(step: int, micro: int, rank: int) -> bool:
     """Called by the loop before each micro-batch; True means "poison this micro-batch's loss" (kind nan)."""
-    if FAULT is not None and FAULT[0] == "nan_from" and step >= FAULT[1]["step"]:
-        return FAULT[1].get("rank", rank) == rank
+    spec = fault()
+    if spec is not None and spec[0] == "nan_from" and step >= spec[1]["step"]:
+        return spec[1].get("rank", rank) == rank
     kind = _fires(("crash", "kill", "sigterm", "raise", "nan"), step, micro, rank)
     if kind == "crash":
         os._exit(42)
@@ -63,9 +70,10 @@ def inject_save(step: int, rank: int) -> None:
 
 def inject_start(rank: int) -> None:
     """Called once the run has created output_dir, before config.yaml is written."""
-    if FAULT is None or "start" not in FAULT[1] or FAULT[1].get("rank", rank) != rank:
+    spec = fault()
+    if spec is None or "start" not in spec[1] or spec[1].get("rank", rank) != rank:
         return
-    if FAULT[0] == "crash":
+    if spec[0] == "crash":
         os._exit(42)
-    if FAULT[0] == "raise":
+    if spec[0] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at start-up")

@@ -80,7 +80,8 @@ def check_default_run(proc, out, processes: int, min_accuracy: float = 0.8):
 
 def test_default_one_process(tmp_out):
     # 3 of the 10 epochs (510 steps): the full default trains in the 2-process test and the notebook.
-    proc = python_m(f"output_dir={tmp_out}", "train.epochs=3")
+    # a fresh interpreter, as users start it (other single-process tests fork theirs: conftest.python_m)
+    proc = run([sys.executable, "-m", "accel_train", f"output_dir={tmp_out}", "train.epochs=3"])
     check_default_run(proc, tmp_out, processes=1, min_accuracy=0.4)
 
 

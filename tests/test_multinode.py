@@ -20,6 +20,9 @@ from conftest import ACCEL_CONFIGS, BIN, REPO, free_port, read_metrics
 from safetensors.torch import load_file
 from test_topology import TOPOLOGIES, overrides
 
+# The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
+pytestmark = pytest.mark.xdist_group("topology")
+
 TIMEOUT_S = 60  # a passing run takes 10-20 s on 2 shared cores
 
 

@@ -25,6 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from accel_train import data as data_lib
 from accel_train.config import load_config
 
+# The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
+pytestmark = pytest.mark.xdist_group("topology")
+
 N_TRAIN, N_EVAL = 22, 7  # eval: odd and not a multiple of the eval batch (4)
 TOPOLOGIES = {
     "A": (1, ["train.per_device_batch_size=4", "train.grad_accum_steps=1"]),
