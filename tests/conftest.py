@@ -41,7 +41,8 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
 
 def python_m(*args, timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m accel_train ARGS` as a fresh process forked from one that has imported the training code
-    (tests/scripts/forked_cli.py): the same entry, exit status, output and signals, without ~5 s of imports each."""
+    (tests/scripts/forked_cli.py): the same entry, exit status, output and signals, without ~5 s of imports each.
+    Settings read at import (HF_DATASETS_CACHE, HF_HOME, CUDA_VISIBLE_DEVICES) need a fresh interpreter: `run`."""
     cmd = [sys.executable, "-m", "accel_train", *map(str, args)]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")

@@ -91,7 +91,8 @@ def test_tokenized_data_is_cached_once_and_reused(tmp_path):
     cache = tmp_path / "hf_cache"
     env = {"HF_DATASETS_CACHE": str(cache)}
     common = [f"data.path={data}", "train.max_steps=2", "track.log_with=[]", "train.mixed_precision=no"]
-    first = python_m(*common, f"output_dir={tmp_path / 'a'}", env=env)
+    # a fresh interpreter: datasets reads HF_DATASETS_CACHE when imported (a forked python_m has imported it)
+    first = run([sys.executable, "-m", "accel_train", *common, f"output_dir={tmp_path / 'a'}"], env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     files = {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")}
     assert files  # the tokenized splits (and the filter) were cached
