@@ -269,6 +269,10 @@ class DpoConfig:
     """sigmoid loss: assumed probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on per-token mean log-probs."""
+    reference: Literal["start", "base"] = "start"
+    """The reference model. start: the policy as training starts (its initial weights; with model.adapter_from,
+    that adapter, loaded a second time and frozen: the SFT model DPO usually starts from). base: the base model
+    with the LoRA adapter disabled (the same as start for a fresh adapter)."""
     precompute_ref: bool = False
     """Compute the reference log-probs once before training (cached with the tokenized data) instead of in each
     step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA."""

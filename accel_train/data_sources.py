@@ -24,10 +24,12 @@ def _reverse(rng: random.Random) -> dict:
 
 def _reverse_pref(rng: random.Random) -> dict:
     """dpo: the reversal of a short word (drawn as builtin:reverse draws them: a model tuned on that knows the
-    task) preferred to the word left as it is (a palindrome: to its reversal with one letter changed)."""
+    task) preferred to a near miss, the reversal with one letter changed: the kind of answer a model tuned on
+    builtin:reverse gives when it is wrong."""
     row = _reverse(rng)
-    answer, word = row.pop("response"), row["prompt"].removeprefix("reverse ")
-    wrong = word if word != answer else answer[:-1] + rng.choice([c for c in "abcdefghij" if c != answer[-1]])
+    answer = row.pop("response")
+    i = rng.randrange(len(answer))
+    wrong = answer[:i] + rng.choice([c for c in "abcdefghij" if c != answer[i]]) + answer[i + 1:]
     return {**row, "chosen": answer, "rejected": wrong}
 
 

@@ -39,6 +39,7 @@ from datasets import Dataset, IterableDataset
 from accel_train import formats
 from accel_train.config import Config, ConfigError, DataConfig, DpoConfig
 from accel_train.formats import IGNORE_INDEX
+from accel_train.model import REFERENCE_ADAPTER
 
 logger = get_logger(__name__)
 
@@ -171,11 +172,25 @@ def reference_mode(model, lora: bool):
     bookkeeping) is not involved."""
     was_training = model.training
     model.eval()
+    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):  # model.adapter_from, dpo.reference=start
+        context = adapter(model, REFERENCE_ADAPTER)
+    else:
+        context = model.disable_adapter() if lora else nullcontext()
     try:
-        with torch.no_grad(), model.disable_adapter() if lora else nullcontext():
+        with torch.no_grad(), context:
             yield
     finally:
         model.train(was_training)
+
+
+@contextmanager
+def adapter(model, name: str):
+    """`name` active, frozen; then the trained adapter active and trainable again, as peft's set_adapter leaves it."""
+    model.set_adapter(name, inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter("default")
 
 
 class PreferenceLoss:

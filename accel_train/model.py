@@ -112,13 +112,21 @@ def quantization(cfg: Config, device: torch.device | None) -> dict:
     return {"quantization_config": bnb, "device_map": {"": device.index or 0}}
 
 
+REFERENCE_ADAPTER = "reference"  # dpo with model.adapter_from: the adapter as training starts, frozen
+
+
 def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
     """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained): a fresh one, or
     the one model.adapter_from names, trained further."""
     if not cfg.lora.enabled:
         return model
     if cfg.model.adapter_from:
-        return peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
+        model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
+        if cfg.task == "dpo" and cfg.dpo.reference == "start":
+            # dpo's reference: the same adapter, frozen (adapter-sized: the base is shared); dpo.reference_mode
+            # switches to it (TRL's ref_adapter_name)
+            model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        return model
     targets = cfg.lora.target_modules
     lora = peft.LoraConfig(
         task_type=PEFT_TASK[cfg.task],

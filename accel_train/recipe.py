@@ -252,7 +252,9 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
             base = out / "base_model" if cfg.model.random_init else local if local.is_dir() else None
             if base is not None:
                 unwrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
-        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
+        # the trained adapter only (dpo may hold a frozen reference adapter beside it: model.REFERENCE_ADAPTER)
+        only_trained = {"selected_adapters": ["default"]} if cfg.lora.enabled else {}
+        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
         tokenizer.save_pretrained(target)
         if cfg.lora.enabled and cfg.task == "seq_cls":
             # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be

@@ -54,8 +54,10 @@ def sft(tmp_path_factory):
     return out
 
 
-def dpo_args(sft, out) -> list[str]:
-    return ["task=dpo", "data.path=builtin:reverse_pref", f"model.name_or_path={sft / 'base_model'}",
+def dpo_args(sft, out, reference: str = "base") -> list[str]:
+    """DPO continuing the SFT adapter; reference `base` (the adapter disabled: policy and reference differ at step 1,
+    which the formula test needs) or `start` (the SFT adapter, frozen: the recipe's)."""
+    return [f"dpo.reference={reference}", "task=dpo", "data.path=builtin:reverse_pref", f"model.name_or_path={sft / 'base_model'}",
             "model.random_init=false", f"model.adapter_from={sft / 'adapter'}", f"dpo.beta={BETA}",
             "train.mixed_precision=no", "train.log_every=1", "track.log_with=[]", "train.dist_timeout_s=120",
             f"output_dir={out}"]
@@ -142,16 +144,20 @@ def test_builtin_recipe_learns_the_preference(sft):
     """builtin:reverse_pref after the SFT run: rewards/accuracy climbs well above chance, and the policy's own
     log-probs (not relative to the reference) prefer the chosen form more than at the start."""
     out = sft.parent / "recipe"
-    proc = python_m(*dpo_args(sft, out), "data.builtin_size=1200", "train.max_steps=60",
-                    "train.per_device_batch_size=16", "train.lr=1e-3", "train.warmup_steps=5", "train.log_every=10")
+    proc = python_m(*dpo_args(sft, out, reference="start"), "data.builtin_size=2400", "train.max_steps=120",
+                    "train.per_device_batch_size=16", "train.lr=1e-3", "train.warmup_steps=5", "train.log_every=20")
     assert proc.returncode == 0, proc.stderr[-3000:]
     train, evals = read_metrics(out)
     accuracy = [r["rewards/accuracy"] for r in train]
-    print("rewards/accuracy every 10 steps:", accuracy, "eval:", evals[-1]["eval_rewards/accuracy"])
-    assert evals[-1]["eval_rewards/accuracy"] > 0.7 and max(accuracy[-3:]) > accuracy[0] + 0.1
+    print("rewards/accuracy every 20 steps:", accuracy, "eval:", evals[-1]["eval_rewards/accuracy"])
+    # the reference is the SFT model itself: rewards start at chance (against the disabled adapter they would start
+    # near 1, the SFT's own gain), then climb
+    # (after this 150-step SFT the climb is modest: from 0.54 to 0.66 on eval when measured; after the full default
+    # SFT the recipe's climbs from 0.52 to 0.9, README)
+    assert accuracy[0] < 0.6 and evals[-1]["eval_rewards/accuracy"] > 0.6 and max(accuracy[-3:]) > accuracy[0] + 0.1
     assert train[-1]["rewards/margin"] > train[0]["rewards/margin"]
     gap = [r["logps/chosen"] - r["logps/rejected"] for r in train]
-    print("policy log-prob gap chosen - rejected every 10 steps:", gap)
+    print("policy log-prob gap chosen - rejected every 20 steps:", gap)
     assert gap[-1] > gap[0]
 
 
