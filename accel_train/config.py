@@ -273,6 +273,9 @@ class DpoConfig:
     """The reference model. start: the policy as training starts (its initial weights; with model.adapter_from,
     that adapter, loaded a second time and frozen: the SFT model DPO usually starts from). base: the base model
     with the LoRA adapter disabled (the same as start for a fresh adapter)."""
+    rpo_alpha: float = 0.0
+    """Weight of the chosen answer's negative log-likelihood (per token) added to each pair's loss (RPO, Pang et al.
+    2024; TRL's rpo_alpha): keeps the chosen answers likely, which plain DPO lets fall. 0: plain DPO."""
     precompute_ref: bool = False
     """Compute the reference log-probs once before training (cached with the tokenized data) instead of in each
     step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA."""
@@ -366,6 +369,8 @@ class Config:
         if self.task == "dpo" and self.data.group_by_length:
             raise ConfigError("data.group_by_length is not supported with task dpo (pairs are padded in the order "
                               "they are read); set it to false")
+        if self.dpo.rpo_alpha < 0:
+            raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
         if not 0 <= self.data.eval_fraction < 1:

@@ -229,6 +229,9 @@ class PreferenceLoss:
         else:
             e = self.cfg.label_smoothing
             losses = -(1 - e) * F.logsigmoid(beta * margin) - e * F.logsigmoid(-beta * margin)
+        if self.cfg.rpo_alpha:  # the chosen answers' NLL per token (rows: chosen first)
+            n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)
+            losses = losses - self.cfg.rpo_alpha * (policy / n_tokens).chunk(2)[0]
         reward_chosen, reward_rejected = (beta * chosen).detach(), (beta * rejected).detach()
         logps_chosen, logps_rejected = policy.detach().chunk(2)
         return torch.stack([losses, reward_chosen, reward_rejected, reward_chosen - reward_rejected,

@@ -218,8 +218,9 @@ def test_bad_pairs_one_line_exit_2(tmp_path, case):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("overrides", [["dpo.loss_type=ipo"], ["dpo.label_smoothing=0.2"]], ids=["ipo", "smoothing"])
-def test_ipo_and_label_smoothing_follow_their_formulas(overrides):
+@pytest.mark.parametrize("overrides", [["dpo.loss_type=ipo"], ["dpo.label_smoothing=0.2"], ["dpo.rpo_alpha=0.5"]],
+                         ids=["ipo", "smoothing", "rpo"])
+def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
     """In process, on the tiny model: a frozen copy as reference, the policy's weights then moved; the losses
     written out here from per-token log-probs."""
     from contextlib import nullcontext
@@ -251,5 +252,7 @@ def test_ipo_and_label_smoothing_follow_their_formulas(overrides):
             want.append(float((margin - 1 / (2 * BETA)) ** 2))
         else:
             e, z = cfg.dpo.label_smoothing, float(BETA * ((pc - rc) - (pr - rr)))
-            want.append((1 - e) * math.log1p(math.exp(-z)) + e * math.log1p(math.exp(z)))
+            # RPO: plus alpha x the chosen answer's negative log-likelihood per token
+            want.append((1 - e) * math.log1p(math.exp(-z)) + e * math.log1p(math.exp(z))
+                        - cfg.dpo.rpo_alpha * float(pc) / nc)
     assert got.tolist() == pytest.approx(want, rel=1e-5)

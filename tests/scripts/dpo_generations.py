@@ -1,6 +1,7 @@
 # Used for the README table (Preference tuning): python tests/scripts/dpo_generations.py RUN_DIR [RUN_DIR ...]
 """Greedy generations of an SFT run and of the DPO run after it, on 300 fresh words: how many give the chosen form
-(the reversal) and how many the rejected one (the word left as it is)."""
+(the exact reversal) and how many a near miss (the reversal with one letter wrong: builtin:reverse_pref's rejected
+form)."""
 import random, sys
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,4 +20,5 @@ for path in sys.argv[1:]:
     gens = [g.strip() for g in tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
     chosen = sum(g == w[::-1] for g, w in zip(gens, words)); rejected = sum(g == w for g, w in zip(gens, words))
     first = sum(g[:1] == w[-1] for g, w in zip(gens, words))
-    print(f"{path}: {len(words)} words, exact reversal (chosen) {chosen}, word unchanged (rejected) {rejected}, first letter right {first}; e.g. {list(zip(words[:4], gens[:4]))}")
+    near = sum(len(g) == len(w) and sum(a != b for a, b in zip(g, w[::-1])) == 1 for g, w in zip(gens, words))
+    print(f"{path}: {len(words)} words, exact reversal (chosen) {chosen}, word unchanged {rejected}, near miss (one letter off, the rejected form) {near}, first letter right {first}; e.g. {list(zip(words[:4], gens[:4]))}")
