@@ -217,8 +217,8 @@ class PreferenceLoss:
         """(B, 1 + len(METRICS)): each pair's loss, then its METRICS."""
         reference = self.reference_logps(batch)
         policy = sequence_logps(model, batch)
+        n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)  # each answer's, for per-token means
         if self.cfg.loss_type == "ipo":  # per-token means
-            n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)
             policy_used, reference = policy / n_tokens, reference / n_tokens
         else:
             policy_used = policy
@@ -230,7 +230,6 @@ class PreferenceLoss:
             e = self.cfg.label_smoothing
             losses = -(1 - e) * F.logsigmoid(beta * margin) - e * F.logsigmoid(-beta * margin)
         if self.cfg.rpo_alpha:  # the chosen answers' NLL per token (rows: chosen first)
-            n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)
             losses = losses - self.cfg.rpo_alpha * (policy / n_tokens).chunk(2)[0]
         reward_chosen, reward_rejected = (beta * chosen).detach(), (beta * rejected).detach()
         logps_chosen, logps_rejected = policy.detach().chunk(2)

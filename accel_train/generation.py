@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from accel_train.config import Config, ConfigError
 from accel_train.formats import IGNORE_INDEX
-from accel_train.metrics import load_metric, scores
+from accel_train.metrics import compute_metrics, load_metric
 
 PREDICTIONS_FILE = "eval_predictions.jsonl"  # one row per eval sample and evaluation, with its step
 
@@ -84,15 +84,6 @@ def generation_kwargs(cfg: Config, tokenizer) -> dict:
             "pad_token_id": tokenizer.pad_token_id, "use_cache": True}
 
 
-def score(gen: GenerationEval, cfg: Config, predictions: list[str], references: list[str]) -> dict:
-    """`eval_NAME` numbers of every generation metric on these texts (metrics.scores names them)."""
-    results = {}
-    for name, metric in gen.metrics.items():
-        result = metric.compute(predictions=predictions, references=references, **cfg.eval.metric_kwargs.get(name, {}))
-        results.update(scores(name, result))
-    return results
-
-
 @torch.no_grad()
 def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, step: int) -> dict:
     """Generate an answer to every eval prompt and score them: the same numbers on every rank."""
@@ -117,11 +108,12 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
     indices, tokens = zip(*sorted(zip(indices, tokens))) if indices else ((), ())
     predictions = [t.strip() for t in gen.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
     references = [gen.references[i] for i in indices]
-    results = score(gen, cfg, predictions, references)
+    results = compute_metrics(gen.metrics, cfg.eval.metric_kwargs, predictions=predictions, references=references)
     if accelerator.is_main_process:
         with open(Path(cfg.output_dir) / PREDICTIONS_FILE, "a") as f:
             for i, prediction, reference in zip(indices, predictions, references):
-                own = {k.removeprefix("eval_"): v for k, v in score(gen, cfg, [prediction], [reference]).items()}
+                own = {k.removeprefix("eval_"): v for k, v in compute_metrics(
+                    gen.metrics, cfg.eval.metric_kwargs, predictions=[prediction], references=[reference]).items()}
                 f.write(json.dumps({"step": step, "index": i, "prompt": gen.prompts[i], "reference": reference,
                                     "generation": prediction, "scores": own}) + "\n")
     return results

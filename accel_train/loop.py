@@ -23,7 +23,7 @@ from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
 from accel_train.generation import GenerationEval, evaluate_generations
 from accel_train.loss import LossHead
-from accel_train.metrics import greater_is_better, result_name, scores
+from accel_train.metrics import compute_metrics, greater_is_better, result_name
 from accel_train.tracking import RunLog, current_memory_mb, main_logger
 
 IGNORE = data_lib.IGNORE_INDEX
@@ -294,8 +294,7 @@ def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
     results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": samples}
     if cfg.task == "causal_lm":
         results["eval_perplexity"] = math.exp(min(results["eval_loss"], 50.0))
-    for name, metric in job.metrics.items():
-        results.update(scores(name, metric.compute(**cfg.eval.metric_kwargs.get(name, {}))))
+    results.update(compute_metrics(job.metrics, cfg.eval.metric_kwargs))
     if job.generation is not None:
         results.update(evaluate_generations(cfg, accelerator, model, job.generation, job.state.step))
     model.train()

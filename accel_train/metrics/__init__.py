@@ -38,6 +38,15 @@ def scores(name: str, result: dict) -> dict:
     return {f"eval_{k}": float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def compute_metrics(metrics: dict, kwargs: dict, **inputs) -> dict:
+    """`eval_NAME` numbers of every metric (`evaluate` modules by name), each with its compute arguments from
+    `kwargs` (eval.metric_kwargs); `inputs`: predictions and references, or none after add_batch."""
+    results = {}
+    for name, metric in metrics.items():
+        results.update(scores(name, metric.compute(**inputs, **kwargs.get(name, {}))))
+    return results
+
+
 # Result names (eval_ omitted) whose larger values are better, and those whose smaller values are: what
 # eval.greater_is_better is inferred from for eval.metric_for_best.
 GREATER_IS_BETTER = ("accuracy", "exact_match", "f1", "precision", "recall", "matthews_correlation", "rouge1",
