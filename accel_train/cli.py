@@ -57,11 +57,18 @@ def main(argv: list[str] | None = None) -> dict:
 
         return run(cfg, resume)
     except ConfigError as e:  # LaunchError is one too
-        print(f"accel_train: error: {e}", file=sys.stderr)
+        say(f"accel_train: error: {e}")
         raise SystemExit(2) from None
     except StoppedWithCheckpoint as e:
-        print(f"accel_train: {e}", file=sys.stderr)
+        say(f"accel_train: {e}")
         raise SystemExit(e.exit_status) from None
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: under a launcher's unbuffered stderr, print's two writes (text, then
+    newline) from two ranks interleave into one garbled line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def cli(argv: list[str] | None = None) -> None:

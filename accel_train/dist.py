@@ -320,23 +320,30 @@ class Preempted(StoppedWithCheckpoint):
         self.signum, self.exit_status = signum, 128 + signum
 
 
-# The accelerators of multi-process runs, kept until the process exits (see `teardown`).
+# What holds a multi-process run's gloo process group (the accelerator, the DDP-wrapped model), kept until the process
+# exits (see `keep_until_exit`).
 _KEPT_UNTIL_EXIT: list = []
 
 
-def teardown(accelerator: Accelerator | None) -> None:
-    """End trackers and destroy the process group; safe to call in `finally` whatever happened.
+def keep_until_exit(accelerator: Accelerator, *wrapped) -> None:
+    """Keep what holds the process group of a multi-process run alive until the process exits, which both entries
+    do without finalization (cli.exit_process, and multiprocessing's children under notebook_launcher).
 
-    After a multi-process run the accelerator (hence the DDP model, whose reducer holds the gloo process group) is
-    kept alive until the process exits, which both entries do without finalization (cli.exit_process, and
-    multiprocessing's children under notebook_launcher). Freeing it earlier runs the group's destructor, which joins
-    gloo's worker threads while holding the GIL; a worker still releasing the last collective's Python tensors needs
-    the GIL: both ranks then hang for ever. Seen under load after a ConfigError raised right after an all-gather
-    (the traceback's frames were the last holders of the model); see pytorch/pytorch#179291.
+    Freeing the last holder runs the group's destructor, which joins gloo's worker threads while holding the GIL;
+    a worker still releasing the last collective's Python tensors needs the GIL: both ranks then hang for ever.
+    The DDP wrapper's reducer is such a holder, and accelerate keeps only the unwrapped model (accelerator._models):
+    after an error the traceback's frames were the wrapper's last holders. Seen under load after a ConfigError
+    raised right after an all-gather; see pytorch/pytorch#179291.
     """
+    if accelerator.num_processes > 1:
+        _KEPT_UNTIL_EXIT.extend([accelerator, *wrapped])
+
+
+def teardown(accelerator: Accelerator | None) -> None:
+    """End trackers and destroy the process group; safe to call in `finally` whatever happened. The accelerator of
+    a multi-process run stays alive until the process exits (`keep_until_exit`)."""
     if accelerator is not None:
         accelerator.end_training()
-        if accelerator.num_processes > 1:
-            _KEPT_UNTIL_EXIT.append(accelerator)
+        keep_until_exit(accelerator)
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -28,7 +28,8 @@ from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.dist import Preemption, hardware, make_accelerator, prepare_dataloaders, shard_stream, teardown
+from accel_train.dist import (Preemption, hardware, keep_until_exit, make_accelerator, prepare_dataloaders,
+                              shard_stream, teardown)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, setup_generation
 from accel_train.loop import TrainingJob, fit
@@ -195,6 +196,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     # dpo: the reference is this model (its adapter disabled) or a frozen copy of its initial weights
     preference = dpo.PreferenceLoss(cfg, model, accelerator) if cfg.task == "dpo" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
     metrics = {name: load_metric(name) for name in cfg.eval.metrics}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
     state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)

@@ -24,6 +24,20 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def threads_per_worker() -> int | None:
+    """Under pytest-xdist, each worker's training processes get an equal share of the cores. torch's OpenMP threads
+    busy-wait: two 1-process runs of 2 threads each on 2 cores took 44 s each where one alone took 13 s (and two
+    of 1 thread, 14 s each). 2-process launches take 1 thread per rank from this (accelerate launch and torchrun
+    pass OMP_NUM_THREADS on). None: one worker, torch's own default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+
+
+if threads_per_worker() and "OMP_NUM_THREADS" not in os.environ:
+    # before torch is imported here or in the fork server (OpenMP reads it when it loads)
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
