@@ -57,7 +57,8 @@ WORKLOADS = ("skewed", "fixed", "cls")
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
 TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
-           "ours_vs_bare_fixed": 0.97, "padding_efficiency_skewed": 0.95, "mfu_of_peak": 0.5, "scaling_efficiency": 0.9}
+           "ours_vs_bare_fixed": 0.97, "padding_efficiency_skewed": 0.95, "padding_efficiency_cls": 0.9, "mfu_of_peak": 0.5,
+           "scaling_efficiency": 0.9}
 """Ratios that should be at least this."""
 TARGETS_AT_MOST = {"memory_ours_vs_trainer_skewed": 0.5, "memory_ours_vs_trainer_fixed": 0.5}
 """Ratios that should be at most this: ours' peak memory against Trainer's at equal batch, on --size large-vocab
@@ -280,7 +281,7 @@ def child_bare(spec: dict) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()
     collate = data_lib.make_collator(tokenizer, cfg, cfg.data.packing, attention_cost(model),
-                                     data_lib.width_multiple(cfg, t.mixed_precision))
+                                     data_lib.width_multiple(cfg, t.mixed_precision, cfg.data.packing))
     dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")

@@ -146,7 +146,8 @@ class DataConfig:
     accumulation. None: true for seq_cls, whose batches are padded (causal_lm batches are packed)."""
     pad_to_multiple_of: Optional[int] = None
     """Round each training batch's width up to a multiple of this, so that kernels meet fewer distinct shapes;
-    None: 32 under bf16/fp16 (oneDNN on CPUs and tensor cores on GPUs reuse their kernels), 1 in fp32."""
+    None: under bf16/fp16 32 for packed rows and 8 for padded batches (oneDNN on CPUs and tensor cores on GPUs
+    reuse their kernels; data.width_multiple has the measurements), 1 in fp32."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
     streaming: bool = False
