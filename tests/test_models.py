@@ -147,8 +147,8 @@ def bbc(tmp_path_factory):
 def train_bbc(bbc, out, *extra):
     return accelerate_launch(
         "cpu_2proc.yaml", "task=seq_cls", f"model.name_or_path={minilm_folder()}", f"data.path={bbc}",
-        "data.eval_split=test", "data.max_length=64", "lora.target_modules=[query,value]", "train.epochs=2",
-        "train.lr=2e-3", "train.warmup_steps=5", "train.per_device_batch_size=16", "track.log_with=[]",
+        "data.eval_split=test", "data.max_length=64", "lora.target_modules=[query,value]", "train.epochs=1",
+        "train.lr=6e-3", "train.warmup_steps=5", "train.per_device_batch_size=16", "track.log_with=[]",
         "train.dist_timeout_s=120", f"output_dir={out}", *extra, timeout=600)
 
 
