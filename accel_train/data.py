@@ -258,17 +258,12 @@ def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: fl
     return DataCollatorWithPadding(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
 
 
-class LengthGroupedSampler(torch.utils.data.Sampler):
-    """Training order for padded batches with little padding (transformers' LengthGroupedSampler, made
-    independent of the process count): each epoch, a shuffle seeded with seed + epoch (as accelerate's seedable
-    sampler) is cut into groups of `group_steps` optimizer steps of `step_samples` samples (the effective batch);
-    each group is sorted by length, longest first, cut into steps, and its full steps are put in a random order
-    (so that training does not sweep from long to short). A step, and so each of its micro-batches, then holds
-    samples of similar lengths. The order is one list for all ranks, which accelerate deals out in batches: the
-    same steps whatever the split of the effective batch over processes and accumulation."""
+class EpochShuffle(torch.utils.data.Sampler):
+    """The base of the training orders below: per epoch, the shuffle of accelerate's seedable sampler (randperm
+    seeded with seed + epoch), which `order` rearranges from the samples' `lengths`."""
 
-    def __init__(self, lengths: list[int], step_samples: int, seed: int, group_steps: int = 50):
-        self.lengths, self.step, self.seed, self.group_steps, self.epoch = lengths, step_samples, seed, group_steps, 0
+    def __init__(self, lengths: list[int], seed: int):
+        self.lengths, self.seed, self.epoch = lengths, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -278,14 +273,62 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order, size, out = torch.randperm(len(self.lengths), generator=g).tolist(), self.step * self.group_steps, []
-        for start in range(0, len(order), size):
-            group = sorted(order[start:start + size], key=lambda i: -self.lengths[i])  # stable: ties stay shuffled
+        return iter(self.order(torch.randperm(len(self.lengths), generator=g).tolist(), g))
+
+    def order(self, shuffled: list[int], g: torch.Generator) -> list[int]:
+        raise NotImplementedError
+
+
+class LengthGroupedSampler(EpochShuffle):
+    """Training order for padded batches with little padding (transformers' LengthGroupedSampler, made
+    independent of the process count): each epoch's shuffle is cut into groups of `group_steps` optimizer steps
+    of `step_samples` samples (the effective batch); each group is sorted by length, longest first, cut into
+    steps, and its full steps are put in a random order (so that training does not sweep from long to short). A
+    step, and so each of its micro-batches, then holds samples of similar lengths. The order is one list for all
+    ranks, which accelerate deals out in batches: the same steps whatever the split of the effective batch over
+    processes and accumulation."""
+
+    def __init__(self, lengths: list[int], step_samples: int, seed: int, group_steps: int = 50):
+        super().__init__(lengths, seed)
+        self.step, self.group_steps = step_samples, group_steps
+
+    def order(self, shuffled: list[int], g: torch.Generator) -> list[int]:
+        size, out = self.step * self.group_steps, []
+        for start in range(0, len(shuffled), size):
+            group = sorted(shuffled[start:start + size], key=lambda i: -self.lengths[i])  # stable: ties stay shuffled
             steps = [group[i:i + self.step] for i in range(0, len(group), self.step)]
             full = [s for s in steps if len(s) == self.step]  # a short step (the epoch's last) stays last
             out += [i for k in torch.randperm(len(full), generator=g).tolist() for i in full[k]]
             out += [i for s in steps[len(full):] for i in s]
-        return iter(out)
+        return out
+
+
+class RankBalancedSampler(EpochShuffle):
+    """Training order for causal LM on several processes: each epoch's shuffle, in which every window of
+    `processes` consecutive batches (one micro-step: accelerate deals them out one per rank) is dealt again so that
+    the ranks get about the same number of tokens: longest first, each to the batch with the fewest tokens that has
+    room, kept only where that lowers the largest rank's tokens. Every step trains on the samples the shuffle gives
+    it (the loss is normalised over the whole step), as on one process; only their split over the ranks changes,
+    so that no rank waits in the gradient all-reduce for one with more tokens. The epoch's last, partial window
+    stays as shuffled."""
+
+    def __init__(self, lengths: list[int], batch: int, processes: int, seed: int):
+        super().__init__(lengths, seed)
+        self.batch, self.processes = batch, processes
+
+    def order(self, shuffled: list[int], g: torch.Generator) -> list[int]:
+        size, out = self.batch * self.processes, []
+        for start in range(0, len(shuffled) - size + 1, size):
+            window = shuffled[start:start + size]
+            bins, load = [[] for _ in range(self.processes)], [0] * self.processes
+            for i in sorted(window, key=lambda i: -self.lengths[i]):
+                b = min((b for b in range(self.processes) if len(bins[b]) < self.batch), key=load.__getitem__)
+                bins[b].append(i)
+                load[b] += self.lengths[i]
+            as_shuffled = max(sum(self.lengths[i] for i in window[b * self.batch:(b + 1) * self.batch])
+                              for b in range(self.processes))
+            out += [i for b in bins for i in b] if max(load) < as_shuffled else window
+        return out + shuffled[len(out):]
 
 
 def sample_lengths(ds: Dataset) -> list[int]:
@@ -294,9 +337,11 @@ def sample_lengths(ds: Dataset) -> list[int]:
 
 
 def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffle: bool, pack: bool = False,
-                    attention_cost: float = 0.0, multiple: int = 1, step_samples: int | None = None) -> DataLoader:
+                    attention_cost: float = 0.0, multiple: int = 1, step_samples: int | None = None,
+                    processes: int = 1) -> DataLoader:
     """With data.group_by_length (an in-memory dataset): training batches from a LengthGroupedSampler over
-    steps of `step_samples` samples (the effective batch), evaluation batches (shuffle=False) longest first."""
+    steps of `step_samples` samples (the effective batch), evaluation batches (shuffle=False) longest first.
+    Causal LM training on several `processes`: the ranks' batches balanced in tokens (RankBalancedSampler)."""
     collate = make_collator(tokenizer, cfg, pack, attention_cost, multiple)
     in_memory = not isinstance(ds, IterableDataset)  # a stream shuffles itself (dist.shard_stream)
     sampler = None
@@ -304,6 +349,8 @@ def make_dataloader(ds: Dataset, tokenizer, cfg: Config, batch_size: int, shuffl
         lengths = sample_lengths(ds)
         sampler = (LengthGroupedSampler(lengths, step_samples or batch_size, cfg.seed) if shuffle
                    else sorted(range(len(lengths)), key=lambda i: -lengths[i]))
+    elif shuffle and in_memory and processes > 1 and cfg.task == "causal_lm":
+        sampler = RankBalancedSampler(sample_lengths(ds), batch_size, processes, cfg.seed)
     # Own generator: iterating must not draw from the global RNG, or a resumed run's dropout would shift.
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle and in_memory and sampler is None, sampler=sampler,
                       collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed),

@@ -160,7 +160,8 @@ def setup_loaders(cfg: Config, accelerator, tokenizer, model, train_ds, eval_ds)
     train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True,
                                         pack=pack, attention_cost=attention_cost(model),
                                         multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision, pack),
-                                        step_samples=batch * cfg.train.grad_accum_steps * accelerator.num_processes)
+                                        step_samples=batch * cfg.train.grad_accum_steps * accelerator.num_processes,
+                                        processes=accelerator.num_processes)
     eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
                if eval_ds is not None and len(eval_ds) else None)
     return train_dl, eval_dl

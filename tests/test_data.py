@@ -370,6 +370,37 @@ def test_grouped_evaluation_batches_are_longest_first_and_complete(tok):
     assert sorted(real) == sorted(len(x) for x in ds["input_ids"])
 
 
+def test_rank_balanced_order_keeps_each_micro_step_and_evens_the_ranks_tokens():
+    """2 processes x batch 8 on the bench's skewed lengths: each window of 2 batches (one micro-step, a batch per
+    rank) holds the seeded shuffle's samples, split so that the ranks' tokens are about even."""
+    from accel_train.bench import sample_lengths
+
+    lengths, batch, procs = sample_lengths("skewed", 1003, 1024, random.Random(0)), 8, 2
+    sampler = data_lib.RankBalancedSampler(lengths, batch, procs, seed=5)
+    window = batch * procs
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        shuffled = torch.randperm(1003, generator=torch.Generator().manual_seed(5 + epoch)).tolist()  # accelerate's
+        assert sorted(order) == list(range(1003)) and list(sampler) == order
+        for w in range(0, 1003, window):
+            assert sorted(order[w:w + window]) == sorted(shuffled[w:w + window]), "a sample left its micro-step"
+        tail = 1003 // window * window
+        assert order[tail:] == shuffled[tail:]  # the last, partial window: as shuffled, as accelerate deals it
+
+        def slowest(o):  # the rank with the most tokens, per micro-step, over the mean
+            loads = [[sum(lengths[i] for i in o[w + r * batch:w + (r + 1) * batch]) for r in range(procs)]
+                     for w in range(0, tail, window)]
+            return sum(max(x) / (sum(x) / procs) for x in loads) / len(loads)
+
+        print(f"epoch {epoch}: slowest rank's tokens over the mean: shuffled {slowest(shuffled):.3f}, "
+              f"balanced {slowest(order):.3f}")
+        assert slowest(shuffled) > 1.1 and slowest(order) < 1.03
+    # equal lengths: nothing to even out, the shuffle's split is kept
+    same = data_lib.RankBalancedSampler([5] * 40, 4, 2, seed=5)
+    assert list(same) == torch.randperm(40, generator=torch.Generator().manual_seed(5)).tolist()
+
+
 def test_width_rounding_under_bf16_is_32_for_packed_rows_8_for_padded_batches():
     cfg = make_cfg()
     assert [data_lib.width_multiple(cfg, precision, pack) for precision, pack in (

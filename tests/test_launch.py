@@ -107,7 +107,7 @@ def test_default_two_processes_accelerate_launch_then_the_dpo_recipe(tmp_out):
     assert train[0]["rewards/accuracy"] < 0.7 and evals[-1]["eval_rewards/accuracy"] > 0.85
     words = fresh_words()
     before, after = count_answers(tmp_out, words), count_answers(dpo, words)
-    print("greedy answers to", len(words), "fresh words, SFT then DPO:", before, after)  # measured: 195/58, 210/52
+    print("greedy answers to", len(words), "fresh words, SFT then DPO:", before, after)  # measured: 198/55, 214/49
     assert after["exact"] > before["exact"] and after["near_miss"] < before["near_miss"]
 
 

@@ -37,7 +37,8 @@ try:
     if cfg.data.streaming:  # as train.run does with a stream
         train = shard_stream(accelerator, train.to_iterable_dataset(int(os.environ.get("PROBE_SHARDS", 4))), cfg)
     step = batch * cfg.train.grad_accum_steps * accelerator.num_processes  # the effective batch
-    train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step)
+    train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step,
+                                        processes=accelerator.num_processes)
     eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), tokenizer, cfg, batch, shuffle=False)
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     epochs = []
