@@ -85,7 +85,9 @@ def _forkserver():
     """multiprocessing's fork server, started once per test session with the training code imported."""
     if not _SERVER:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe"])
+        # and what a run imports later: metrics (evaluate), the tensorboard tracker, the loss plot (matplotlib)
+        ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe", "evaluate", "torch.utils.tensorboard",
+                                    "accel_train.plot"])
         _SERVER.append(ctx)
     return _SERVER[0]
 
@@ -104,6 +106,22 @@ def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
 def pytest_xdist_auto_num_workers(config) -> int:
     """-n auto: a worker per core, at most 4 (many tests start 2 training processes: more workers only contend)."""
     return max(1, min(os.cpu_count() or 1, 4))
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `long` first. --dist loadgroup hands out the groups, then the other tests in this order as the
+    workers free up: a long launch started last would keep one worker busy while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Under --dist loadgroup, pytest-xdist marks each grouped test's id with its group; where it cannot
+    (pytest-dev/pytest-xdist#1386), every worker would silently run the group's shared training fixtures again: each
+    grouped test errors instead, before its fixtures run."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+        pytest.fail("--dist loadgroup is not grouping tests (pytest-dev/pytest-xdist#1386): install the pytest and "
+                    "pytest-xdist versions pyproject.toml names", pytrace=False)
 
 
 @pytest.fixture

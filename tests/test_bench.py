@@ -15,6 +15,7 @@ from conftest import run
 from accel_train import dist
 
 
+@pytest.mark.long
 def test_bench_quick_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     # --quick, with the fewest steps that give a median: this checks the figures are there, not their values.
@@ -57,6 +58,7 @@ def test_bench_quick_writes_every_figure(tmp_path):
     assert "| cls | trainer +group_by_length | 1 x" in table and "| memory_ours_vs_trainer_skewed |" in table
 
 
+@pytest.mark.long
 def test_bench_repeat_reports_medians(tmp_path):
     out = tmp_path / "bench.json"
     proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--steps", "3", "--warmup", "1", "--repeat", "2",

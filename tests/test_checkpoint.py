@@ -64,7 +64,8 @@ def uninterrupted_two(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("procs, topo, resume_arg", [(1, ONE, "path"), (2, TWO, "latest")], ids=["1proc", "2proc"])
+@pytest.mark.parametrize("procs, topo, resume_arg", [pytest.param(1, ONE, "path", id="1proc"),
+                                                     pytest.param(2, TWO, "latest", id="2proc", marks=pytest.mark.long)])
 def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, request, procs, topo, resume_arg):
     reference = request.getfixturevalue("uninterrupted" if procs == 1 else "uninterrupted_two")
     out = tmp_path / "B"
@@ -117,6 +118,7 @@ def test_resume_refuses_another_effective_batch(tmp_path):
     assert "trained with effective batch 8" in proc.stderr and "this run has 4" in proc.stderr
 
 
+@pytest.mark.long
 def test_signal_to_one_rank_stops_all_with_a_checkpoint(tmp_path, uninterrupted):
     out = tmp_path / "run"
     t0 = time.monotonic()
@@ -238,6 +240,7 @@ print(json.dumps(gen([{"role": "user", "content": "reverse abc"}], max_new_token
 """
 
 
+@pytest.mark.long
 def test_merged_export_loads_without_peft_and_matches_adapter(tmp_path):
     out = tmp_path / "run"
     assert launch(1, f"output_dir={out}", "train.max_steps=40", "merge=true").returncode == 0

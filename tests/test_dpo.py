@@ -18,6 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from accel_train import data as data_lib
 from accel_train.config import load_config
 
+# The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("dpo")
+
 BETA = 0.2
 # 100 pairs -> 90 train: 11 steps of 8 per epoch and a short 12th; 14 steps cross the epoch boundary.
 TOPOLOGY = ["data.builtin_size=100", "train.max_steps=14", "train.lr=1e-3", "train.warmup_steps=2"]

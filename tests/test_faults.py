@@ -119,6 +119,7 @@ def test_launcher_gone_without_a_parent_death_signal(tmp_path):
             psutil.Process(orphan).kill()
 
 
+@pytest.mark.long
 def test_one_rank_killed_mid_step(tmp_path):
     out = tmp_path / "run"
     proc, seconds = timed(accelerate_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
@@ -131,6 +132,7 @@ def test_one_rank_killed_mid_step(tmp_path):
     assert read_metrics(out)[0][-1]["step"] == 12
 
 
+@pytest.mark.long
 def test_checkpoint_write_failure_keeps_the_previous_one(tmp_path):
     out = tmp_path / "run"
     proc, seconds = timed(accelerate_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",

@@ -18,6 +18,9 @@ import yaml
 from conftest import accelerate_launch, python_m, read_metrics
 from safetensors.torch import load_file
 
+# The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("generation")
+
 N_EVAL = 61  # ceil(0.0203 x 3000 samples of builtin:reverse)
 # one thread per process: the 2 processes share 2 cores, and tiny generate() steps crawl when threads outnumber cores
 ENV = {"OMP_NUM_THREADS": "1"}

@@ -85,6 +85,7 @@ def test_default_one_process(tmp_out):
     check_default_run(proc, tmp_out, processes=1, min_accuracy=0.4)
 
 
+@pytest.mark.long
 def test_default_two_processes_accelerate_launch_then_the_dpo_recipe(tmp_out):
     proc = accelerate_launch("cpu_2proc.yaml", f"output_dir={tmp_out}")
     train, _ = check_default_run(proc, tmp_out, processes=2)
@@ -111,6 +112,7 @@ def test_default_two_processes_accelerate_launch_then_the_dpo_recipe(tmp_out):
     assert after["exact"] > before["exact"] and after["near_miss"] < before["near_miss"]
 
 
+@pytest.mark.long
 def test_torchrun(tmp_out):
     proc = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "accel_train/train.py",
                 f"output_dir={tmp_out}", "train.epochs=2"])

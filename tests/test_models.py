@@ -152,6 +152,7 @@ def train_bbc(bbc, out, *extra):
         "train.dist_timeout_s=120", f"output_dir={out}", *extra, timeout=600)
 
 
+@pytest.mark.long
 def test_real_pretrained_model_learns_real_text_and_random_weights_do_not(bbc, tmp_path):
     """The proof that the weights are loaded: the same short LoRA run, pretrained vs random weights."""
     pretrained = train_bbc(bbc, tmp_path / "pretrained")

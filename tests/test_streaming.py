@@ -43,6 +43,7 @@ STREAM = ["data.streaming=true", "data.shuffle_buffer=50", "train.per_device_bat
           "train.dist_timeout_s=60"]
 
 
+@pytest.mark.long
 def test_streamed_run_resumes_exactly(tmp_path):
     """2 processes stream 60 samples (7.5 steps an epoch: the ranks' streams end unevenly); a crash in step 11
     resumed from the step-9 checkpoint reproduces the uninterrupted run's losses."""

@@ -1,6 +1,6 @@
 """`python -m accel_train ARGS` without paying its imports in every test: conftest.python_m forks each run from a
 server process that has imported the training code once (multiprocessing's forkserver, preloading
-accel_train.recipe). The child is a fresh process as far as the run can tell: its own pid, environment, working
+accel_train.recipe and what a run imports later). The child is a fresh process as far as the run can tell: its own pid, environment, working
 directory, stdout and stderr, exit status and signals; it then runs the same entry as `python -m accel_train`
 (`accel_train.cli.cli`). What only a real interpreter start can show (the import graph, sys.path, launchers) is
 tested with real launches in test_entry.py.
