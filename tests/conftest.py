@@ -53,15 +53,17 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     return proc
 
 
-def python_m(*args, timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`python -m accel_train ARGS` as a fresh process forked from one that has imported the training code
-    (tests/scripts/forked_cli.py): the same entry, exit status, output and signals, without ~5 s of imports each.
-    Settings read at import (HF_DATASETS_CACHE, HF_HOME, CUDA_VISIBLE_DEVICES) need a fresh interpreter: `run`."""
-    cmd = [sys.executable, "-m", "accel_train", *map(str, args)]
+def python_m(*args, timeout: float = 300, env: dict | None = None, cwd: Path = REPO,
+             module: str = "accel_train") -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (accel_train, or a tool: accel_train.inspect, .export, .predict, ...) as a fresh
+    process forked from one that has imported the training code (tests/scripts/forked_cli.py): the same entry, exit
+    status, output and signals, without ~5 s of imports each. Settings read at import (HF_DATASETS_CACHE, HF_HOME,
+    CUDA_VISIBLE_DEVICES) and what the interpreter imports (test_entry.py) need a fresh interpreter: `run`."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = _forkserver().Process(target=forked_cli.cli_child, args=(
-            cmd[3:], {**os.environ, **(env or {})}, str(cwd), str(out), str(err)))
+        child = _forkserver().Process(target=forked_cli.module_child, args=(
+            module, cmd[3:], {**os.environ, **(env or {})}, str(cwd), str(out), str(err)))
         child.start()
         child.join(timeout)
         timed_out = child.is_alive()

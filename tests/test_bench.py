@@ -1,4 +1,5 @@
-"""The throughput benchmark runs end to end (`--quick`, and repeated runs), and the automatic precision choice.
+"""The throughput benchmark runs end to end (`--quick`), repeats runs and takes their medians, and the automatic
+precision choice.
 
 No test here asserts a speed: speeds are what the benchmark measures and reports.
 """
@@ -12,7 +13,7 @@ import sys
 import pytest
 from conftest import run
 
-from accel_train import dist
+from accel_train import bench, dist
 
 
 @pytest.mark.long
@@ -58,27 +59,40 @@ def test_bench_quick_writes_every_figure(tmp_path):
     assert "| cls | trainer +group_by_length | 1 x" in table and "| memory_ours_vs_trainer_skewed |" in table
 
 
-@pytest.mark.long
-def test_bench_repeat_reports_medians(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--steps", "3", "--warmup", "1", "--repeat", "2",
-                "--workloads", "fixed", "--contenders", "ours,bare", "--no-scaling", "--out", out], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # Interleaved: ours, bare, ours, bare.
-    assert [line.split(":")[0].strip() for line in proc.stdout.splitlines() if line.startswith("  ")] == [
-        "ours-fixed-1p", "bare-fixed", "ours-fixed-1p", "bare-fixed"]
-    report = json.loads(out.read_text())
+def test_bench_repeat_interleaves_the_runs_and_reports_medians(tmp_path, monkeypatch, capsys):
+    """--repeat's bookkeeping, with each contender's process replaced by a record whose speed changes from run to
+    run (test_bench_quick_writes_every_figure runs the real processes): the runs alternate between contenders, each
+    figure is the median of the runs, and the ratios are those of the medians."""
+    calls = []
+
+    def record(contender, workload, processes=1, options=()):
+        calls.append(f"{contender}-{workload}")
+        n = len(calls)  # ours 1, 3, 5; bare 2, 4, 6: tokens per second 100 x n
+        return {"contender": contender, "workload": workload, "processes": processes, "options": list(options),
+                "threads_per_process": 1, "seconds": [0.5, 0.01, 0.01], "real_tokens": [7, n, n],
+                "computed_tokens": [8, n + 1, n + 1], "rows": [1, 1, 1], "peak_memory_mb": 500.0 + n,
+                "mean_loss": 2.0}
+
+    monkeypatch.setattr(bench, "run_ours", lambda args, wd, workload, precision, procs, extra=(): record(
+        "ours", workload, procs, extra))
+    monkeypatch.setattr(bench, "run_child", lambda kind, args, wd, workload, precision, options=(): record(
+        kind, workload, 1, options))
+    report = bench.main(["--quick", "--steps", "2", "--warmup", "1", "--repeat", "3", "--workloads", "fixed",
+                         "--contenders", "ours,bare", "--no-scaling", "--out", str(tmp_path / "bench.json"),
+                         "--workdir", str(tmp_path / "work")])
+    assert calls == ["ours-fixed", "bare-fixed"] * 3
     by = {r["contender"]: r for r in report["results"]}
     assert set(by) == {"ours", "bare"}
-    for r in by.values():
-        assert len(r["runs"]) == 2 and all(run["tokens_per_sec"] > 0 for run in r["runs"])
+    for name, runs in (("ours", (1, 3, 5)), ("bare", (2, 4, 6))):
+        r = by[name]
+        assert [run["tokens_per_sec"] for run in r["runs"]] == [100.0 * n for n in runs]
         for key in ("tokens_per_sec", "step_time_median_s", "mfu", "peak_memory_mb"):
             assert r[key] == pytest.approx(statistics.median(run[key] for run in r["runs"])), key
-    # The ratio is that of the medians, and both runs of each trained on the same batches.
-    assert report["ratios"]["ours_vs_bare_fixed"] == pytest.approx(
-        by["ours"]["tokens_per_sec"] / by["bare"]["tokens_per_sec"], abs=1e-4)
-    assert report["ratios"]["same_batches_fixed"] == 1.0
-    assert "(median of 2 runs)" in proc.stdout
+        assert r["tokens_per_sec"] == 100.0 * runs[1] and r["peak_memory_mb"] == 500.0 + runs[1]
+    assert report["ratios"]["ours_vs_bare_fixed"] == pytest.approx(300 / 400, abs=1e-4)
+    assert report["ratios"]["same_batches_fixed"] == 0.0  # the runs' token counts differ: the check sees it
+    assert json.loads((tmp_path / "bench.json").read_text())["results"] == report["results"]
+    assert "(median of 3 runs)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("requested, launcher, native, width, expected", [

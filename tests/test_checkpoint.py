@@ -4,6 +4,7 @@ signal to one rank or to the launcher, no silent overwrite, and a merged export 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,24 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """copy(procs, topology, out): `out` holds the run that crashed with CRASH, launched once per topology and shared
+    by the tests that resume it (each resumes its own copy; they share an xdist group to share the launch)."""
+    runs = {}
+
+    def copy(procs: int, topo: list[str], out):
+        key = (procs, *topo)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("crashed") / "run"
+            crashed = launch(procs, *BASE, *topo, f"output_dir={runs[key]}", env=CRASH)
+            assert crashed.returncode != 0
+        shutil.copytree(runs[key], out)
+        return out
+
+    return copy
+
+
+@pytest.fixture(scope="module")
 def uninterrupted_two(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt2") / "A2"
     proc = launch(2, *BASE, *TWO, f"output_dir={out}")
@@ -64,13 +83,12 @@ def uninterrupted_two(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("crashed")
 @pytest.mark.parametrize("procs, topo, resume_arg", [pytest.param(1, ONE, "path", id="1proc"),
                                                      pytest.param(2, TWO, "latest", id="2proc", marks=pytest.mark.long)])
-def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, request, procs, topo, resume_arg):
+def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, request, crashed, procs, topo, resume_arg):
     reference = request.getfixturevalue("uninterrupted" if procs == 1 else "uninterrupted_two")
-    out = tmp_path / "B"
-    crashed = launch(procs, *BASE, *topo, f"output_dir={out}", env=CRASH)
-    assert crashed.returncode != 0
+    out = crashed(procs, topo, tmp_path / "B")
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-3", "step-6"]
     saved = load_file(out / "checkpoints" / "step-6" / "model.safetensors")
     assert saved and all("lora_" in key for key in saved), "a LoRA checkpoint holds the adapter, not the base"
@@ -98,12 +116,11 @@ def test_full_fine_tuning_saves_a_model_and_resumes_exactly(tmp_path):
     assert all((a[k] - b[k]).norm() <= 1e-6 * b[k].norm() + 1e-12 for k in b)
 
 
+@pytest.mark.xdist_group("crashed")
 @pytest.mark.parametrize("first, second", [((2, TWO), (1, TWO_AS_ONE)), ((1, TWO_AS_ONE), (2, TWO))],
                          ids=["2proc-to-1proc", "1proc-to-2proc"])
-def test_resume_on_another_number_of_processes(tmp_path, uninterrupted, first, second):
-    out = tmp_path / "run"
-    crashed = launch(first[0], *BASE, *first[1], f"output_dir={out}", env=CRASH)
-    assert crashed.returncode != 0
+def test_resume_on_another_number_of_processes(tmp_path, uninterrupted, crashed, first, second):
+    out = crashed(*first, tmp_path / "run")
     resumed = launch(second[0], *BASE, *second[1], f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(out, uninterrupted, rel=1e-5)
@@ -258,14 +275,14 @@ def test_merged_export_loads_without_peft_and_matches_adapter(tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-4, atol=1e-4)
 
     # the separate command writes the same model elsewhere, and refuses to overwrite
-    proc = run([sys.executable, "-m", "accel_train.export", out, "--out", tmp_path / "exported"])
+    proc = python_m(out, "--out", tmp_path / "exported", module="accel_train.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = load_file(out / "merged" / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    proc = run([sys.executable, "-m", "accel_train.export", out, "--out", tmp_path / "exported"])
+    proc = python_m(out, "--out", tmp_path / "exported", module="accel_train.export")
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
 
-    proc = run([sys.executable, "-m", "accel_train.generate", out, "--prompt", "reverse abc", "--max-new-tokens", "8"])
+    proc = python_m(out, "--prompt", "reverse abc", "--max-new-tokens", "8", module="accel_train.generate")
     assert proc.returncode == 0 and proc.stdout.strip()
 
 
@@ -276,7 +293,7 @@ def test_predict_with_a_classification_adapter(tmp_path):
     final = read_metrics(out)[1][-1]
     assert 0.7 < final["eval_f1"] < 1  # F1 of each class, averaged (the recipe's eval.metric_kwargs)
     texts = ["good great fun film", "bad sad dull plot"]
-    proc = run([sys.executable, "-m", "accel_train.predict", out, "--text", texts[0], "--text", texts[1]])
+    proc = python_m(out, "--text", texts[0], "--text", texts[1], module="accel_train.predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [r["label_id"] for r in rows] == [1, 0]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
-from conftest import run
+from conftest import python_m
 
 
 def inspect(*args, **kw):
-    return run([sys.executable, "-m", "accel_train.inspect", *args], **kw)
+    return python_m(*args, module="accel_train.inspect", **kw)
 
 
 def test_shows_loss_tokens_truncation_lengths_and_packing(tmp_path):

@@ -162,7 +162,7 @@ def test_gpu_check_plan_is_complete_and_every_run_is_a_valid_configuration(tmp_p
     assert {k: v.rsplit("/", 1)[-1] for k, v in configs.items()} == {
         "quickstart_1gpu": "1gpu.yaml", "quickstart_cpu": "cpu_2proc.yaml", "reference_1gpu": "1gpu.yaml",
         "deepspeed_zero2": "deepspeed_zero2.yaml", "deepspeed_zero3": "deepspeed_zero3.yaml", "fsdp2": "fsdp2.yaml"}
-    proc = run([sys.executable, "-m", "accel_train.gpu_check", "--out", tmp_path, "--dry-run", "--only", "fsdp2"])
+    proc = python_m("--out", tmp_path, "--dry-run", "--only", "fsdp2", module="accel_train.gpu_check")
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2  # the comparison brings its reference
 
 

@@ -97,8 +97,7 @@ def test_string_labels_train_predict_and_export_with_their_names(tmp_path):
     assert json.loads((out / "adapter" / "config.json").read_text())["id2label"] == names
     assert json.loads((out / "merged" / "config.json").read_text())["label2id"] == {v: int(k) for k, v in names.items()}
 
-    proc = run([sys.executable, "-m", "accel_train.predict", out / "adapter", "--text", "good great fun",
-                "--text", "bad sad dull"])
+    proc = python_m(out / "adapter", "--text", "good great fun", "--text", "bad sad dull", module="accel_train.predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert all(set(r["probs"]) == set(names.values()) and r["label"] in names.values() for r in rows)
@@ -144,21 +143,24 @@ def bbc(tmp_path_factory):
     return folder
 
 
-def train_bbc(bbc, out, *extra):
-    return accelerate_launch(
-        "cpu_2proc.yaml", "task=seq_cls", f"model.name_or_path={minilm_folder()}", f"data.path={bbc}",
-        "data.eval_split=test", "data.max_length=64", "lora.target_modules=[query,value]", "train.epochs=1",
-        "train.lr=6e-3", "train.warmup_steps=5", "train.per_device_batch_size=16", "track.log_with=[]",
-        "train.dist_timeout_s=120", f"output_dir={out}", *extra, timeout=600)
+def train_bbc(bbc, out, processes: int, *extra):
+    """One epoch of LoRA on 800 articles in 25 steps of 32 (2 processes x 16, or 1 x 32)."""
+    args = ["task=seq_cls", f"model.name_or_path={minilm_folder()}", f"data.path={bbc}", "data.eval_split=test",
+            "data.max_length=64", "lora.target_modules=[query,value]", "train.epochs=1", "train.lr=6e-3",
+            "train.warmup_steps=5", f"train.per_device_batch_size={32 // processes}", "track.log_with=[]",
+            "train.dist_timeout_s=120", f"output_dir={out}", *extra]
+    return python_m(*args, timeout=600) if processes == 1 else accelerate_launch("cpu_2proc.yaml", *args, timeout=600)
 
 
 @pytest.mark.long
 def test_real_pretrained_model_learns_real_text_and_random_weights_do_not(bbc, tmp_path):
-    """The proof that the weights are loaded: the same short LoRA run, pretrained vs random weights."""
-    pretrained = train_bbc(bbc, tmp_path / "pretrained")
+    """The proof that the weights are loaded: the same short LoRA run, pretrained vs random weights. The pretrained
+    run on 2 processes (a real model's classification gathered across ranks), the random one on 1, with the same
+    samples per step: what differs is the weights."""
+    pretrained = train_bbc(bbc, tmp_path / "pretrained", 2)
     assert pretrained.returncode == 0, pretrained.stderr[-3000:]
     assert "pretrained weights from" in pretrained.stderr
-    random_init = train_bbc(bbc, tmp_path / "random", "model.random_init=true")
+    random_init = train_bbc(bbc, tmp_path / "random", 1, "model.random_init=true")
     assert random_init.returncode == 0, random_init.stderr[-3000:]
     good, bad = (read_metrics(tmp_path / name)[1][-1] for name in ("pretrained", "random"))
     print(f"eval accuracy: pretrained {good['eval_accuracy']:.3f}, random {bad['eval_accuracy']:.3f}")

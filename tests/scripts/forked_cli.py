@@ -1,18 +1,20 @@
-"""`python -m accel_train ARGS` without paying its imports in every test: conftest.python_m forks each run from a
-server process that has imported the training code once (multiprocessing's forkserver, preloading
-accel_train.recipe and what a run imports later). The child is a fresh process as far as the run can tell: its own pid, environment, working
-directory, stdout and stderr, exit status and signals; it then runs the same entry as `python -m accel_train`
-(`accel_train.cli.cli`). What only a real interpreter start can show (the import graph, sys.path, launchers) is
-tested with real launches in test_entry.py.
+"""`python -m accel_train ARGS` (or one of its tools) without paying its imports in every test: conftest.python_m
+forks each run from a server process that has imported the training code once (multiprocessing's forkserver,
+preloading accel_train.recipe and what a run imports later). The child is a fresh process as far as the run can
+tell: its own pid, environment, working directory, stdout and stderr, exit status and signals; it then runs the
+module as `python -m` does (runpy: `__main__`, sys.argv[0] the module's file). What only a real interpreter start can
+show (the import graph, sys.path, launchers) is tested with real launches in test_entry.py.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
 import sys
+import warnings
 
 
-def cli_child(args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+def module_child(module: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -24,7 +26,8 @@ def cli_child(args: list[str], env: dict, cwd: str, stdout: str, stderr: str) ->
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = [sys.executable, "-m", "accel_train", *args]
-    from accel_train.cli import cli
-
-    cli(args)
+    sys.argv = [sys.executable, *args]  # runpy replaces argv[0] with the module's file, as python -m does
+    # a module the server preloaded (accel_train.plot) runs again as __main__, as in a fresh interpreter: runpy's
+    # warning that it was imported before is about the server, not the run
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
