@@ -53,17 +53,25 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     return proc
 
 
-def python_m(*args, timeout: float = 300, env: dict | None = None, cwd: Path = REPO,
-             module: str = "accel_train") -> subprocess.CompletedProcess:
+def python_m(*args, module: str = "accel_train", **kw) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` (accel_train, or a tool: accel_train.inspect, .export, .predict, ...) as a fresh
     process forked from one that has imported the training code (tests/scripts/forked_cli.py): the same entry, exit
     status, output and signals, without ~5 s of imports each. Settings read at import (HF_DATASETS_CACHE, HF_HOME,
     CUDA_VISIBLE_DEVICES) and what the interpreter imports (test_entry.py) need a fresh interpreter: `run`."""
-    cmd = [sys.executable, "-m", module, *map(str, args)]
+    return _forked(module, [sys.executable, "-m", module, *map(str, args)], **kw)
+
+
+def python_script(path: str, *args, **kw) -> subprocess.CompletedProcess:
+    """`python PATH ARGS` (a script of tests/scripts/), forked as `python_m` forks."""
+    return _forked(path, [sys.executable, path, *map(str, args)], **kw)
+
+
+def _forked(target: str, cmd: list[str], timeout: float = 300, env: dict | None = None,
+            cwd: Path = REPO) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = _forkserver().Process(target=forked_cli.module_child, args=(
-            module, cmd[3:], {**os.environ, **(env or {})}, str(cwd), str(out), str(err)))
+        child = _forkserver().Process(target=forked_cli.child, args=(
+            target, cmd[cmd.index(target) + 1:], {**os.environ, **(env or {})}, str(cwd), str(out), str(err)))
         child.start()
         child.join(timeout)
         timed_out = child.is_alive()
@@ -110,10 +118,16 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+# Modules whose tests start no process (a fraction of a second each): run last, they even out the workers' ends.
+IN_PROCESS = {"test_config.py", "test_data.py", "test_deepspeed_config.py", "test_loss.py", "test_metrics.py",
+              "test_packing.py", "test_tracking.py"}
+
+
 def pytest_collection_modifyitems(items):
-    """Tests marked `long` first. --dist loadgroup hands out the groups, then the other tests in this order as the
-    workers free up: a long launch started last would keep one worker busy while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    """Tests marked `long` first, those of IN_PROCESS last. --dist loadgroup hands out the groups, then the other
+    tests in this order as the workers free up: a long launch started last would keep one worker busy while the
+    other idles."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("long") else 2 if item.path.name in IN_PROCESS else 1)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 
 import pytest
-from conftest import run
+from conftest import python_m
 
 from accel_train import bench, dist
 
@@ -20,8 +19,7 @@ from accel_train import bench, dist
 def test_bench_quick_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     # --quick, with the fewest steps that give a median: this checks the figures are there, not their values.
-    proc = run([sys.executable, "-m", "accel_train.bench", "--quick", "--steps", "3", "--warmup", "1", "--out", out],
-               timeout=600)
+    proc = python_m("--quick", "--steps", "3", "--warmup", "1", "--out", out, module="accel_train.bench", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["precision"] in ("bf16", "no") and report["peak_flops"] > 0

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ACCEL_CONFIGS, accelerate_launch, python_m, read_metrics, run
+from conftest import ACCEL_CONFIGS, accelerate_launch, python_m, python_script, read_metrics, run
 
 from accel_train.config import load_config
 
@@ -95,8 +95,8 @@ def test_accumulation_marks_only_the_last_micro_batch_as_the_boundary(tmp_path):
     """Under DeepSpeed accelerate's backward steps the engine whenever sync_gradients is true: it must be false on
     every micro-batch but the last of each window (with it always true, accumulation 4 made 4 updates a step)."""
     seen = tmp_path / "sync.json"
-    proc = run([sys.executable, "tests/scripts/sync_probe.py", seen, f"output_dir={tmp_path / 'out'}", *QUICK,
-                "train.max_steps=3", "train.per_device_batch_size=2", "train.grad_accum_steps=4"])
+    proc = python_script("tests/scripts/sync_probe.py", seen, f"output_dir={tmp_path / 'out'}", *QUICK,
+                           "train.max_steps=3", "train.per_device_batch_size=2", "train.grad_accum_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(seen.read_text()) == [False, False, False, True] * 3
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 
 import pytest
-from conftest import ACCEL_CONFIGS, BIN, accelerate_launch, free_port, read_metrics, run
+from conftest import ACCEL_CONFIGS, BIN, accelerate_launch, free_port, python_script, read_metrics, run
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,7 +143,7 @@ def test_shards_disjoint_complete_and_reshuffled(tmp_path):
         assert sorted(r["eval"]) == list(range(1000, 1000 + n_eval))
     # the shuffle depends on the seed alone: a single process sees the same global order, interleaved
     one = tmp_path / "one"
-    proc = run([sys.executable, "tests/scripts/shard_probe.py", one, n_train, n_eval, batch, "seed=7"])
+    proc = python_script("tests/scripts/shard_probe.py", one, n_train, n_eval, batch, "seed=7")
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((one / "rank0.json").read_text())["train"][0]
     batches = [single[i:i + batch] for i in range(0, n_train, batch)]
@@ -164,7 +163,7 @@ def test_length_grouped_steps_are_the_same_on_1_and_2_processes_and_resume(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     one = tmp_path / "one"
-    proc = run([sys.executable, "tests/scripts/shard_probe.py", one, *args, "train.grad_accum_steps=2"], env=env)
+    proc = python_script("tests/scripts/shard_probe.py", one, *args, "train.grad_accum_steps=2", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((one / "rank0.json").read_text())
     for epoch in (0, 1):

@@ -1,9 +1,10 @@
-"""`python -m accel_train ARGS` (or one of its tools) without paying its imports in every test: conftest.python_m
-forks each run from a server process that has imported the training code once (multiprocessing's forkserver,
-preloading accel_train.recipe and what a run imports later). The child is a fresh process as far as the run can
-tell: its own pid, environment, working directory, stdout and stderr, exit status and signals; it then runs the
-module as `python -m` does (runpy: `__main__`, sys.argv[0] the module's file). What only a real interpreter start can
-show (the import graph, sys.path, launchers) is tested with real launches in test_entry.py.
+"""`python -m accel_train ARGS` (or one of its tools, or a script of tests/scripts/) without paying its imports in
+every test: conftest.python_m and python_script fork each run from a server process that has imported the training
+code once (multiprocessing's forkserver, preloading accel_train.recipe and what a run imports later). The child is a
+fresh process as far as the run can tell: its own pid, environment, working directory, stdout and stderr, exit
+status and signals; it then runs the module as `python -m` does (runpy: `__main__`, sys.argv[0] the module's file),
+or the script as `python PATH` does. What only a real interpreter start can show (the import graph, sys.path,
+launchers) is tested with real launches in test_entry.py.
 """
 
 from __future__ import annotations
@@ -14,20 +15,25 @@ import sys
 import warnings
 
 
-def module_child(module: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+    """Run `target` (a module, or the path of a .py script) with `args` as `python -m target` or `python target`."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, stdout), (2, stderr)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
     if "OMP_NUM_THREADS" in env:  # read by torch at import, in the server: apply it as a fresh process would
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if target.endswith(".py"):
+        sys.argv = [target, *args]
+        runpy.run_path(target, run_name="__main__")
+        return
     sys.argv = [sys.executable, *args]  # runpy replaces argv[0] with the module's file, as python -m does
     # a module the server preloaded (accel_train.plot) runs again as __main__, as in a fresh interpreter: runpy's
     # warning that it was imported before is about the server, not the run
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
