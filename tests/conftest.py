@@ -33,9 +33,10 @@ def threads_per_worker() -> int | None:
     return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
 
 
-if threads_per_worker() and "OMP_NUM_THREADS" not in os.environ:
+_THREADS = threads_per_worker()
+if _THREADS and "OMP_NUM_THREADS" not in os.environ:
     # before torch is imported here or in the fork server (OpenMP reads it when it loads)
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker())
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
 def free_port() -> int:
@@ -58,20 +59,22 @@ def python_m(*args, module: str = "accel_train", **kw) -> subprocess.CompletedPr
     process forked from one that has imported the training code (tests/scripts/forked_cli.py): the same entry, exit
     status, output and signals, without ~5 s of imports each. Settings read at import (HF_DATASETS_CACHE, HF_HOME,
     CUDA_VISIBLE_DEVICES) and what the interpreter imports (test_entry.py) need a fresh interpreter: `run`."""
-    return _forked(module, [sys.executable, "-m", module, *map(str, args)], **kw)
+    return _forked(module, [sys.executable, "-m", module], list(map(str, args)), **kw)
 
 
 def python_script(path: str, *args, **kw) -> subprocess.CompletedProcess:
     """`python PATH ARGS` (a script of tests/scripts/), forked as `python_m` forks."""
-    return _forked(path, [sys.executable, path, *map(str, args)], **kw)
+    return _forked(path, [sys.executable, path], list(map(str, args)), **kw)
 
 
-def _forked(target: str, cmd: list[str], timeout: float = 300, env: dict | None = None,
+def _forked(target: str, head: list[str], args: list[str], timeout: float = 300, env: dict | None = None,
             cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`head + args` (the command it stands for) run as forked_cli.child(target, args)."""
+    cmd = [*head, *args]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         child = _forkserver().Process(target=forked_cli.child, args=(
-            target, cmd[cmd.index(target) + 1:], {**os.environ, **(env or {})}, str(cwd), str(out), str(err)))
+            target, args, {**os.environ, **(env or {})}, str(cwd), str(out), str(err)))
         child.start()
         child.join(timeout)
         timed_out = child.is_alive()
