@@ -38,7 +38,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullySha
 
 from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError
-from accel_train.preflight import launched_world_size
+from accel_train.preflight import launched_world_size, launcher_asks
 
 
 class LaunchError(ConfigError):
@@ -83,7 +83,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=True) if cfg.train.compile else None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"),
     )
-    if cpu and _asked("ACCELERATE_USE_FSDP"):
+    if cpu and launcher_asks("ACCELERATE_USE_FSDP"):
         use_fsdp_on_cpu(accelerator)
     if not accelerator.is_local_main_process:
         # Library warnings and progress bars once per machine, not once per rank.
@@ -104,17 +104,12 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
     for variable, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP),
                            ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
-        if _asked(variable) and accelerator.distributed_type != kind:
+        if launcher_asks(variable) and accelerator.distributed_type != kind:
             raise LaunchError(f"the accelerate config asks for {kind.value} but accelerate set up "
                               f"{accelerator.distributed_type.value} on {accelerator.device}"
                               + (": DeepSpeed needs GPUs" if kind == DistributedType.DEEPSPEED else ""))
-    # Sharded parameters: generate() would need every rank in lock-step (synced_gpus), and a checkpoint's weights
-    # are accelerate's sharded files. Neither is done here: say so now, rather than hang or fail at the end.
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    for key, on in (("eval.generate=true", cfg.eval.generate), ("save.final=best", cfg.save.final == "best")):
-        if sharded and on:
-            raise LaunchError(f"{key} is not supported under {accelerator.distributed_type.value} (sharded "
-                              "parameters); use DDP (configs/accelerate/2gpu.yaml) or turn it off")
+    # What sharded parameters rule out was refused before (preflight.check_sharded): a launch asking for FSDP or
+    # DeepSpeed either gets it or stops just above.
     return accelerator
 
 
@@ -185,11 +180,6 @@ def configure_deepspeed(ds: dict, cfg: Config) -> None:
         elif float(theirs) != float(value):
             raise LaunchError(f"the DeepSpeed config sets {key}={theirs} but {DEEPSPEED_KEYS[key]}={value}: set one "
                               f"to the other, or {key} to auto")
-
-
-def _asked(variable: str) -> bool:
-    """Whether accelerate launch set this flag from the config (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED)."""
-    return os.environ.get(variable, "false").lower() == "true"
 
 
 def use_fsdp_on_cpu(accelerator: Accelerator) -> None:

@@ -29,6 +29,7 @@ def preflight(cfg: Config) -> Path | None:
     check_output_dir(cfg)
     check_trackers(cfg)
     check_metrics(cfg.eval.metrics)
+    check_sharded(cfg)
     if cfg.eval.generate:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
     if cfg.eval.metric_for_best is not None:
@@ -39,6 +40,22 @@ def preflight(cfg: Config) -> Path | None:
 def launched_world_size() -> int:
     """Processes the launcher (accelerate launch, torchrun, notebook_launcher) started, from its environment."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launcher_asks(variable: str) -> bool:
+    """Whether accelerate launch set this flag from its config (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED)."""
+    return os.environ.get(variable, "false").lower() == "true"
+
+
+def check_sharded(cfg: Config) -> None:
+    """Sharded parameters (an FSDP or DeepSpeed launch): generate() would need every rank in lock-step
+    (synced_gpus), and a checkpoint's weights are accelerate's sharded files. Neither is done here: say so before
+    any rank loads anything, rather than hang or fail at the end."""
+    for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
+        for key, on in (("eval.generate=true", cfg.eval.generate), ("save.final=best", cfg.save.final == "best")):
+            if on and launcher_asks(variable):
+                raise ConfigError(f"{key} is not supported under {kind} (sharded parameters); use DDP "
+                                  "(configs/accelerate/2gpu.yaml) or turn it off")
 
 
 # Files that hold a model's weights (transformers' names, sharded or not): a folder without any is a config only.

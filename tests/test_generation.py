@@ -165,10 +165,15 @@ def test_push_uploads_the_adapter_with_its_card(runs, monkeypatch):
 
 
 def test_generation_is_refused_under_fsdp(tmp_out):
-    """Sharded parameters: generate() would need every rank in lock-step; refused at start, not a hang."""
+    """Sharded parameters: generate() would need every rank in lock-step; refused by every rank before it loads
+    anything (preflight), not a hang."""
     proc = accelerate_launch("fsdp2.yaml", "eval.generate=true", "train.max_steps=2", f"output_dir={tmp_out}")
     assert proc.returncode != 0
-    assert "accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters)" in proc.stderr
+    # the launcher stops the other rank once one has failed: one line, or the same line from both
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")}
+    assert errors == {("accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters); use "
+                       "DDP (configs/accelerate/2gpu.yaml) or turn it off")}
+    assert not tmp_out.exists()
 
 
 def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):

@@ -4,12 +4,14 @@ their results are named, and which direction is better for eval.metric_for_best.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from accel_train.config import ConfigError, load_config
 from accel_train.metrics import bundled, greater_is_better, load_metric, scores
 from accel_train.generation import split_prompt
+from accel_train.preflight import check_sharded
 
 
 def compute(name, predictions, references, **kwargs):
@@ -98,6 +100,19 @@ def test_bad_combinations_are_named(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+BEST = ["save.final=best", "checkpoint.keep_best=true", "eval.metric_for_best=loss", "train.eval_every=5"]
+
+
+@pytest.mark.parametrize("variable, kind", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")])
+@pytest.mark.parametrize("overrides, key", [(["eval.generate=true"], "eval.generate=true"), (BEST, "save.final=best")])
+def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch, variable, kind, overrides, key):
+    cfg = load_config(None, overrides)
+    check_sharded(cfg)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} \(sharded parameters\)"):
+        check_sharded(cfg)
 
 
 def test_metric_kwargs_are_typed():
