@@ -22,20 +22,22 @@ def write_rows(path, n: int, seed: int = 0, prompt_len: int = 6):
             f.write(json.dumps({"prompt": f"reverse {word} {prompt}", "response": word[::-1]}) + "\n")
 
 
-@pytest.mark.parametrize("shards", [4, 3])  # 4: whole shards per rank; 3: every other sample per rank
-def test_each_rank_streams_its_own_samples(tmp_path, shards):
+def test_each_rank_streams_its_own_samples(tmp_path):
+    """A stream of 4 shards (whole shards per rank) and one of 3 (every other sample per rank), one after the other
+    in one 2-process launch."""
     n_train, batch = 23, 2
     proc = run([BIN / "accelerate", "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
                 "--main_process_port", free_port(), "tests/scripts/shard_probe.py", tmp_path, n_train, 3, batch,
                 "seed=7", "data.streaming=true", "train.max_steps=1", "data.shuffle_buffer=8"],
-               env={"PROBE_SHARDS": str(shards)})
+               env={"PROBE_SHARDS": "4,3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["train"] for r in (0, 1)]
-    for epoch in (0, 1):
-        a, b = ranks[0][epoch], ranks[1][epoch]
-        assert a and b and not set(a) & set(b), "ranks share samples"
-        assert sorted(a + b) == list(range(n_train)), "a sample was dropped or repeated"
-    assert ranks[0][0] != ranks[0][1], "no reshuffle between epochs"
+    for shards in (4, 3):
+        ranks = [json.loads((tmp_path / f"shards{shards}" / f"rank{r}.json").read_text())["train"] for r in (0, 1)]
+        for epoch in (0, 1):
+            a, b = ranks[0][epoch], ranks[1][epoch]
+            assert a and b and not set(a) & set(b), f"{shards} shards: ranks share samples"
+            assert sorted(a + b) == list(range(n_train)), f"{shards} shards: a sample was dropped or repeated"
+        assert ranks[0][0] != ranks[0][1], f"{shards} shards: no reshuffle between epochs"
 
 
 STREAM = ["data.streaming=true", "data.shuffle_buffer=50", "train.per_device_batch_size=4", "train.max_steps=14",

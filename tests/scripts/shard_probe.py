@@ -3,7 +3,8 @@
 Sample i is the one-token sequence [i] (with PROBE_VARIED_LENGTHS=1, i repeated 1 + i % 5 times). Each rank
 writes the ids it trains on per epoch, those of epoch 1 resumed after 3 batches, and the ids that
 gather_for_metrics returns for evaluation, to OUT/rank{R}.json. With data.streaming=true the training set is
-streamed in PROBE_SHARDS shards (environment variable, default 4).
+streamed in PROBE_SHARDS shards (environment variable, default 4; a list such as 4,3 probes each number of shards
+in turn, into OUT/shards{S}/rank{R}.json).
     accelerate launch ... tests/scripts/shard_probe.py OUT N_TRAIN N_EVAL BATCH [key=value ...]
 """
 
@@ -33,22 +34,31 @@ try:
         rows = [[i] * (1 + i % 5 if os.environ.get("PROBE_VARIED_LENGTHS") else 1) for i in ids]
         return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows], "labels": rows})
 
-    train = ds(range(n_train))
-    if cfg.data.streaming:  # as train.run does with a stream
-        train = shard_stream(accelerator, train.to_iterable_dataset(int(os.environ.get("PROBE_SHARDS", 4))), cfg)
-    step = batch * cfg.train.grad_accum_steps * accelerator.num_processes  # the effective batch
-    train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step,
-                                        processes=accelerator.num_processes)
-    eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), tokenizer, cfg, batch, shuffle=False)
-    train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
-    epochs = []
-    for epoch in range(2):  # the batches the training loop gets
-        epochs.append([i for b in epoch_batches(accelerator, train_dl, epoch, skip=0)
-                       for i in b["input_ids"][:, 0].tolist()])
-    resumed = [i for b in epoch_batches(accelerator, train_dl, 1, skip=3) for i in b["input_ids"][:, 0].tolist()]
-    gathered = [i for b in eval_dl for i in accelerator.gather_for_metrics(b["input_ids"][:, 0]).tolist()]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps({"train": epochs, "resumed": resumed, "eval": gathered}))
+    def probe(train, folder: Path) -> None:
+        step = batch * cfg.train.grad_accum_steps * accelerator.num_processes  # the effective batch
+        train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step,
+                                            processes=accelerator.num_processes)
+        eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), tokenizer, cfg, batch, shuffle=False)
+        train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+        epochs = []
+        for epoch in range(2):  # the batches the training loop gets
+            epochs.append([i for b in epoch_batches(accelerator, train_dl, epoch, skip=0)
+                           for i in b["input_ids"][:, 0].tolist()])
+        resumed = [i for b in epoch_batches(accelerator, train_dl, 1, skip=3) for i in b["input_ids"][:, 0].tolist()]
+        gathered = [i for b in eval_dl for i in accelerator.gather_for_metrics(b["input_ids"][:, 0]).tolist()]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{accelerator.process_index}.json").write_text(
+            json.dumps({"train": epochs, "resumed": resumed, "eval": gathered}))
+
+    shard_counts = os.environ.get("PROBE_SHARDS", "4").split(",")
+    if not cfg.data.streaming:
+        probe(ds(range(n_train)), out)
+    elif len(shard_counts) == 1:  # as train.run does with a stream
+        probe(shard_stream(accelerator, ds(range(n_train)).to_iterable_dataset(int(shard_counts[0])), cfg), out)
+    else:
+        for shards in shard_counts:
+            probe(shard_stream(accelerator, ds(range(n_train)).to_iterable_dataset(int(shards)), cfg),
+                  out / f"shards{shards}")
     accelerator.wait_for_everyone()  # as train.py does: meet before tearing the group down
 finally:
     teardown(accelerator)
