@@ -26,13 +26,13 @@ def test_each_rank_streams_its_own_samples(tmp_path):
     """A stream of 4 shards (whole shards per rank) and one of 3 (every other sample per rank), one after the other
     in one 2-process launch."""
     n_train, batch = 23, 2
+    probe = [n_train, 3, batch, "seed=7", "data.streaming=true", "train.max_steps=1", "data.shuffle_buffer=8"]
     proc = run([BIN / "accelerate", "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
-                "--main_process_port", free_port(), "tests/scripts/shard_probe.py", tmp_path, n_train, 3, batch,
-                "seed=7", "data.streaming=true", "train.max_steps=1", "data.shuffle_buffer=8"],
-               env={"PROBE_SHARDS": "4,3"})
+                "--main_process_port", free_port(), "tests/scripts/shard_probe.py",
+                tmp_path / "4", *probe, "shards=4", "--", tmp_path / "3", *probe, "shards=3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for shards in (4, 3):
-        ranks = [json.loads((tmp_path / f"shards{shards}" / f"rank{r}.json").read_text())["train"] for r in (0, 1)]
+        ranks = [json.loads((tmp_path / str(shards) / f"rank{r}.json").read_text())["train"] for r in (0, 1)]
         for epoch in (0, 1):
             a, b = ranks[0][epoch], ranks[1][epoch]
             assert a and b and not set(a) & set(b), f"{shards} shards: ranks share samples"

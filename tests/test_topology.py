@@ -128,12 +128,24 @@ def test_lr_schedule_steps_once_per_optimizer_step(runs):
     assert lrs[-1] == pytest.approx(1e-2 * 1 / 10)
 
 
-def test_shards_disjoint_complete_and_reshuffled(tmp_path):
-    n_train, n_eval, batch = 23, 7, 4
+# The two 2-process probes of the dataloaders below (tests/scripts/shard_probe.py), one after the other in one launch:
+# the default order (23 samples, batch 4) and data.group_by_length (45 samples of lengths 1 to 5, batch 2).
+PROBES = {"plain": [23, 7, 4, "seed=7"], "grouped": [45, 7, 2, "seed=7", "data.group_by_length=true", "lengths=varied"]}
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """{probe: [rank 0's ids, rank 1's]} from one launch of every PROBES probe on 2 processes."""
+    root = tmp_path_factory.mktemp("probes")
+    segments = [a for name, args in PROBES.items() for a in ("--", root / name, *args)][1:]
     proc = run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
-                str(free_port()), "tests/scripts/shard_probe.py", tmp_path, n_train, n_eval, batch, "seed=7"])
+                str(free_port()), "tests/scripts/shard_probe.py", *segments])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)] for name in PROBES}
+
+
+def test_shards_disjoint_complete_and_reshuffled(probed, tmp_path):
+    (n_train, n_eval, batch, *_), ranks = PROBES["plain"], probed["plain"]
     for epoch in (0, 1):
         a, b = ranks[0]["train"][epoch], ranks[1]["train"][epoch]
         assert not set(a) & set(b), "ranks share samples"
@@ -143,7 +155,7 @@ def test_shards_disjoint_complete_and_reshuffled(tmp_path):
         assert sorted(r["eval"]) == list(range(1000, 1000 + n_eval))
     # the shuffle depends on the seed alone: a single process sees the same global order, interleaved
     one = tmp_path / "one"
-    proc = python_script("tests/scripts/shard_probe.py", one, n_train, n_eval, batch, "seed=7")
+    proc = python_script("tests/scripts/shard_probe.py", one, *PROBES["plain"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((one / "rank0.json").read_text())["train"][0]
     batches = [single[i:i + batch] for i in range(0, n_train, batch)]
@@ -151,19 +163,13 @@ def test_shards_disjoint_complete_and_reshuffled(tmp_path):
     assert ranks[1]["train"][0] == [i for b in batches[1::2] for i in b]
 
 
-def test_length_grouped_steps_are_the_same_on_1_and_2_processes_and_resume(tmp_path):
+def test_length_grouped_steps_are_the_same_on_1_and_2_processes_and_resume(probed, tmp_path):
     """data.group_by_length: the order is one list of steps of the effective batch (4 samples here: 2 processes x
     batch 2, or 1 process x batch 2 x accumulation 2), whatever its split; shards disjoint and complete; a resume
     after 3 batches continues the same order."""
-    n_train, n_eval, batch = 45, 7, 2
-    args = [n_train, n_eval, batch, "seed=7", "data.group_by_length=true"]
-    env = {"PROBE_VARIED_LENGTHS": "1"}
-    proc = run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
-                str(free_port()), "tests/scripts/shard_probe.py", tmp_path, *args], env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    (n_train, n_eval, batch, *_), ranks = PROBES["grouped"], probed["grouped"]
     one = tmp_path / "one"
-    proc = python_script("tests/scripts/shard_probe.py", one, *args, "train.grad_accum_steps=2", env=env)
+    proc = python_script("tests/scripts/shard_probe.py", one, *PROBES["grouped"], "train.grad_accum_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((one / "rank0.json").read_text())
     for epoch in (0, 1):

@@ -1,15 +1,15 @@
 """Launched by tests with `accelerate launch`: which samples does each rank get from accel_train's dataloaders?
 
-Sample i is the one-token sequence [i] (with PROBE_VARIED_LENGTHS=1, i repeated 1 + i % 5 times). Each rank
-writes the ids it trains on per epoch, those of epoch 1 resumed after 3 batches, and the ids that
-gather_for_metrics returns for evaluation, to OUT/rank{R}.json. With data.streaming=true the training set is
-streamed in PROBE_SHARDS shards (environment variable, default 4; a list such as 4,3 probes each number of shards
-in turn, into OUT/shards{S}/rank{R}.json).
-    accelerate launch ... tests/scripts/shard_probe.py OUT N_TRAIN N_EVAL BATCH [key=value ...]
+Sample i is the one-token sequence [i] (with lengths=varied, i repeated 1 + i % 5 times). Each rank writes the ids
+it trains on per epoch, those of epoch 1 resumed after 3 batches, and the ids that gather_for_metrics returns for
+evaluation, to OUT/rank{R}.json. With data.streaming=true the training set is streamed in `shards` shards
+(default 4). Several probes, separated by `--`, run one after the other in the same processes (one launch); the
+process group is set up from the first one's config.
+    accelerate launch ... tests/scripts/shard_probe.py OUT N_TRAIN N_EVAL BATCH [key=value ...] [-- OUT ...]
+key=value: accel_train's config keys, and the probe's own `lengths=varied` and `shards=N`.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,41 +24,55 @@ from accel_train.config import load_config  # noqa: E402
 from accel_train.cli import exit_process  # noqa: E402
 from accel_train.dist import epoch_batches, make_accelerator, prepare_dataloaders, shard_stream, teardown  # noqa: E402
 
-out, n_train, n_eval, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-cfg = load_config(None, sys.argv[5:])
-accelerator = make_accelerator(cfg)
-try:
+PROBE_KEYS = {"lengths": "one", "shards": "4"}
+
+
+def parse(segment: list[str]) -> tuple:
+    """(out, n_train, n_eval, batch, probe options, accel_train config) of one probe's arguments."""
+    out, n_train, n_eval, batch, *rest = segment
+    options = dict(PROBE_KEYS)
+    options.update(a.split("=", 1) for a in rest if a.split("=", 1)[0] in PROBE_KEYS)
+    cfg = load_config(None, [a for a in rest if a.split("=", 1)[0] not in PROBE_KEYS])
+    return Path(out), int(n_train), int(n_eval), int(batch), options, cfg
+
+
+def probe(accelerator, out: Path, n_train: int, n_eval: int, batch: int, options: dict, cfg) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
 
     def ds(ids):
-        rows = [[i] * (1 + i % 5 if os.environ.get("PROBE_VARIED_LENGTHS") else 1) for i in ids]
+        rows = [[i] * (1 + i % 5 if options["lengths"] == "varied" else 1) for i in ids]
         return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows], "labels": rows})
 
-    def probe(train, folder: Path) -> None:
-        step = batch * cfg.train.grad_accum_steps * accelerator.num_processes  # the effective batch
-        train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step,
-                                            processes=accelerator.num_processes)
-        eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), tokenizer, cfg, batch, shuffle=False)
-        train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
-        epochs = []
-        for epoch in range(2):  # the batches the training loop gets
-            epochs.append([i for b in epoch_batches(accelerator, train_dl, epoch, skip=0)
-                           for i in b["input_ids"][:, 0].tolist()])
-        resumed = [i for b in epoch_batches(accelerator, train_dl, 1, skip=3) for i in b["input_ids"][:, 0].tolist()]
-        gathered = [i for b in eval_dl for i in accelerator.gather_for_metrics(b["input_ids"][:, 0]).tolist()]
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"rank{accelerator.process_index}.json").write_text(
-            json.dumps({"train": epochs, "resumed": resumed, "eval": gathered}))
+    train = ds(range(n_train))
+    if cfg.data.streaming:  # as train.run does with a stream
+        train = shard_stream(accelerator, train.to_iterable_dataset(int(options["shards"])), cfg)
+    step = batch * cfg.train.grad_accum_steps * accelerator.num_processes  # the effective batch
+    train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step,
+                                        processes=accelerator.num_processes)
+    eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), tokenizer, cfg, batch, shuffle=False)
+    train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+    epochs = []
+    for epoch in range(2):  # the batches the training loop gets
+        epochs.append([i for b in epoch_batches(accelerator, train_dl, epoch, skip=0)
+                       for i in b["input_ids"][:, 0].tolist()])
+    resumed = [i for b in epoch_batches(accelerator, train_dl, 1, skip=3) for i in b["input_ids"][:, 0].tolist()]
+    gathered = [i for b in eval_dl for i in accelerator.gather_for_metrics(b["input_ids"][:, 0]).tolist()]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps({"train": epochs, "resumed": resumed, "eval": gathered}))
 
-    shard_counts = os.environ.get("PROBE_SHARDS", "4").split(",")
-    if not cfg.data.streaming:
-        probe(ds(range(n_train)), out)
-    elif len(shard_counts) == 1:  # as train.run does with a stream
-        probe(shard_stream(accelerator, ds(range(n_train)).to_iterable_dataset(int(shard_counts[0])), cfg), out)
+
+segments, current = [], []
+for arg in sys.argv[1:]:
+    if arg == "--":
+        segments.append(current)
+        current = []
     else:
-        for shards in shard_counts:
-            probe(shard_stream(accelerator, ds(range(n_train)).to_iterable_dataset(int(shards)), cfg),
-                  out / f"shards{shards}")
+        current.append(arg)
+probes = [parse(segment) for segment in [*segments, current]]
+accelerator = make_accelerator(probes[0][-1])
+try:
+    for args in probes:
+        probe(accelerator, *args)
     accelerator.wait_for_everyone()  # as train.py does: meet before tearing the group down
 finally:
     teardown(accelerator)
