@@ -4,10 +4,12 @@
 import json
 
 import nbformat
+import pytest
 from conftest import REPO
 from nbclient import NotebookClient
 
 
+@pytest.mark.long
 def test_notebook_trains_on_two_processes(tmp_path):
     nb = nbformat.read(REPO / "notebooks" / "train_default.ipynb", as_version=4)
     line = 'overrides = [f"output_dir={output_dir}", "overwrite=true"]'

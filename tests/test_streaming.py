@@ -86,6 +86,7 @@ def test_streaming_memory_does_not_grow_with_the_data(tmp_path):
     assert peaks[1_600] < peaks[160] * 1.15  # peak RSS of identical runs differs by up to ~7% here
 
 
+@pytest.mark.long
 def test_tokenized_data_is_cached_once_and_reused(tmp_path):
     """A first run tokenizes into datasets' cache; a second run (other output_dir and learning rate, 2 processes)
     writes no new cache file: it and both its ranks read the first run's."""
