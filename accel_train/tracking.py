@@ -78,7 +78,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     first collective, and an emulated bf16 matmul runs at under 1 GFLOP/s on CPUs without native bf16): the size
     doubles from 256 only while one product (after a warm-up one) takes under a thirty-second of `seconds` (the
     next takes 8 times longer), up to where the peak is reached (CPU bf16: 0.9 TFLOP/s at 1024, 1.9 at 2048).
-    Its own generator: no rank's random stream moves. 0.1 s gives the peak 0.3 s gave (within 2% on an EPYC CPU,
+    Its own generator: no rank's random stream moves. 0.1 s gives the peak 0.3 s gave (within 4% on an EPYC CPU,
     1 and 2 threads, bf16 and fp32) in 0.15 s instead of 0.35; the benchmark takes 1 s."""
     import torch
 
