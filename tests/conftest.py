@@ -105,9 +105,11 @@ def _forkserver():
     return _SERVER[0]
 
 
-def accelerate_launch(config: str, *args, **kw) -> subprocess.CompletedProcess:
+def accelerate_launch(config: str, *args, script: str = "accel_train/train.py", **kw) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file configs/accelerate/CONFIG SCRIPT ARGS` (the training entry, or a script of
+    tests/scripts/)."""
     return run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / config,
-                "--main_process_port", str(free_port()), "accel_train/train.py", *args], **kw)
+                "--main_process_port", str(free_port()), script, *args], **kw)
 
 
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:

@@ -10,7 +10,7 @@ import random
 import sys
 
 import pytest
-from conftest import BIN, accelerate_launch, free_port, python_m, read_metrics, run
+from conftest import accelerate_launch, python_m, read_metrics, run
 
 
 def write_rows(path, n: int, seed: int = 0, prompt_len: int = 6):
@@ -27,9 +27,8 @@ def test_each_rank_streams_its_own_samples(tmp_path):
     in one 2-process launch."""
     n_train, batch = 23, 2
     probe = [n_train, 3, batch, "seed=7", "data.streaming=true", "train.max_steps=1", "data.shuffle_buffer=8"]
-    proc = run([BIN / "accelerate", "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
-                "--main_process_port", free_port(), "tests/scripts/shard_probe.py",
-                tmp_path / "4", *probe, "shards=4", "--", tmp_path / "3", *probe, "shards=3"])
+    proc = accelerate_launch("cpu_2proc.yaml", tmp_path / "4", *probe, "shards=4", "--", tmp_path / "3", *probe,
+                             "shards=3", script="tests/scripts/shard_probe.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for shards in (4, 3):
         ranks = [json.loads((tmp_path / str(shards) / f"rank{r}.json").read_text())["train"] for r in (0, 1)]

@@ -16,7 +16,7 @@ import json
 import random
 
 import pytest
-from conftest import ACCEL_CONFIGS, BIN, accelerate_launch, free_port, python_script, read_metrics, run
+from conftest import accelerate_launch, python_script, read_metrics
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,8 +138,7 @@ def probed(tmp_path_factory):
     """{probe: [rank 0's ids, rank 1's]} from one launch of every PROBES probe on 2 processes."""
     root = tmp_path_factory.mktemp("probes")
     segments = [a for name, args in PROBES.items() for a in ("--", root / name, *args)][1:]
-    proc = run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
-                str(free_port()), "tests/scripts/shard_probe.py", *segments])
+    proc = accelerate_launch("cpu_2proc.yaml", *segments, script="tests/scripts/shard_probe.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)] for name in PROBES}
 
