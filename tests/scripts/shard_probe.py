@@ -11,6 +11,7 @@ key=value: accel_train's config keys, and the probe's own `lengths=varied` and `
 
 import json
 import sys
+from itertools import groupby
 from pathlib import Path
 
 # The checkout this script belongs to, before an installed accel_train (an editable install of another worktree)
@@ -61,14 +62,7 @@ def probe(accelerator, out: Path, n_train: int, n_eval: int, batch: int, options
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps({"train": epochs, "resumed": resumed, "eval": gathered}))
 
 
-segments, current = [], []
-for arg in sys.argv[1:]:
-    if arg == "--":
-        segments.append(current)
-        current = []
-    else:
-        current.append(arg)
-probes = [parse(segment) for segment in [*segments, current]]
+probes = [parse(list(segment)) for between, segment in groupby(sys.argv[1:], key=lambda a: a == "--") if not between]
 accelerator = make_accelerator(probes[0][-1])
 try:
     for args in probes:
