@@ -130,7 +130,12 @@ class DataConfig:
     revision: Optional[str] = None
     """Hub dataset revision (branch, tag or commit); None: the default branch."""
     max_length: int = 512
-    """Sequences are truncated to this many tokens."""
+    """Sequences are truncated to this many tokens (causal_lm conversations: as data.truncation says)."""
+    truncation: Literal["prompt_first", "right"] = "prompt_first"
+    """causal_lm conversations longer than data.max_length. prompt_first: drop the oldest tokens (the prompt and
+    earlier turns) and keep the last trained answer whole, with its end-of-turn token; a sample whose answer alone
+    does not fit is dropped. right: cut the end; a sample whose last trained answer loses its end-of-turn token is
+    dropped. Both are counted in the log, summary.json and inspect."""
     max_samples: Optional[int] = None
     """Use at most this many training samples (handy for quick runs)."""
     builtin_size: int = 3000

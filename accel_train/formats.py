@@ -127,6 +127,48 @@ def conversation(example: dict, cfg: Config, fmt: str, row: int) -> list[dict]:
     return messages
 
 
+_PROBE = "Zq7probeZq7"  # an answer no template changes (no spaces to trim, no tags to split on)
+
+
+def special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's special tokens (eos, pad, ... and added special tokens such as <|im_end|>), longest first."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted(set(tokenizer.all_special_tokens) | set(added), key=len, reverse=True)
+
+
+def end_of_turn(tokenizer) -> str:
+    """The end-of-turn marker the chat template writes right after an assistant's answer: the run of special
+    tokens that follows it (<|im_end|> for ChatML, <|eot_id|> for Llama 3, <end_of_turn> for Gemma, </s> for
+    Mistral, <|end|> for Phi-3), else an eos after white space; "" for a template that ends turns with neither.
+    It is what a trained answer must end with, and where generation stops."""
+    if not tokenizer.chat_template:
+        return tokenizer.eos_token or ""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}],
+                                         tokenize=False)
+    after, specials, marker = text[text.index(_PROBE) + len(_PROBE):], special_tokens(tokenizer), ""
+    while token := next((t for t in specials if after.startswith(t)), None):
+        marker, after = marker + token, after[len(token):]
+    eos = tokenizer.eos_token
+    if not marker and eos and after.lstrip().startswith(eos):
+        marker = after[: len(after) - len(after.lstrip())] + eos
+    return marker
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Token ids that end a generated answer: the template's end of turn (its first special token) and eos, plus
+    the model's own generation eos ids: a base model whose eos is <|endoftext|>, trained to end turns with
+    <|im_end|>, must stop at both."""
+    ids = []
+    marker = end_of_turn(tokenizer)
+    first = next((t for t in special_tokens(tokenizer) if marker.lstrip().startswith(t)), None)
+    for token in (first, tokenizer.eos_token):
+        if token is not None:
+            ids.append(tokenizer.convert_tokens_to_ids(token))
+    own = getattr(generation_config, "eos_token_id", None)
+    ids += own if isinstance(own, list) else [own] if own is not None else []
+    return list(dict.fromkeys(i for i in ids if i is not None and i != tokenizer.unk_token_id))
+
+
 def _template_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
     return tokenizer.apply_chat_template(messages, **kw)["input_ids"] if messages else []
 
