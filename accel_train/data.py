@@ -150,19 +150,20 @@ def columns(ds: Dataset | IterableDataset) -> list[str]:
 
 def _tokenize_conversations(batch: dict, rows: list[int], tokenizer, cfg: Config, fmt: str) -> dict:
     """A batch of conversation rows, one by one (batched: datasets' per-row overhead was 40% of the time)."""
-    out = {"input_ids": [], "attention_mask": [], "labels": []}
+    out = {"input_ids": [], "attention_mask": [], "labels": [], "status": []}
     for i, row in enumerate(rows):
         for key, value in formats.tokenize_causal({k: v[i] for k, v in batch.items()}, tokenizer, cfg, fmt, row).items():
             out[key].append(value)
     return out
 
 
-def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list[str] | None = None
-             ) -> Dataset | IterableDataset:
+def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list[str] | None = None,
+             report: dict | None = None) -> Dataset | IterableDataset:
     """Tokenized dataset (formats.py: one row -> input_ids, attention_mask, labels). `labels`: seq_cls class
     names, in id order. In memory, datasets caches the result on disk, keyed by a hash of the function and its
     arguments: only what tokenizing reads goes into them, so later runs (another output_dir, learning rate, ...)
-    reuse the cache. A stream is tokenized lazily, as it is read."""
+    reuse the cache. A stream is tokenized lazily, as it is read. Conversations that were cut, dropped or refused
+    (formats.tokenize_causal) are counted into `report` and logged (in memory; a stream is not read ahead)."""
     d, cols = cfg.data, columns(ds)
     if cfg.task == "dpo":
         return dpo.tokenize_pairs(ds, tokenizer, cfg, cols)
@@ -171,7 +172,7 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
         prompt_field=d.prompt_field, response_field=d.response_field, messages_field=d.messages_field,
         instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
         format=d.format, train_on=d.train_on, text_field=d.text_field, label_field=d.label_field,
-        max_length=d.max_length))
+        max_length=d.max_length, truncation=d.truncation))
     if fmt == "text":
         fn, fn_kwargs, extra = formats.tokenize_text, {}, {"batched": True}
     elif fmt is not None:
@@ -180,9 +181,43 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
         fn, fn_kwargs, extra = formats.tokenize_cls, {"label2id": {n: i for i, n in enumerate(labels or [])}}, {}
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, **fn_kwargs}, "remove_columns": cols, **extra}
     ds = ds.map(fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(fn, **kwargs, desc="tokenizing")
-    if cfg.task == "causal_lm":  # truncation can leave a sample with no target token: it would teach nothing
+    if fmt not in (None, "text"):
+        counts = row_counts(ds) if isinstance(ds, Dataset) else None
+        ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
+        ds = ds.remove_columns("status")
+        if counts is not None:
+            log_row_counts(counts, cfg)
+            if report is not None:
+                report.update(counts)
+    if cfg.task == "causal_lm":  # a sample with no target token (an empty answer) would teach nothing
         ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels[1:]), input_columns="labels")
     return ds
+
+
+def row_counts(ds: Dataset) -> dict:
+    """What tokenizing did to the rows: how many were cut, dropped and refused, and the first reason of each."""
+    statuses = ds["status"]
+    counts = {"rows": len(statuses)}
+    for kind in ("cut", "dropped", "refused"):
+        rows = [i for i, s in enumerate(statuses) if s.startswith(kind)]
+        counts[kind] = len(rows)
+        if rows and kind != "cut":
+            counts[f"first_{kind}"] = f"row {rows[0]}: {statuses[rows[0]].partition(': ')[2]}"
+    return counts
+
+
+def log_row_counts(counts: dict, cfg: Config) -> None:
+    d, n = cfg.data, counts["rows"]
+    if counts["refused"] == n:
+        raise ConfigError(f"data: no row of {d.path} can be masked with this chat template ({counts['first_refused']})"
+                          "; use data.train_on=all, or a tokenizer with another template")
+    if counts["refused"]:
+        logger.warning(f"data: {counts['refused']} of {n} rows refused, their assistant turns not found in the chat "
+                       f"template's rendering (first: {counts['first_refused']})")
+    if counts["cut"] or counts["dropped"]:
+        logger.warning(f"data: {counts['cut']} of {n} samples cut and {counts['dropped']} dropped at "
+                       f"data.max_length={d.max_length} (data.truncation={d.truncation}"
+                       + (f"; first dropped: {counts['first_dropped']})" if counts["dropped"] else ")"))
 
 
 class PackingCollator:

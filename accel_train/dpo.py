@@ -95,8 +95,11 @@ def _split(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
 def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config) -> dict:
     """Prompt + chosen and prompt + rejected token ids and labels, truncated to data.max_length prompt first."""
     render = formats.tokens_with_template if tokenizer.chat_template else formats.tokens_without_template
-    (prompt, chosen), (prompt_rejected, rejected) = (
-        _split(*render(messages, tokenizer, "last_assistant")) for messages in pair_conversations(example, cfg, row))
+    try:
+        (prompt, chosen), (prompt_rejected, rejected) = (
+            _split(*render(messages, tokenizer, "last_assistant")) for messages in pair_conversations(example, cfg, row))
+    except formats.UnmaskableRow as e:
+        raise ConfigError(f"data: row {row}: {e}") from None
     if prompt != prompt_rejected:
         raise ConfigError("the tokenizer's chat template renders the shared prompt of a pair differently before "
                           "chosen and rejected; use another template")

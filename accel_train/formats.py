@@ -169,28 +169,84 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None and i != tokenizer.unk_token_id))
 
 
-def _template_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
-    return tokenizer.apply_chat_template(messages, **kw)["input_ids"] if messages else []
+class UnmaskableRow(ValueError):
+    """A conversation whose assistant turns cannot be found in the template's rendering: the row is refused
+    (counted and named in the log), not the run."""
+
+
+def _render(tokenizer, messages: list[dict], **kw) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kw) if messages else ""
+
+
+def _header(tokenizer, messages: list[dict], i: int) -> str:
+    """The text the template writes between message i-1's content and assistant turn i (e.g.
+    `<|im_end|>\n<|im_start|>assistant\n`), led by that content: the tail of the conversation up to turn i rendered
+    with a generation prompt."""
+    prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+    before = messages[i - 1]["content"].strip() if i else ""
+    at = prompt.rfind(before) if before else -1
+    if at >= 0:
+        return prompt[at:]
+    plain = _render(tokenizer, messages[:i])
+    return prompt[len(plain):] if prompt.startswith(plain) else ""
+
+
+def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -> list[tuple[int, int]]:
+    """Character spans of the trained assistant turns in `text` (the template's rendering of `messages`): each
+    from the start of its answer (its content; for a turn with no content, such as a tool call, or with a reasoning
+    block, what follows the assistant header) to the end of the end-of-turn marker that follows it. Template
+    scaffolding (headers, the empty `<think>` block Qwen3 writes) and every other role's text stay outside. Each
+    turn is searched after the previous one, anchored on the text before it, so a repeated phrase cannot match
+    an earlier turn. Raises UnmaskableRow where the rendering does not contain a turn."""
+    marker, spans, pos = end_of_turn(tokenizer), [], 0
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in turns:
+        m = messages[i]
+        header = _header(tokenizer, messages, i)
+        at = text.find(header, pos) if header else pos
+        eos = tokenizer.eos_token
+        if at < 0 and eos and header.endswith(eos):  # a template that ends every rendering with eos (Phi-3)
+            header = header.removesuffix(eos)
+            at = text.find(header, pos)
+        if at < 0:
+            raise UnmaskableRow(f"the template's text before assistant turn {i} is not in the full rendering")
+        after_header = at + len(header)
+        body = m["content"].strip()
+        start = text.find(body, after_header) if body else after_header
+        if start < 0:
+            raise UnmaskableRow(f"assistant turn {i}'s content is not in the template's rendering")
+        if any(m.get(k) for k in REASONING_KEYS) or m.get("tool_calls"):
+            start = min(start, after_header)  # the model writes the reasoning block or tool call itself
+        end = start + len(body)
+        if marker:
+            stop = text.find(marker, end)
+            if stop < 0:
+                raise UnmaskableRow(f"no end-of-turn marker {marker!r} after assistant turn {i}")
+            end = stop + len(marker)
+        if train_on == "all_assistant" or i == turns[-1]:
+            spans.append((start, end))
+        pos = end
+    return spans
+
+
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # what templates with <think> blocks read
 
 
 def tokens_with_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of a conversation rendered by the chat template. Each trained assistant turn is located
-    as the tokens between the conversation up to it with a generation prompt and the conversation up to its end,
-    both of which must be prefixes of the whole rendering."""
-    full = _template_ids(tokenizer, messages)
+    """(input ids, labels) of a conversation rendered once by the chat template, the ids exactly those of
+    `apply_chat_template`. Trained tokens are those whose characters fall in an assistant span
+    (`assistant_spans`), mapped through the fast tokenizer's offsets."""
+    text = _render(tokenizer, messages)
+    if not tokenizer.is_fast:
+        raise UnmaskableRow("locating answers needs a fast tokenizer (character offsets)")
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
     if train_on == "all":
-        return full, list(full)
-    labels = [IGNORE_INDEX] * len(full)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in turns[-1:] if train_on == "last_assistant" else turns:
-        before = _template_ids(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = full if i == len(messages) - 1 else _template_ids(tokenizer, messages[: i + 1])
-        if full[: len(before)] != before or full[: len(upto)] != upto:
-            raise ConfigError("the tokenizer's chat template renders the prompt differently inside the full "
-                              "conversation, so the response tokens cannot be located; use prompt/response "
-                              "data with a tokenizer without chat template, or another template")
-        labels[len(before): len(upto)] = full[len(before): len(upto)]
-    return full, labels
+        return ids, list(ids)
+    spans = assistant_spans(messages, tokenizer, text, train_on)
+    labels = [t if any(a < e and b > s for s, e in spans) else IGNORE_INDEX
+              for t, (a, b) in zip(ids, encoded["offset_mapping"])]
+    return ids, labels
 
 
 def tokens_without_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
@@ -220,12 +276,40 @@ def tokens_without_template(messages: list[dict], tokenizer, train_on: str) -> t
 
 def tokenize_causal(example: dict, tokenizer, cfg: Config, fmt: str | None = None, row: int = 0) -> dict:
     """A conversation row (messages, prompt_response, alpaca; None: from its keys): labels on the tokens
-    data.train_on names."""
+    data.train_on names, truncated to data.max_length as data.truncation says. `status` says what happened to the
+    row: "" kept whole, "cut", "dropped: ..." (nothing to train on is left) or "refused: ..." (the answers cannot
+    be located): data.tokenize counts and removes the last two."""
     messages = conversation(example, cfg, fmt or resolve_format(cfg, list(example)), row)
     render = tokens_with_template if tokenizer.chat_template else tokens_without_template
-    ids, labels = render(messages, tokenizer, cfg.data.train_on)
-    ids, labels = ids[: cfg.data.max_length], labels[: cfg.data.max_length]
-    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+    try:
+        ids, labels = render(messages, tokenizer, cfg.data.train_on)
+    except UnmaskableRow as e:
+        return {"input_ids": [], "attention_mask": [], "labels": [], "status": f"refused: {e}"}
+    ids, labels, status = truncate(ids, labels, cfg, tokenizer.bos_token_id)
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels, "status": status}
+
+
+def truncate(ids: list[int], labels: list[int], cfg: Config, bos: int | None) -> tuple[list[int], list[int], str]:
+    """A sample cut to data.max_length. prompt_first keeps the end: the oldest tokens go (a leading bos stays),
+    the last trained answer and its end-of-turn marker are kept whole; where they alone do not fit (with one
+    token before them to predict their first), the sample is dropped. right keeps the start."""
+    size = cfg.data.max_length
+    if len(ids) <= size:
+        return ids, labels, ""
+    if cfg.data.truncation == "right":
+        ids, labels = ids[:size], labels[:size]
+        kept = any(t != IGNORE_INDEX for t in labels[1:])
+        return ids, labels, "cut" if kept else f"dropped: no trained token in the first {size} tokens"
+    trained = [i for i, t in enumerate(labels) if t != IGNORE_INDEX]
+    last = trained[-1] if trained else len(labels) - 1
+    while last > 0 and labels[last - 1] != IGNORE_INDEX:  # the start of the last trained run
+        last -= 1
+    head = [0] if ids[0] == bos and bos is not None else []
+    keep = size - len(head)
+    if len(ids) - last > keep - 1:
+        return [], [], f"dropped: the last answer alone is {len(ids) - last} tokens"
+    pick = head + list(range(len(ids) - keep, len(ids)))
+    return [ids[i] for i in pick], [labels[i] for i in pick], "cut"
 
 
 def tokenize_text(batch: dict, tokenizer, cfg: Config) -> dict:

@@ -23,6 +23,14 @@ def make_cfg(*overrides: str):
     return load_config(None, list(overrides))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def accelerate_state():
+    """data.tokenize logs through accelerate's logger (on the main process), as it does in a run."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return AutoTokenizer.from_pretrained(TINY_MODEL)
@@ -93,7 +101,7 @@ def test_without_chat_template_the_prompt_text_is_masked(tok):
     assert tok.chat_template  # the shared tokenizer was not touched
 
 
-def test_truncation_drops_samples_without_targets_and_cuts_long_responses(tok):
+def test_right_truncation_drops_samples_without_targets_and_cuts_long_responses(tok):
     short = {"prompt": "ab", "response": "ba"}  # <|user|> a b <|assistant|> b a </s>: 7 tokens
     long = {"prompt": "reverse abcdefghij", "response": "jihgfedcba"}  # 20 prompt tokens
     raw = Dataset.from_list([short, long])
@@ -102,19 +110,45 @@ def test_truncation_drops_samples_without_targets_and_cuts_long_responses(tok):
 
     # Shorter than the long prompt: that sample keeps no target token and is dropped; the short one is intact.
     for max_length in (12, long_prompt_len):
-        cfg = make_cfg(f"data.max_length={max_length}")
-        out = data_lib.tokenize(raw, tok, cfg)
+        cfg = make_cfg(f"data.max_length={max_length}", "data.truncation=right")
+        report = {}
+        out = data_lib.tokenize(raw, tok, cfg, report=report)
         assert len(out) == 1, max_length
         assert targets(out[0]) == ids(tok, "ba") + [tok.eos_token_id]
+        assert (report["rows"], report["cut"], report["dropped"], report["refused"]) == (2, 0, 1, 0)
+        assert report["first_dropped"].startswith("row 1: no trained token")
 
-    # A length that cuts the response keeps the sample, cut to max_length, with the surviving response labelled.
-    cfg = make_cfg(f"data.max_length={long_prompt_len + 3}")
-    out = data_lib.tokenize(raw, tok, cfg)
-    assert len(out) == 2
+    # A length that cuts the response keeps the sample, cut to max_length, with the surviving response labelled,
+    # and counts it.
+    cfg = make_cfg(f"data.max_length={long_prompt_len + 3}", "data.truncation=right")
+    report = {}
+    out = data_lib.tokenize(raw, tok, cfg, report=report)
+    assert len(out) == 2 and (report["cut"], report["dropped"]) == (1, 0)
     cut = out[1]
     assert len(cut["input_ids"]) == len(cut["labels"]) == len(cut["attention_mask"]) == long_prompt_len + 3
     assert_only_tail_labelled(cut, long_prompt_len)
     assert targets(cut) == ids(tok, "jih")  # the eos was cut off with the rest of the response
+
+
+def test_prompt_first_truncation_keeps_the_whole_answer_and_its_end_of_turn(tok, caplog):
+    """The default: the prompt's oldest tokens go, the answer keeps its eos, so the model still learns to stop; a
+    sample whose answer alone does not fit is dropped, and both are counted and logged."""
+    long = {"prompt": "reverse abcdefghij", "response": "jihgfedcba"}  # 20 prompt tokens, 11 answer tokens
+    whole = formats.tokenize_causal(long, tok, make_cfg())
+    raw = Dataset.from_list([{"prompt": "ab", "response": "ba"}, long])
+    cfg = make_cfg("data.max_length=12")
+    report = {}
+    with caplog.at_level("WARNING"):
+        out = data_lib.tokenize(raw, tok, cfg, report=report)
+    assert len(out) == 2 and (report["cut"], report["dropped"]) == (1, 0)
+    assert out[1]["input_ids"] == whole["input_ids"][-12:]  # the generation prompt and the whole answer
+    assert targets(out[1]) == ids(tok, "jihgfedcba") + [tok.eos_token_id]
+    assert "1 of 2 samples cut and 0 dropped at data.max_length=12 (data.truncation=prompt_first)" in caplog.text
+
+    report = {}
+    out = data_lib.tokenize(raw, tok, make_cfg("data.max_length=11"), report=report)  # no room for one prompt token
+    assert len(out) == 1 and (report["cut"], report["dropped"]) == (0, 1)
+    assert report["first_dropped"] == "row 1: the last answer alone is 11 tokens"
 
 
 def test_numeric_looking_csv_values_are_tokenized_as_text(tmp_path, tok):
