@@ -1,15 +1,23 @@
-"""The bundled `evaluate` metrics against references computed by hand on a few strings (in-process, offline), how
-their results are named, and which direction is better for eval.metric_for_best."""
+"""The bundled `evaluate` metrics against the documented examples of the hub's versions and against references
+computed by hand on a few strings (in-process, offline), how their results are named, and which direction is better
+for eval.metric_for_best.
+
+The hub's examples are copied with their documented outputs from the docstrings of huggingface/evaluate
+metrics/NAME/NAME.py at v0.4.6, the scripts evaluate 0.4.6 loads from the hub (and the bundled copies hold).
+"""
 
 from __future__ import annotations
 
 import math
 import re
 
+import evaluate
+import numpy as np
 import pytest
+import torch
 
 from accel_train.config import ConfigError, load_config
-from accel_train.metrics import bundled, greater_is_better, load_metric, scores
+from accel_train.metrics import BUNDLED, bundled, compute_metrics, greater_is_better, load_metric, scores
 from accel_train.generation import split_prompt
 from accel_train.preflight import check_sharded
 
@@ -128,4 +136,163 @@ def test_f1():
     assert compute("f1", predictions, references, average="macro")["f1"] == pytest.approx((1 / 2 + 4 / 5 + 0) / 3)
     assert compute("f1", predictions, references, average="weighted")["f1"] == pytest.approx((2 * 1 / 2 + 2 * 4 / 5) / 5)
     assert compute("f1", predictions, references, average="micro")["f1"] == pytest.approx(3 / 5)
-    assert compute("f1", predictions, references)["f1"] == pytest.approx(4 / 5)  # binary: class 1
+    # the default, average="binary", is for two classes only: the hub's f1 (scikit-learn) refuses three
+    with pytest.raises(ValueError, match="Target is multiclass but average='binary'"):
+        compute("f1", predictions, references)
+
+
+# The hub's documented examples. accuracy: metrics/accuracy/accuracy.py, examples 1-3.
+ACCURACY = dict(references=[0, 1, 2, 0, 1, 2], predictions=[0, 1, 1, 2, 1, 0])
+
+
+@pytest.mark.parametrize("kwargs, want", [({}, 0.5), ({"normalize": False}, 3.0),
+                                          ({"sample_weight": [0.5, 2, 0.7, 0.5, 9, 0.4]}, 0.8778625954198473)])
+def test_accuracy_as_documented_by_the_hub(kwargs, want):
+    result = load_metric("accuracy").compute(**ACCURACY, **kwargs)
+    assert result == {"accuracy": want} and type(result["accuracy"]) is float
+
+
+# f1: metrics/f1/f1.py, examples 1-4 (binary, then multiclass).
+F1_BINARY = dict(references=[0, 1, 0, 1, 0], predictions=[0, 0, 1, 1, 0])
+F1_MULTICLASS = dict(predictions=[0, 2, 1, 0, 0, 1], references=[0, 1, 2, 0, 1, 2])
+
+
+@pytest.mark.parametrize("inputs, kwargs, want", [
+    (F1_BINARY, {}, 0.5),
+    (F1_BINARY, {"pos_label": 0}, 0.67),
+    (F1_BINARY, {"sample_weight": [0.9, 0.5, 3.9, 1.2, 0.3]}, 0.35),
+    (F1_MULTICLASS, {"average": "macro"}, 0.27),
+    (F1_MULTICLASS, {"average": "micro"}, 0.33),
+    (F1_MULTICLASS, {"average": "weighted"}, 0.27),
+])
+def test_f1_as_documented_by_the_hub(inputs, kwargs, want):
+    result = load_metric("f1").compute(**inputs, **kwargs)
+    assert round(result["f1"], 2) == want and type(result["f1"]) is float
+
+
+def test_f1_per_class_and_chosen_labels():
+    f1 = load_metric("f1")
+    # average=None: one score per class, as a numpy array (hub example 4: {'f1': array([0.8, 0. , 0. ])})
+    per_class = f1.compute(**F1_MULTICLASS, average=None)["f1"]
+    assert isinstance(per_class, np.ndarray) and per_class.tolist() == [0.8, 0.0, 0.0]
+    # labels: which classes, in which order (class 0: tp 2, 3 predicted, 2 actual -> F1 4/5; class 2: 0)
+    assert f1.compute(**F1_MULTICLASS, labels=[2, 0], average=None)["f1"].tolist() == [0.0, 0.8]
+    assert f1.compute(**F1_MULTICLASS, labels=[0, 2], average="macro") == {"f1": pytest.approx(0.4)}
+    # one label with average=None: its single score as a float (the hub's script means this, and raises TypeError
+    # with numpy 2.4: accel_train/metrics/f1/f1.py)
+    assert f1.compute(**F1_MULTICLASS, labels=[0], average=None) == {"f1": pytest.approx(0.8)}
+
+
+def test_f1_refuses_what_the_hub_refuses():
+    f1 = load_metric("f1")
+    # issue 24: the old bundled f1 returned class 1's F1 (0.0) here
+    with pytest.raises(ValueError, match=re.escape("Target is multiclass but average='binary'. Please choose another "
+                                                   "average setting, one of [None, 'micro', 'macro', 'weighted'].")):
+        f1.compute(predictions=[0, 1, 2, 2], references=[0, 2, 2, 1])
+    with pytest.raises(ValueError, match="pos_label=2 is not a valid label"):
+        f1.compute(**F1_BINARY, pos_label=2)
+    # one label per sample unless the "multilabel" configuration is loaded, as on the hub
+    with pytest.raises(ValueError, match="don't match the expected format"):
+        f1.compute(predictions=[[0, 1, 1], [1, 1, 0]], references=[[0, 1, 1], [0, 1, 0]], average="macro")
+    with pytest.raises(TypeError, match="zero_division"):  # an argument of precision and recall, not of f1
+        f1.compute(**F1_BINARY, zero_division=0)
+
+
+def test_multilabel_configurations_as_documented_by_the_hub():
+    # eval.metrics names no configuration, so the product loads the default one; "multilabel" is the hub's other
+    def multilabel(name):
+        return evaluate.load(str(BUNDLED / name / f"{name}.py"), "multilabel", keep_in_memory=True)
+
+    inputs = dict(predictions=[[0, 1, 1], [1, 1, 0]], references=[[0, 1, 1], [0, 1, 0]])
+    assert round(multilabel("f1").compute(**inputs, average="macro")["f1"], 2) == 0.67  # f1.py, example 5
+    assert multilabel("accuracy").compute(**inputs) == {"accuracy": 0.5}  # subset accuracy: the first row only
+
+
+# exact_match: metrics/exact_match/exact_match.py, its five examples.
+WORDS = dict(references=["the cat", "theater", "YELLING", "agent007"],
+             predictions=["cat?", "theater", "yelling", "agent"])
+SENTENCES = dict(
+    references=["The cat sat on the mat.", "Theaters are great.", "It's like comparing oranges and apples."],
+    predictions=["The cat sat on the mat?", "Theaters are great.", "It's like comparing apples and oranges."])
+
+
+@pytest.mark.parametrize("inputs, kwargs, want", [
+    (WORDS, {}, 0.25),
+    (WORDS, {"regexes_to_ignore": ["the ", "yell"], "ignore_case": True, "ignore_punctuation": True}, 0.5),
+    (WORDS, {"regexes_to_ignore": ["the ", "yell", "YELL"], "ignore_case": True, "ignore_punctuation": True}, 0.75),
+    (WORDS, {"regexes_to_ignore": ["the ", "yell", "YELL"], "ignore_case": True, "ignore_punctuation": True,
+             "ignore_numbers": True}, 1.0),
+    (SENTENCES, {}, 0.33),
+])
+def test_exact_match_as_documented_by_the_hub(inputs, kwargs, want):
+    assert round(load_metric("exact_match").compute(**inputs, **kwargs)["exact_match"], 2) == want
+
+
+def test_rouge_as_documented_by_the_hub():
+    predictions = references = ["hello there", "general kenobi"]
+    assert compute("rouge", predictions, references) == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0,
+                                                         "rougeLsum": 1.0}  # rouge.py, its example
+    # use_aggregator=False: each sample's F-measure; tokenizer: a callable in place of rouge_score's (which lower-cases)
+    assert compute("rouge", ["Hello there"], ["hello there"], rouge_types=["rouge1"], use_aggregator=False) == {
+        "rouge1": [1.0]}
+    assert compute("rouge", ["Hello there"], ["hello there"], rouge_types=["rouge1"], tokenizer=str.split) == {
+        "rouge1": 0.5}
+
+
+# sacrebleu: metrics/sacrebleu/sacrebleu.py, examples 1 and 2.
+@pytest.mark.parametrize("predictions, references, want", [
+    (["hello there general kenobi", "foo bar foobar"],
+     [["hello there general kenobi", "hello there !"], ["foo bar foobar", "foo bar foobar"]], 100.0),
+    (["hello there general kenobi", "on our way to ankh morpork"],
+     [["hello there general kenobi", "hello there !"], ["goodbye ankh morpork", "ankh morpork"]], 39.8),
+])
+def test_sacrebleu_as_documented_by_the_hub(predictions, references, want):
+    result = compute("sacrebleu", predictions, references)
+    assert list(result) == ["score", "counts", "totals", "precisions", "bp", "sys_len", "ref_len"]
+    assert round(result["score"], 1) == want
+
+
+# chrf: metrics/chrf/chrf.py, examples 1-3.
+@pytest.mark.parametrize("kwargs, want", [
+    ({}, {"score": 84.64214891738334, "char_order": 6, "word_order": 0, "beta": 2}),
+    ({"word_order": 2}, {"score": 82.87263732906315, "char_order": 6, "word_order": 2, "beta": 2}),
+    ({"word_order": 2, "lowercase": True},
+     {"score": 92.12853119829202, "char_order": 6, "word_order": 2, "beta": 2}),
+])
+def test_chrf_as_documented_by_the_hub(kwargs, want):
+    prediction = ["The relationship between cats and dogs is not exactly friendly.",
+                  "a good bookshop is just a genteel black hole that knows how to read."]
+    reference = [["The relationship between dogs and cats is not exactly friendly."],
+                 ["A good bookshop is just a genteel Black Hole that knows how to read."]]
+    assert compute("chrf", prediction, reference, **kwargs) == want
+
+
+@pytest.mark.parametrize("name, message", [
+    ("sacrebleu", "Sacrebleu requires the same number of references for each prediction"),
+    ("chrf", "ChrF, as implemented by sacrebleu, requires the same number of references for each prediction"),
+])
+def test_references_of_unequal_numbers_are_refused_as_on_the_hub(name, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        compute(name, ["a b", "c d"], [["a b", "a c"], ["c d"]])
+
+
+def test_only_numbers_are_reported():
+    # f1 with average=None gives an array (one score per class): left out, as lists and strings are; numpy scalars
+    # are numbers
+    assert scores("f1", {"f1": np.array([0.8, 0.0, 0.0])}) == {}
+    assert scores("m", {"a": np.int64(3), "b": np.float32(0.5), "c": [1.0], "d": "x", "e": True}) == {
+        "eval_a": 3.0, "eval_b": 0.5}
+
+
+def test_metric_kwargs_a_config_accepts_reach_the_metrics():
+    # issue 24: the old bundled accuracy took no normalize and crashed at the first evaluation. Batches are added
+    # as the loop adds them (torch int64 tensors of the kept targets).
+    cfg = load_config(None, ["eval.metrics=[accuracy,f1]",
+                             "eval.metric_kwargs={f1: {average: macro}, accuracy: {normalize: false}}"])
+    metrics = {name: load_metric(name) for name in cfg.eval.metrics}
+    for metric in metrics.values():
+        metric.add_batch(predictions=torch.tensor(ACCURACY["predictions"]),
+                         references=torch.tensor(ACCURACY["references"]))
+    # f1 of class 0: tp 1, 2 predicted, 2 actual -> 1/2; class 1: tp 2, 3 predicted, 2 actual -> 4/5; class 2: 0
+    results = compute_metrics(metrics, cfg.eval.metric_kwargs)
+    assert results == {"eval_accuracy": 3.0, "eval_f1": pytest.approx((1 / 2 + 4 / 5 + 0) / 3)}

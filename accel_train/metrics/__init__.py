@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,10 +33,12 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
 def scores(name: str, result: dict) -> dict:
     """A metric's result as flat `eval_KEY` numbers. A result with a "score" (sacrebleu, chrf, ter, ...) is that
     score and its details: the score alone is reported, named after the metric (eval_sacrebleu, eval_chrf); other
-    results are reported key by key (eval_exact_match, eval_rouge1, ...). Lists and strings are left out."""
+    results are reported key by key (eval_exact_match, eval_rouge1, ...). Only numbers are: lists, arrays (f1 with
+    average=None: one score per class) and strings are left out."""
     if "score" in result:
         return {f"eval_{name}": float(result["score"])}
-    return {f"eval_{k}": float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # numbers.Real: Python and numpy scalars (numpy.int64 and float32 are not int or float); a bool is not a score
+    return {f"eval_{k}": float(v) for k, v in result.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
 
 def compute_metrics(metrics: dict, kwargs: dict, **inputs) -> dict:
