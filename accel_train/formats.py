@@ -175,7 +175,13 @@ class UnmaskableRow(ValueError):
 
 
 def _render(tokenizer, messages: list[dict], **kw) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, **kw) if messages else ""
+    """The template's text; a conversation the template refuses (Gemma 2 raises on a system turn) is a row refused."""
+    if not messages:
+        return ""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    except Exception as e:  # noqa: BLE001 (jinja2's TemplateError for raise_exception, or any template bug)
+        raise UnmaskableRow(f"the chat template refuses this conversation: {' '.join(str(e).split())[:200]}") from None
 
 
 def _header(tokenizer, messages: list[dict], i: int) -> str:
@@ -211,13 +217,17 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -
         if at < 0:
             raise UnmaskableRow(f"the template's text before assistant turn {i} is not in the full rendering")
         after_header = at + len(header)
-        body = m["content"].strip()
-        start = text.find(body, after_header) if body else after_header
-        if start < 0:
+        # As written, else as templates that trim it (Llama 3, Gemma, Mistral) render it.
+        body = next((b for b in (m["content"], m["content"].strip()) if b.strip() and b in text[after_header:]),
+                    m["content"].strip())
+        content = text.find(body, after_header) if body else after_header
+        if content < 0:
             raise UnmaskableRow(f"assistant turn {i}'s content is not in the template's rendering")
-        if any(m.get(k) for k in REASONING_KEYS) or m.get("tool_calls"):
-            start = min(start, after_header)  # the model writes the reasoning block or tool call itself
-        end = start + len(body)
+        reasoning = [str(m[k]).strip() for k in REASONING_KEYS if m.get(k)]
+        # The model writes a tool call or a reasoning block itself: trained from the header on. Otherwise what
+        # stands between header and content (Qwen3's empty <think> block) is the template's, not the answer.
+        own = m.get("tool_calls") or any(r in text[after_header:content] for r in reasoning)
+        start, end = (after_header if own else content), content + len(body)
         if marker:
             stop = text.find(marker, end)
             if stop < 0:
@@ -245,8 +255,17 @@ def tokens_with_template(messages: list[dict], tokenizer, train_on: str) -> tupl
         return ids, list(ids)
     spans = assistant_spans(messages, tokenizer, text, train_on)
     labels = [t if any(a < e and b > s for s, e in spans) else IGNORE_INDEX
-              for t, (a, b) in zip(ids, encoded["offset_mapping"])]
+              for t, (a, b) in zip(ids, (_core(text, a, b) for a, b in encoded["offset_mapping"]))]
     return ids, labels
+
+
+def _core(text: str, a: int, b: int) -> tuple[int, int]:
+    """A token's characters without the white space at its ends, where it has other characters: a special token
+    that swallows the spaces after it (Phi-4's <|im_sep|>, rstrip) is not part of the answer those spaces begin."""
+    piece = text[a:b]
+    if not piece.strip():
+        return a, b
+    return a + len(piece) - len(piece.lstrip()), b - (len(piece) - len(piece.rstrip()))
 
 
 def tokens_without_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
