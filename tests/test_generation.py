@@ -182,3 +182,98 @@ def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         push.main([str(tmp_path), "--repo-id", "me/reverse"])
     assert e.value.code == 2 and "is not a finished accel_train run (no summary.json)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- stopping at the template's end of turn
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MAX_NEW = 12
+
+
+def base_chatml_tokenizer():
+    """The tiny tokenizer made a base model's as Qwen2.5's base models have it: eos <|endoftext|> (what
+    pre-training ends documents with), a ChatML template whose turns end with <|im_end|> (what fine-tuning teaches)."""
+    from conftest import REPO
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "model" / "tiny-llama")
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>",
+                                  "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def answering_model(tokenizer):
+    """A 1-layer Llama that answers any prompt "abc<|im_end|>", then starts again ("abc<|im_end|>abc..."), as a base
+    trained to end turns with <|im_end|> does, with the base's generation eos (<|endoftext|>). Its layers add nothing
+    (o_proj and down_proj are zero), each token's embedding is one-hot and the head maps each token to the next of
+    the chain; a prompt ends with the template's "\\n" (<unk> in this vocabulary)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=128,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    chain = [tokenizer.unk_token_id, ids("a"), ids("b"), ids("c"), ids("<|im_end|>"), ids("a")]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+        model.get_input_embeddings().weight[:, : len(tokenizer)] = torch.eye(len(tokenizer))
+        for now, after in zip(chain, chain[1:]):
+            model.lm_head.weight[after, now] = 1.0
+    return model
+
+
+def chat_prompt(tokenizer, content: str = "reverse cba") -> dict:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+
+
+def new_tokens(model, prompt: dict, **kwargs) -> list[int]:
+    """Greedy, at most MAX_NEW tokens unless `kwargs` say otherwise."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(**prompt, **{"max_new_tokens": MAX_NEW, "do_sample": False, **kwargs})
+    return out[0, prompt["input_ids"].shape[1]:].tolist()
+
+
+def test_a_base_eos_and_a_chatml_template_stop_at_both():
+    from accel_train.formats import end_of_turn, stop_token_ids
+
+    tokenizer = base_chatml_tokenizer()
+    model = answering_model(tokenizer)
+    assert end_of_turn(tokenizer) == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert stop_token_ids(tokenizer, model.generation_config) == tokenizer.convert_tokens_to_ids(
+        ["<|im_end|>", "<|endoftext|>"])
+
+
+def test_eval_generation_stops_at_the_end_of_turn():
+    from accel_train.config import load_config
+    from accel_train.generation import generation_kwargs, until_stop
+
+    tokenizer = base_chatml_tokenizer()
+    model = answering_model(tokenizer)
+    prompt = chat_prompt(tokenizer)
+    # the base's eos alone: the answer runs on to max_new_tokens
+    assert tokenizer.decode(new_tokens(model, prompt, pad_token_id=0)) == "abc<|im_end|>abc<|im_end|>abc<|im_end|>"
+    kwargs = generation_kwargs(load_config(overrides=[f"eval.max_new_tokens={MAX_NEW}"]), tokenizer, model)
+    out = new_tokens(model, prompt, **kwargs)
+    assert tokenizer.convert_ids_to_tokens(out) == ["a", "b", "c", "<|im_end|>"]
+    # what evaluate_generations scores: a gathered row padded past the answer, cut at its first stop
+    row = out + [tokenizer.pad_token_id] * 3
+    assert tokenizer.batch_decode([until_stop(row, kwargs["eos_token_id"])], skip_special_tokens=True) == ["abc"]
+
+
+def test_generate_cli_stops_at_the_end_of_turn(tmp_path):
+    from accel_train.generate import generate
+
+    tokenizer = base_chatml_tokenizer()
+    # a model/ folder saved by another tool: its generation_config.json names <|endoftext|> only
+    answering_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert generate(str(tmp_path), "reverse cba", max_new_tokens=MAX_NEW) == "abc"
