@@ -11,17 +11,20 @@ scores to output_dir/eval_predictions.jsonl.
 
 An answer ends at the chat template's end of turn as well as at eos (formats.stop_token_ids): a base model whose
 generation eos is <|endoftext|>, trained to end turns with <|im_end|>, would otherwise run every answer to
-max_new_tokens.
+max_new_tokens. The same stop ids are saved as eos_token_id in the trained model's generation_config.json
+(`stopping_config`), so that `generate()` stops there with no arguments.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
+from transformers import GenerationConfig
 
 from accel_train.config import Config, ConfigError
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
@@ -94,6 +97,16 @@ def until_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
     """An answer's tokens before its first stop token: what follows it (the padding of a finished row) is not
     part of it, whether or not the tokenizer calls it special."""
     return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
+
+
+def stopping_config(model, tokenizer) -> GenerationConfig:
+    """The model's generation config (or one made from its config) with the stop ids as eos_token_id and the
+    tokenizer's pad token: saved beside trained weights as generation_config.json."""
+    own = getattr(model, "generation_config", None)
+    config = copy.deepcopy(own) if own is not None else GenerationConfig.from_model_config(model.config)
+    config.eos_token_id = stop_token_ids(tokenizer, config)
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
 
 
 @torch.no_grad()

@@ -277,3 +277,74 @@ def test_generate_cli_stops_at_the_end_of_turn(tmp_path):
     answering_model(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     assert generate(str(tmp_path), "reverse cba", max_new_tokens=MAX_NEW) == "abc"
+
+
+def test_saved_adapter_and_merged_model_stop_at_the_end_of_turn_without_arguments(tmp_path):
+    """The adapter's generation_config.json holds the stop ids; transformers loads the merged model's, peft leaves
+    the adapter's unread (it loads the base's), so model.load_trained and the card's example apply it."""
+    import peft
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from accel_train.card import model_card
+    from accel_train.config import load_config, save_config
+    from accel_train.export import merge_adapter
+    from accel_train.generation import stopping_config
+    from accel_train.model import load_trained
+
+    tokenizer = base_chatml_tokenizer()
+    stops = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    base, run = tmp_path / "base", tmp_path / "run"
+    answering_model(tokenizer).save_pretrained(base)  # a hub base: generation eos <|endoftext|> only
+    tokenizer.save_pretrained(base)
+    # the adapter as recipe.save_model writes it (LoRA's B starts at zero: the answers stay the base's)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(run / "adapter")
+    tokenizer.save_pretrained(run / "adapter")
+    stopping_config(model, tokenizer).save_pretrained(run / "adapter")
+    saved = GenerationConfig.from_pretrained(run / "adapter")
+    assert saved.eos_token_id == stops and saved.pad_token_id == tokenizer.pad_token_id
+    prompt = chat_prompt(tokenizer)
+
+    plain = peft.AutoPeftModelForCausalLM.from_pretrained(run / "adapter")
+    # peft 0.21: the base's generation config; if this fails peft now reads the adapter's (simplify the card)
+    assert len(new_tokens(plain, prompt)) == MAX_NEW
+    assert len(new_tokens(plain, prompt, generation_config=saved)) == 4
+    assert len(new_tokens(load_trained(run / "adapter", AutoModelForCausalLM)[0], prompt)) == 4
+
+    save_config(load_config(), run / "config.yaml")
+    merge_adapter(run, run / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(run / "merged")
+    assert merged.generation_config.eos_token_id == stops
+    assert len(new_tokens(merged, prompt)) == 4
+
+    # each card's example, run as a user would: the answer ends at <|im_end|>
+    (run / "summary.json").write_text("{}")
+    for folder in ("adapter", "merged"):
+        code = model_card(run, folder).text.split("```python\n")[1].split("```")[0]
+        scope = {}
+        exec(code, scope)
+        assert tokenizer.decode(scope["out"][0, scope["inputs"]["input_ids"].shape[1]:]) == "abc<|im_end|>", folder
+
+
+def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
+    """The default recipe's template ends turns with the eos the base stops at: one stop id, in adapter/ and
+    merged/ alike; the merged model, loaded by transformers alone, ends its answers there."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from accel_train.formats import stop_token_ids
+
+    out = runs["one"]
+    tokenizer = AutoTokenizer.from_pretrained(out / "adapter")
+    assert stop_token_ids(tokenizer) == [tokenizer.eos_token_id]
+    for folder in ("adapter", "merged"):
+        saved = GenerationConfig.from_pretrained(out / folder)
+        assert saved.eos_token_id == [tokenizer.eos_token_id] and saved.pad_token_id == tokenizer.pad_token_id
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    rows = predictions(out)
+    prompt = tokenizer([r["prompt"] for r in rows[-4:]], return_tensors="pt", padding=True, padding_side="left",
+                       add_special_tokens=False)
+    with torch.no_grad():
+        answers = merged.generate(**prompt, max_new_tokens=MAX_NEW, do_sample=False)[:, prompt["input_ids"].shape[1]:]
+    assert answers.shape[1] < MAX_NEW and (answers == tokenizer.eos_token_id).any(dim=1).all()
