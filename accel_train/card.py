@@ -124,7 +124,30 @@ def usage_section(cfg: Config, folder: str, source: str) -> list[str]:
     auto = AUTO_CLASSES[cfg.task]
     package, cls = ("peft", f"AutoPeftModelFor{auto}") if folder == "adapter" else ("transformers", f"AutoModelFor{auto}")
     load = f"from {package} import {cls}\n\nmodel = {cls}.from_pretrained({source!r})"
+    if PIPELINE_TAGS[cfg.task] == "text-generation":
+        load = generation_example(folder, source, package, cls)
     return ["## Usage", "", "```python", load, "```", ""]
+
+
+def generation_example(folder: str, source: str, package: str, cls: str) -> str:
+    """Load and generate an answer that stops at the end of turn: the folder's generation_config.json holds the
+    stop ids. transformers loads it with a model folder; peft loads the base model's instead, so an adapter's
+    example passes it."""
+    adapter = folder == "adapter"
+    imports = ([f"from {package} import {cls}", "from transformers import AutoTokenizer, GenerationConfig"] if adapter
+               else [f"from transformers import {cls}, AutoTokenizer"])
+    if adapter:
+        stop = ("# peft loads the base model's generation config: this one also stops at the end of a turn\n"
+                f"generation_config = GenerationConfig.from_pretrained({source!r})\n"
+                "out = model.generate(**inputs, generation_config=generation_config, max_new_tokens=64)")
+    else:
+        stop = "out = model.generate(**inputs, max_new_tokens=64)  # stops at the end of a turn: generation_config.json"
+    return "\n".join([
+        *imports, "", f"model = {cls}.from_pretrained({source!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({source!r})",
+        'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,',
+        '                                       return_tensors="pt", return_dict=True)',
+        stop, 'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))'])
 
 
 def write_cards(run_dir: str | Path, repo_id: str | None = None) -> list[Path]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from accel_train.config import ConfigError, load_config
+from accel_train.generation import stopping_config
 from accel_train.model import AUTO_CLASS, load_trained
 
 
@@ -29,6 +30,10 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
     model, tokenizer = load_trained(run_dir / "adapter", AUTO_CLASS[cfg.task], dtype="auto",
                                     trust_remote_code=cfg.model.trust_remote_code)
     merged = model.merge_and_unload()
+    if cfg.task != "seq_cls":
+        # generate() stops at the template's end of turn with no arguments: transformers loads this folder's
+        # generation_config.json (an adapter saved before it held the stop ids gets them here)
+        merged.generation_config = stopping_config(merged, tokenizer)
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -8,19 +8,26 @@ to one width across ranks and gathered with `gather_for_metrics`, which drops th
 once, on any number of processes. Every rank then decodes and scores the same texts, in sample order, so every
 rank holds the same metrics (early stopping reads them); the main process writes each prediction with its own
 scores to output_dir/eval_predictions.jsonl.
+
+An answer ends at the chat template's end of turn as well as at eos (formats.stop_token_ids): a base model whose
+generation eos is <|endoftext|>, trained to end turns with <|im_end|>, would otherwise run every answer to
+max_new_tokens. The same stop ids are saved as eos_token_id in the trained model's generation_config.json
+(`stopping_config`), so that `generate()` stops there with no arguments.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
+from transformers import GenerationConfig
 
 from accel_train.config import Config, ConfigError
-from accel_train.formats import IGNORE_INDEX
+from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.metrics import compute_metrics, load_metric
 
 PREDICTIONS_FILE = "eval_predictions.jsonl"  # one row per eval sample and evaluation, with its step
@@ -77,11 +84,29 @@ def setup_generation(cfg: Config, accelerator, tokenizer, eval_ds) -> Generation
         metrics={name: load_metric(name) for name in cfg.eval.generation_metrics})
 
 
-def generation_kwargs(cfg: Config, tokenizer) -> dict:
+def generation_kwargs(cfg: Config, tokenizer, model) -> dict:
+    """generate() arguments of eval.*; answers stop at the template's end of turn, eos, or the model's own eos."""
     e = cfg.eval
     sampling = {"temperature": e.temperature, "top_p": e.top_p} if e.do_sample else {}
     return {"max_new_tokens": e.max_new_tokens, "num_beams": e.num_beams, "do_sample": e.do_sample, **sampling,
+            "eos_token_id": stop_token_ids(tokenizer, model.generation_config),
             "pad_token_id": tokenizer.pad_token_id, "use_cache": True}
+
+
+def until_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
+    """An answer's tokens before its first stop token: what follows it (the padding of a finished row) is not
+    part of it, whether or not the tokenizer calls it special."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
+
+
+def stopping_config(model, tokenizer) -> GenerationConfig:
+    """The model's generation config (or one made from its config) with the stop ids as eos_token_id and the
+    tokenizer's pad token: saved beside trained weights as generation_config.json."""
+    own = getattr(model, "generation_config", None)
+    config = copy.deepcopy(own) if own is not None else GenerationConfig.from_model_config(model.config)
+    config.eos_token_id = stop_token_ids(tokenizer, config)
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
 
 
 @torch.no_grad()
@@ -90,7 +115,7 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
     # Generate with the bare model: DDP's wrapper would add nothing but its forward hooks. The autocast of the
     # training's precision still applies.
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    kwargs = generation_kwargs(cfg, gen.tokenizer)
+    kwargs = generation_kwargs(cfg, gen.tokenizer, unwrapped)
     indices, tokens = [], []
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # Sampling draws from its own generator state: the training's random streams (dropout) are left as they were.
@@ -106,7 +131,8 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
             indices += index.tolist()
     # In sample order: the same order on any number of processes, hence the same sums to the last digit.
     indices, tokens = zip(*sorted(zip(indices, tokens))) if indices else ((), ())
-    predictions = [t.strip() for t in gen.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+    answers = [until_stop(t, kwargs["eos_token_id"]) for t in tokens]
+    predictions = [t.strip() for t in gen.tokenizer.batch_decode(answers, skip_special_tokens=True)]
     references = [gen.references[i] for i in indices]
     results = compute_metrics(gen.metrics, cfg.eval.metric_kwargs, predictions=predictions, references=references)
     if accelerator.is_main_process:

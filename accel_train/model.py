@@ -8,7 +8,9 @@ from pathlib import Path
 import peft
 import torch
 from accelerate.logging import get_logger
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from accel_train.config import Config, ConfigError
 
@@ -204,7 +206,8 @@ def load_trained(path, auto_cls, **kw):
     """(model, tokenizer) from a run's output_dir (merged/, model/ or adapter/, first found) or such a folder;
     `kw` go to from_pretrained. An adapter is loaded on its run's base_model/ when the run saved one (a random
     base), else on the base it names, with the head it was trained with: the adapter folder's config.json
-    (num_labels, id2label) when there is one, so a hub base with another number of classes still fits."""
+    (num_labels, id2label) when there is one, so a hub base with another number of classes still fits; and with
+    the adapter folder's generation_config.json (where generation stops), which peft leaves unread."""
     path = Path(path)
     for sub in ("merged", "model", "adapter"):
         if (path / sub).is_dir():
@@ -216,6 +219,8 @@ def load_trained(path, auto_cls, **kw):
         config = AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
         # the head's weights come from the adapter (modules_to_save): a base head of another size is replaced
         base_model = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True, **kw)
+        if (path / GENERATION_CONFIG_NAME).is_file():
+            base_model.generation_config = GenerationConfig.from_pretrained(path)
         model = peft.PeftModel.from_pretrained(base_model, path)
     else:
         model = auto_cls.from_pretrained(path, **kw)

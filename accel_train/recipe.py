@@ -31,7 +31,7 @@ from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import (Preemption, hardware, keep_until_exit, make_accelerator, prepare_dataloaders,
                               shard_stream, teardown)
 from accel_train.export import merge_adapter
-from accel_train.generation import PREDICTIONS_FILE, setup_generation
+from accel_train.generation import PREDICTIONS_FILE, setup_generation, stopping_config
 from accel_train.loop import TrainingJob, fit
 from accel_train.loss import loss_head
 from accel_train.metrics import load_metric
@@ -259,6 +259,10 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
         only_trained = {"selected_adapters": ["default"]} if cfg.lora.enabled else {}
         unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
         tokenizer.save_pretrained(target)
+        if cfg.task != "seq_cls":
+            # eos_token_id: the template's end of turn too, so generate() stops where training taught it to (peft
+            # loads the base's own generation config, not an adapter's: model.load_trained applies this one)
+            stopping_config(unwrapped, tokenizer).save_pretrained(target)
         if cfg.lora.enabled and cfg.task == "seq_cls":
             # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be
             # loaded on a base whose own config says otherwise: model.load_trained reads it.

@@ -182,3 +182,169 @@ def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         push.main([str(tmp_path), "--repo-id", "me/reverse"])
     assert e.value.code == 2 and "is not a finished accel_train run (no summary.json)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- stopping at the template's end of turn
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MAX_NEW = 12
+
+
+def base_chatml_tokenizer():
+    """The tiny tokenizer made a base model's as Qwen2.5's base models have it: eos <|endoftext|> (what
+    pre-training ends documents with), a ChatML template whose turns end with <|im_end|> (what fine-tuning teaches)."""
+    from conftest import REPO
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "model" / "tiny-llama")
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>",
+                                  "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def answering_model(tokenizer):
+    """A 1-layer Llama that answers any prompt "abc<|im_end|>", then starts again ("abc<|im_end|>abc..."), as a base
+    trained to end turns with <|im_end|> does, with the base's generation eos (<|endoftext|>). Its layers add nothing
+    (o_proj and down_proj are zero), each token's embedding is one-hot and the head maps each token to the next of
+    the chain; a prompt ends with the template's "\\n" (<unk> in this vocabulary)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=128,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    chain = [tokenizer.unk_token_id, ids("a"), ids("b"), ids("c"), ids("<|im_end|>"), ids("a")]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+        model.get_input_embeddings().weight[:, : len(tokenizer)] = torch.eye(len(tokenizer))
+        for now, after in zip(chain, chain[1:]):
+            model.lm_head.weight[after, now] = 1.0
+    return model
+
+
+def chat_prompt(tokenizer, content: str = "reverse cba") -> dict:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+
+
+def new_tokens(model, prompt: dict, **kwargs) -> list[int]:
+    """Greedy, at most MAX_NEW tokens unless `kwargs` say otherwise."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(**prompt, **{"max_new_tokens": MAX_NEW, "do_sample": False, **kwargs})
+    return out[0, prompt["input_ids"].shape[1]:].tolist()
+
+
+def test_a_base_eos_and_a_chatml_template_stop_at_both():
+    from accel_train.formats import end_of_turn, stop_token_ids
+
+    tokenizer = base_chatml_tokenizer()
+    model = answering_model(tokenizer)
+    assert end_of_turn(tokenizer) == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert stop_token_ids(tokenizer, model.generation_config) == tokenizer.convert_tokens_to_ids(
+        ["<|im_end|>", "<|endoftext|>"])
+
+
+def test_eval_generation_stops_at_the_end_of_turn():
+    from accel_train.config import load_config
+    from accel_train.generation import generation_kwargs, until_stop
+
+    tokenizer = base_chatml_tokenizer()
+    model = answering_model(tokenizer)
+    prompt = chat_prompt(tokenizer)
+    # the base's eos alone: the answer runs on to max_new_tokens
+    assert tokenizer.decode(new_tokens(model, prompt, pad_token_id=0)) == "abc<|im_end|>abc<|im_end|>abc<|im_end|>"
+    kwargs = generation_kwargs(load_config(overrides=[f"eval.max_new_tokens={MAX_NEW}"]), tokenizer, model)
+    out = new_tokens(model, prompt, **kwargs)
+    assert tokenizer.convert_ids_to_tokens(out) == ["a", "b", "c", "<|im_end|>"]
+    # what evaluate_generations scores: a gathered row padded past the answer, cut at its first stop
+    row = out + [tokenizer.pad_token_id] * 3
+    assert tokenizer.batch_decode([until_stop(row, kwargs["eos_token_id"])], skip_special_tokens=True) == ["abc"]
+
+
+def test_generate_cli_stops_at_the_end_of_turn(tmp_path):
+    from accel_train.generate import generate
+
+    tokenizer = base_chatml_tokenizer()
+    # a model/ folder saved by another tool: its generation_config.json names <|endoftext|> only
+    answering_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert generate(str(tmp_path), "reverse cba", max_new_tokens=MAX_NEW) == "abc"
+
+
+def test_saved_adapter_and_merged_model_stop_at_the_end_of_turn_without_arguments(tmp_path):
+    """The adapter's generation_config.json holds the stop ids; transformers loads the merged model's, peft leaves
+    the adapter's unread (it loads the base's), so model.load_trained and the card's example apply it."""
+    import peft
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from accel_train.card import model_card
+    from accel_train.config import load_config, save_config
+    from accel_train.export import merge_adapter
+    from accel_train.generation import stopping_config
+    from accel_train.model import load_trained
+
+    tokenizer = base_chatml_tokenizer()
+    stops = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    base, run = tmp_path / "base", tmp_path / "run"
+    answering_model(tokenizer).save_pretrained(base)  # a hub base: generation eos <|endoftext|> only
+    tokenizer.save_pretrained(base)
+    # the adapter as recipe.save_model writes it (LoRA's B starts at zero: the answers stay the base's)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(run / "adapter")
+    tokenizer.save_pretrained(run / "adapter")
+    stopping_config(model, tokenizer).save_pretrained(run / "adapter")
+    saved = GenerationConfig.from_pretrained(run / "adapter")
+    assert saved.eos_token_id == stops and saved.pad_token_id == tokenizer.pad_token_id
+    prompt = chat_prompt(tokenizer)
+
+    plain = peft.AutoPeftModelForCausalLM.from_pretrained(run / "adapter")
+    # peft 0.21: the base's generation config; if this fails peft now reads the adapter's (simplify the card)
+    assert len(new_tokens(plain, prompt)) == MAX_NEW
+    assert len(new_tokens(plain, prompt, generation_config=saved)) == 4
+    assert len(new_tokens(load_trained(run / "adapter", AutoModelForCausalLM)[0], prompt)) == 4
+
+    save_config(load_config(), run / "config.yaml")
+    merge_adapter(run, run / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(run / "merged")
+    assert merged.generation_config.eos_token_id == stops
+    assert len(new_tokens(merged, prompt)) == 4
+
+    # each card's example, run as a user would: the answer ends at <|im_end|>
+    (run / "summary.json").write_text("{}")
+    for folder in ("adapter", "merged"):
+        code = model_card(run, folder).text.split("```python\n")[1].split("```")[0]
+        scope = {}
+        exec(code, scope)
+        assert tokenizer.decode(scope["out"][0, scope["inputs"]["input_ids"].shape[1]:]) == "abc<|im_end|>", folder
+
+
+def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
+    """The default recipe's template ends turns with the eos the base stops at: one stop id, in adapter/ and
+    merged/ alike; the merged model, loaded by transformers alone, ends its answers there."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from accel_train.formats import stop_token_ids
+
+    out = runs["one"]
+    tokenizer = AutoTokenizer.from_pretrained(out / "adapter")
+    assert stop_token_ids(tokenizer) == [tokenizer.eos_token_id]
+    for folder in ("adapter", "merged"):
+        saved = GenerationConfig.from_pretrained(out / folder)
+        assert saved.eos_token_id == [tokenizer.eos_token_id] and saved.pad_token_id == tokenizer.pad_token_id
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    rows = predictions(out)
+    prompt = tokenizer([r["prompt"] for r in rows[-4:]], return_tensors="pt", padding=True, padding_side="left",
+                       add_special_tokens=False)
+    with torch.no_grad():
+        answers = merged.generate(**prompt, max_new_tokens=MAX_NEW, do_sample=False)[:, prompt["input_ids"].shape[1]:]
+    assert answers.shape[1] < MAX_NEW and (answers == tokenizer.eos_token_id).any(dim=1).all()
