@@ -227,6 +227,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
         # weights were saved (save.final)
         "stopped": results.get("stopped"), "best": results.get("best"), "saved_weights": results.get("saved_weights"),
         "hardware": results.get("hardware"), "effective_batch": results.get("effective_batch"),
+        # rows cut, dropped and refused when tokenizing, per split (data.tokenize)
+        "data": results.get("data"),
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
         "step_seconds_median": results.get("step_seconds_median"),
