@@ -262,7 +262,8 @@ class EvalConfig:
     """eval.generate with do_sample: nucleus sampling's probability mass."""
     metric_for_best: Optional[str] = None
     """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
-    loss, perplexity, or a metric's result name (accuracy, exact_match, rougeL, sacrebleu, chrf, ...)."""
+    loss, perplexity (causal_lm), a result of eval.metrics (or of eval.generation_metrics with eval.generate), or
+    one of dpo's (rewards/margin, ...) for task dpo; checked before training."""
     greater_is_better: Optional[bool] = None
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
