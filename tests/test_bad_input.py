@@ -40,6 +40,18 @@ def labels_out_of_range(tmp):
     return ["task=seq_cls", "model.num_labels=2", f"data.path={write(tmp / 'cls.jsonl', rows)}"]
 
 
+def data_files_with_a_file(tmp):
+    rows = [{"prompt": "a", "response": "b"}] * 20
+    return [f"data.path={write(tmp / 'one.jsonl', rows)}", f"data.data_files=[{write(tmp / 'two.jsonl', rows)}]"]
+
+
+def data_files_with_a_saved_dataset(tmp):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "a", "response": "b"}] * 20).save_to_disk(tmp / "saved")
+    return [f"data.path={tmp / 'saved'}", f"data.data_files=[{write(tmp / 'more.jsonl', [{'prompt': 'c'}])}]"]
+
+
 DPO = ["task=dpo", "data.path=builtin:reverse_pref"]
 CASES = {
     "misspelt key": (lambda t: ["train.learning_rate=1e-4"], "unknown config key train.learning_rate; did you mean train.lr?"),
@@ -75,6 +87,17 @@ CASES = {
                                          "loss, rewards/chosen, rewards/rejected, rewards/margin, rewards/accuracy, "
                                          "logps/chosen, logps/rejected (accuracy is a result of metric accuracy: "
                                          "task dpo computes no eval.metrics)"),
+    "data_files with a built-in dataset": (lambda t: ["data.data_files=[missing.jsonl]"],
+                                           "data.data_files cannot be used with data.path=builtin:reverse (a built-in "
+                                           "dataset): data_files goes with a builder (data.path=json, csv or "
+                                           "parquet), a folder of files or a hub dataset"),
+    "data_files with a single file": (data_files_with_a_file, "one.jsonl (one file, read alone): data_files goes "
+                                                              "with a builder"),
+    "data_files with a save_to_disk folder": (data_files_with_a_saved_dataset,
+                                              "saved (a save_to_disk folder, loaded whole): data_files goes with a "
+                                              "builder"),
+    "data_files matching nothing": (lambda t: ["data.path=json", f"data.data_files=[{t}/missing-*.jsonl]"],
+                                    "data.data_files: no file matches "),
 }
 
 

@@ -133,3 +133,10 @@ def test_result_names_are_those_the_metrics_report():
     for name in bundled():
         reported = scores(name, load_metric(name).compute(**inputs[name]))
         assert tuple(k.removeprefix("eval_") for k in reported) == RESULTS[name], name
+
+
+def test_data_files_of_a_hub_dataset_are_not_looked_for_here():
+    """They are paths inside the dataset's repository, resolved by load_dataset."""
+    from accel_train.data_sources import check_data_source
+
+    check_data_source(load_config(None, ["data.path=someone/some-dataset", "data.data_files=[data/train-*.parquet]"]))
