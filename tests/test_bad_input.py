@@ -98,6 +98,9 @@ CASES = {
                                               "builder"),
     "data_files matching nothing": (lambda t: ["data.path=json", f"data.data_files=[{t}/missing-*.jsonl]"],
                                     "data.data_files: no file matches "),
+    "dpo precompute_ref on a stream": (lambda t: [*DPO, "data.streaming=true", "dpo.precompute_ref=true"],
+                                       "dpo.precompute_ref=true computes the reference log-probs of every training "
+                                       "pair before training: not with data.streaming=true"),
 }
 
 
