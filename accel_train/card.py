@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from accel_train.config import Config, is_embedded_tiny_model, load_config, to_dict
 from accel_train.data_sources import FILE_BUILDERS
@@ -31,18 +32,47 @@ def hub_id(name: str) -> str | None:
     return name
 
 
+def is_repo_id(name: str) -> bool:
+    """`name` has the form of a hub model id (NAME or NAMESPACE/NAME) and is not a local path."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return hub_id(name) is not None
+
+
+def trained_base(run_dir: Path, cfg: Config) -> tuple[str, str | None]:
+    """(the base model as the run's adapter records it, its hub id or None). recipe.save_model records a local base
+    (a folder, or the random base saved in base_model/) as an absolute path, which nobody else can load: a folder's
+    hub id is the `_name_or_path` its config.json records (transformers wrote it before v5 when the model came from
+    the hub); random weights have none."""
+    adapter_config = run_dir / "adapter" / "adapter_config.json"
+    recorded = (json.loads(adapter_config.read_text()).get("base_model_name_or_path") if adapter_config.is_file()
+                else None) or cfg.model.name_or_path
+    if cfg.model.random_init:
+        return recorded, None
+    if is_repo_id(recorded):
+        return recorded, recorded
+    config = Path(recorded).expanduser() / "config.json"
+    named = (json.loads(config.read_text()).get("_name_or_path") or "") if config.is_file() else ""
+    return recorded, named if is_repo_id(named) else None
+
+
 def _value(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None = None) -> ModelCard:
     """The card of `run_dir/folder` from the run's config.yaml and summary.json; its usage example loads it from
-    `repo_id` (once pushed), else from the folder."""
+    `repo_id` (once pushed: an adapter whose base is not on the hub is then said to need that base), else from the
+    folder."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     summary = json.loads((run_dir / "summary.json").read_text())
     adapter = folder == "adapter"
-    base = hub_id(cfg.model.name_or_path)
+    recorded, base = trained_base(run_dir, cfg)
+    # Pushed, an adapter on a local base loads only where that base is: the card says so and loads it explicitly.
+    pushed_local_base = adapter and repo_id is not None and base is None
     dataset = hub_id(cfg.data.path)
     data = ModelCardData(
         base_model=base, library_name="peft" if adapter else "transformers",
@@ -50,19 +80,26 @@ def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None
               *(["merged"] if folder == "merged" else [])],
         datasets=[dataset] if dataset else None, pipeline_tag=PIPELINE_TAGS[cfg.task])
     body = [f"# {run_dir.resolve().name}", "",
-            f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg)}, trained with "
+            f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg, base)}, trained with "
             f"accel_train (task `{cfg.task}`) on {describe_data(cfg)}.", "",
+            *(local_base_section(recorded) if pushed_local_base else []),
             *results_section(cfg, summary), *hyperparameters_section(cfg, summary), *hardware_section(summary),
-            *usage_section(cfg, folder, repo_id or str(run_dir / folder)), "<details><summary>accel_train configuration (config.yaml)</summary>", "",
+            *usage_section(cfg, folder, repo_id or str(run_dir / folder), recorded if pushed_local_base else None),
+            "<details><summary>accel_train configuration (config.yaml)</summary>", "",
             "```yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "```", "", "</details>", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
 
 
-def describe_base(cfg: Config) -> str:
+def describe_base(cfg: Config, base: str | None) -> str:
     if is_embedded_tiny_model(cfg.model.name_or_path):
         return "accel_train's embedded tiny Llama (random weights, saved with the run in base_model/)"
-    base = hub_id(cfg.model.name_or_path)
     return f"[{base}](https://huggingface.co/{base})" if base else f"`{cfg.model.name_or_path}`"
+
+
+def local_base_section(recorded: str) -> list[str]:
+    return [f"**The base model is local, not on the hub: supply it.** The adapter was trained on `{recorded}`, a "
+            "folder on the training machine (adapter_config.json names it): load your copy of that model, then the "
+            "adapter on it, as in Usage below.", ""]
 
 
 def describe_data(cfg: Config) -> str:
@@ -120,11 +157,16 @@ def hardware_section(summary: dict) -> list[str]:
             f"{summary.get('peak_memory_mb')} MB.", ""]
 
 
-def usage_section(cfg: Config, folder: str, source: str) -> list[str]:
+def usage_section(cfg: Config, folder: str, source: str, local_base: str | None = None) -> list[str]:
+    """How to load `source`; an adapter whose base is the local folder `local_base` is loaded on it explicitly."""
     auto = AUTO_CLASSES[cfg.task]
     package, cls = ("peft", f"AutoPeftModelFor{auto}") if folder == "adapter" else ("transformers", f"AutoModelFor{auto}")
     load = f"from {package} import {cls}\n\nmodel = {cls}.from_pretrained({source!r})"
-    if PIPELINE_TAGS[cfg.task] == "text-generation":
+    if folder == "adapter" and local_base:
+        load = (f"from peft import PeftModel\nfrom transformers import AutoModelFor{auto}\n\n"
+                f"base = AutoModelFor{auto}.from_pretrained({local_base!r})  # the local base: your copy of it\n"
+                f"model = PeftModel.from_pretrained(base, {source!r})")
+    elif PIPELINE_TAGS[cfg.task] == "text-generation":
         load = generation_example(folder, source, package, cls)
     return ["## Usage", "", "```python", load, "```", ""]
 

@@ -262,7 +262,8 @@ class EvalConfig:
     """eval.generate with do_sample: nucleus sampling's probability mass."""
     metric_for_best: Optional[str] = None
     """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
-    loss, perplexity, or a metric's result name (accuracy, exact_match, rougeL, sacrebleu, chrf, ...)."""
+    loss, perplexity (causal_lm), a result of eval.metrics (or of eval.generation_metrics with eval.generate), or
+    one of dpo's (rewards/margin, ...) for task dpo; checked before training."""
     greater_is_better: Optional[bool] = None
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
@@ -284,7 +285,8 @@ class DpoConfig:
     2024; TRL's rpo_alpha): keeps the chosen answers likely, which plain DPO lets fall. 0: plain DPO."""
     precompute_ref: bool = False
     """Compute the reference log-probs once before training (cached with the tokenized data) instead of in each
-    step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA."""
+    step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA. Not with
+    data.streaming."""
     chosen_field: str = "chosen"
     """Column with the preferred response: text, or a conversation ending with the assistant's answer."""
     rejected_field: str = "rejected"
@@ -375,6 +377,10 @@ class Config:
         if self.task == "dpo" and self.data.group_by_length:
             raise ConfigError("data.group_by_length is not supported with task dpo (pairs are padded in the order "
                               "they are read); set it to false")
+        if self.task == "dpo" and self.dpo.precompute_ref and self.data.streaming:
+            raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
+                              "training: not with data.streaming=true, whose pairs are read as training goes; set "
+                              "dpo.precompute_ref=false (the reference is then computed at each step)")
         if self.dpo.rpo_alpha < 0:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:

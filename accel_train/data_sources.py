@@ -14,6 +14,12 @@ from accel_train.config import Config, ConfigError
 
 # file suffix -> the `datasets` builder that reads it
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# What `save_to_disk` writes into its folder (a DatasetDict, a Dataset): such a folder is read with load_from_disk.
+SAVED_MARKERS = ("dataset_dict.json", "dataset_info.json")
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    return any((folder / marker).is_file() for marker in SAVED_MARKERS)
 
 
 def _reverse(rng: random.Random) -> dict:
@@ -57,14 +63,15 @@ def builtin_rows(name: str, size: int) -> list[dict]:
 
 
 def check_data_source(cfg: Config) -> None:
-    """data.path names a built-in dataset, a readable local file of a known type, a folder, or a hub id."""
+    """data.path names a built-in dataset, a readable local file of a known type, a folder, or a hub id; and
+    data.data_files fits it."""
     path = cfg.data.path
+    local = Path(path).expanduser()
     if path.startswith("builtin:"):
         if path.removeprefix("builtin:") not in BUILTIN:
             raise ConfigError(f"data.path: unknown built-in dataset {path!r}; available: "
                               + ", ".join(f"builtin:{n}" for n in BUILTIN))
-        return
-    local = Path(path).expanduser()
+        return check_data_files(cfg, local)
     looks_local = local.suffix in FILE_BUILDERS or path.startswith((".", "/", "~"))
     if looks_local and not local.exists():
         raise ConfigError(f"data.path: data file not found: {path}")
@@ -72,9 +79,24 @@ def check_data_source(cfg: Config) -> None:
         raise ConfigError(f"data.path: {path} is empty")
     if local.is_file() and local.suffix not in FILE_BUILDERS:
         raise ConfigError(f"data.path: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
-    files = cfg.data.data_files
-    patterns = [p for group in (files.values() if isinstance(files, dict) else [files or []]) for p in group]
+    check_data_files(cfg, local)
+
+
+def check_data_files(cfg: Config, local: Path) -> None:
+    """data.data_files goes with what load_dataset reads files for: a builder (json, csv, ...), a folder of files or
+    a hub dataset. Those of a local builder or folder must exist (a hub dataset's are in its repository)."""
+    path, files = cfg.data.path, cfg.data.data_files
+    if not files:
+        return
+    whole = ("a built-in dataset" if path.startswith("builtin:") else "one file, read alone" if local.is_file()
+             else "a save_to_disk folder, loaded whole" if local.is_dir() and is_saved_dataset(local) else None)
+    if whole:
+        raise ConfigError(f"data.data_files cannot be used with data.path={path} ({whole}): data_files goes with a "
+                          "builder (data.path=json, csv or parquet), a folder of files or a hub dataset")
+    if not (local.is_dir() or path in FILE_BUILDERS.values()):
+        return  # a hub dataset (or another builder): load_dataset names what is missing
     base = local if local.is_dir() else Path.cwd()  # where load_dataset resolves relative data_files
+    patterns = [p for group in (files.values() if isinstance(files, dict) else [files]) for p in group]
     for pattern in patterns:
         if "://" not in pattern and not glob.glob(str(base / Path(pattern).expanduser()), recursive=True):
             raise ConfigError(f"data.data_files: no file matches {pattern!r} (relative to {base})")

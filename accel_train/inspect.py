@@ -1,5 +1,6 @@
 """Look at the data as the run will see it, before training: which tokens carry loss, what truncation drops,
-how long the samples are, how the classes are spread, and what packing does. Nothing is trained or written.
+how long the samples are, how the classes are spread, and what packing does (task dpo: the pairs, their prompt,
+chosen and rejected tokens, and their padding). Nothing is trained or written.
 
     python -m accel_train.inspect [--config FILE] [--samples N] [key=value ...]
 
@@ -95,6 +96,8 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     streamed = isinstance(train_raw, IterableDataset)
     if streamed:
         train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
+    if cfg.task == "dpo":
+        return inspect_pairs(cfg, train_raw, eval_raw, streamed, tokenizer, samples, out)
     labels = data_lib.label_names(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
     train = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
     fmt = (formats.resolve_format(cfg, data_lib.columns(train_raw)) if cfg.task == "causal_lm"
@@ -138,6 +141,60 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
               file=out)
     if lengths:
         print(batch_efficiency(cfg, lengths, tokenizer), file=out)
+    return figures
+
+
+def inspect_pairs(cfg: Config, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+    """task dpo: the pairs as the run sees them (prompt, chosen and rejected tokens, what truncation cuts and drops,
+    how much padding the batches of 2 x per_device_batch_size rows hold)."""
+    import torch
+    from accelerate import PartialState
+
+    from accel_train import data as data_lib
+    from accel_train.formats import IGNORE_INDEX
+
+    PartialState()  # dpo.tokenize_pairs logs what it drops with accelerate's logger, which needs its state
+    train = data_lib.tokenize(train_raw, tokenizer, cfg)
+    # The same pairs without truncation: how many max_length cuts (identical pairs are dropped from both).
+    whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, max_length=10**9)))
+    cut = sum(max(len(c), len(r)) > cfg.data.max_length
+              for c, r in zip(whole["chosen_input_ids"], whole["rejected_input_ids"]))
+    prompts = [next(i for i, t in enumerate(labels) if t != IGNORE_INDEX) for labels in train["chosen_labels"]]
+    chosen = [len(ids) - n for ids, n in zip(train["chosen_input_ids"], prompts)]
+    rejected = [len(ids) - n for ids, n in zip(train["rejected_input_ids"], prompts)]
+    figures = {"train_rows": len(train_raw), "train_pairs": len(train), "cut": cut,
+               "dropped": len(train_raw) - len(train), "prompt_lengths": prompts, "chosen_lengths": chosen,
+               "rejected_lengths": rejected}
+
+    color, d, p = out.isatty(), cfg.data, cfg.dpo
+    print(f"data: {d.path} (task dpo, pairs {d.prompt_field}/{p.chosen_field}/{p.rejected_field}, max_length "
+          f"{d.max_length}); tokenizer {cfg.model.name_or_path}", file=out)
+    print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+          f"{len(eval_raw) if eval_raw is not None else 0} eval", file=out)
+    print(f"pairs: {len(train)} kept; {figures['dropped']} dropped (chosen and rejected identical after truncation), "
+          f"{cut} cut to max_length (the prompt first)", file=out)
+    for i in range(min(samples, len(train))):
+        pair = train[i]
+        print(f"--- pair {i}: prompt {prompts[i]} tokens; chosen {chosen[i]}, rejected {rejected[i]} with loss, in "
+              "[[ ]]", file=out)
+        for name in ("chosen", "rejected"):
+            print(f"{name}: {show_tokens(pair[f'{name}_input_ids'], pair[f'{name}_labels'], tokenizer, color)}",
+                  file=out)
+    print("---", file=out)
+    if not len(train):
+        return figures
+    for name, lengths in (("prompt", prompts), ("chosen", chosen), ("rejected", rejected)):
+        print(f"{name} tokens: {distribution(lengths)}", file=out)
+    # Training batches: per_device_batch_size pairs in a seeded random order, 2 rows each, padded to the longest.
+    batch = cfg.train.per_device_batch_size
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    rows = [(prompts[i] + chosen[i], prompts[i] + rejected[i]) for i in order]
+    batches = [rows[start: start + batch] for start in range(0, len(rows), batch)]
+    real = sum(c + r for c, r in rows)
+    padded = sum(2 * len(b) * max(max(pair) for pair in b) for b in batches)
+    print(f"padding (batch {batch} pairs, {2 * batch} rows): efficiency {real / padded:.3f} (chosen and rejected "
+          "rows padded to the batch's longest)", file=out)
     return figures
 
 

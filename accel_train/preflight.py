@@ -17,7 +17,7 @@ from pathlib import Path
 from accel_train.checkpoint import resolve_resume
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
-from accel_train.metrics import check_metrics, greater_is_better
+from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train.tracking import check_trackers
 
 
@@ -28,12 +28,11 @@ def preflight(cfg: Config) -> Path | None:
     check_adapter_source(cfg)
     check_output_dir(cfg)
     check_trackers(cfg)
+    check_metric_for_best(cfg)  # before check_metrics, which loads a metric that is not bundled
     check_metrics(cfg.eval.metrics)
     check_sharded(cfg)
     if cfg.eval.generate:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
-    if cfg.eval.metric_for_best is not None:
-        greater_is_better(cfg.eval.metric_for_best, cfg.eval.greater_is_better)
     return resolve_resume(cfg)
 
 

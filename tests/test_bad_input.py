@@ -40,6 +40,19 @@ def labels_out_of_range(tmp):
     return ["task=seq_cls", "model.num_labels=2", f"data.path={write(tmp / 'cls.jsonl', rows)}"]
 
 
+def data_files_with_a_file(tmp):
+    rows = [{"prompt": "a", "response": "b"}] * 20
+    return [f"data.path={write(tmp / 'one.jsonl', rows)}", f"data.data_files=[{write(tmp / 'two.jsonl', rows)}]"]
+
+
+def data_files_with_a_saved_dataset(tmp):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "a", "response": "b"}] * 20).save_to_disk(tmp / "saved")
+    return [f"data.path={tmp / 'saved'}", f"data.data_files=[{write(tmp / 'more.jsonl', [{'prompt': 'c'}])}]"]
+
+
+DPO = ["task=dpo", "data.path=builtin:reverse_pref"]
 CASES = {
     "misspelt key": (lambda t: ["train.learning_rate=1e-4"], "unknown config key train.learning_rate; did you mean train.lr?"),
     "wrong type": (lambda t: ["train.per_device_batch_size=big"], "train.per_device_batch_size must be int, got 'big'"),
@@ -65,6 +78,29 @@ CASES = {
     "unknown metric": (lambda t: ["eval.metrics=[accuracy,no_such_metric]"],
                        ("eval.metrics: cannot load metric 'no_such_metric' (bundled: accuracy, chrf, exact_match, f1, "
                         "rouge, sacrebleu; other names load from the hub with evaluate):")),
+    "metric_for_best not computed": (lambda t: ["eval.metric_for_best=rougeL"],
+                                     "eval.metric_for_best=rougeL is not a result of this run; it produces: loss, "
+                                     "perplexity, accuracy (rougeL comes from eval.generation_metrics with "
+                                     "eval.generate=true)"),
+    "metric_for_best not a dpo result": (lambda t: [*DPO, "eval.metric_for_best=accuracy"],
+                                         "eval.metric_for_best=accuracy is not a result of this run; it produces: "
+                                         "loss, rewards/chosen, rewards/rejected, rewards/margin, rewards/accuracy, "
+                                         "logps/chosen, logps/rejected (accuracy is a result of metric accuracy: "
+                                         "task dpo computes no eval.metrics)"),
+    "data_files with a built-in dataset": (lambda t: ["data.data_files=[missing.jsonl]"],
+                                           "data.data_files cannot be used with data.path=builtin:reverse (a built-in "
+                                           "dataset): data_files goes with a builder (data.path=json, csv or "
+                                           "parquet), a folder of files or a hub dataset"),
+    "data_files with a single file": (data_files_with_a_file, "one.jsonl (one file, read alone): data_files goes "
+                                                              "with a builder"),
+    "data_files with a save_to_disk folder": (data_files_with_a_saved_dataset,
+                                              "saved (a save_to_disk folder, loaded whole): data_files goes with a "
+                                              "builder"),
+    "data_files matching nothing": (lambda t: ["data.path=json", f"data.data_files=[{t}/missing-*.jsonl]"],
+                                    "data.data_files: no file matches "),
+    "dpo precompute_ref on a stream": (lambda t: [*DPO, "data.streaming=true", "dpo.precompute_ref=true"],
+                                       "dpo.precompute_ref=true computes the reference log-probs of every training "
+                                       "pair before training: not with data.streaming=true"),
 }
 
 
@@ -77,6 +113,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, case):
     # the last line says what is wrong (above it, at most the progress or log lines of data loading); no traceback
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("accel_train: error: ") and message in lines[-1], lines[-1]
+    assert sum(line.startswith("accel_train: error: ") for line in lines) == 1
     assert "Traceback" not in proc.stderr
     assert not out.exists()
 

@@ -89,3 +89,54 @@ def test_help_lists_every_field_with_doc():
         line = next((ln for ln in text.splitlines() if ln.strip().startswith(key + " (")), None)
         assert line is not None, f"--help misses {key}"
         assert line.split("): ", 1)[1].strip(), f"--help has no doc for {key}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.metric_for_best=eval_loss"], None),
+    (["eval.metric_for_best=rougeL", "eval.generate=true"], None),
+    (["eval.metric_for_best=rougeL", "eval.generate=true", "eval.metric_kwargs={rouge: {rouge_types: [rouge1]}}"],
+     "eval.metric_for_best=rougeL is not a result of this run; it produces: loss, perplexity, accuracy, exact_match, "
+     "rouge1, sacrebleu, chrf"),
+    (["eval.metric_for_best=bleu", "eval.metrics=[bleu]", "eval.greater_is_better=true"], None),  # a hub metric
+    (["eval.metric_for_best=sacrebleu", "eval.generation_metrics=[rouge]"],
+     "(sacrebleu is a result of metric sacrebleu: add it to eval.generation_metrics, with eval.generate=true)"),
+    (["task=seq_cls", "eval.metric_for_best=perplexity"],
+     "eval.metric_for_best=perplexity is not a result of this run; it produces: loss, accuracy"),
+    (["task=seq_cls", "eval.metric_for_best=f1"], "(f1 is a result of metric f1: add it to eval.metrics)"),
+    (["task=seq_cls", "eval.metric_for_best=f1", "eval.metrics=[accuracy,f1]"], None),
+    (["task=dpo", "eval.metric_for_best=rewards/margin"], None),
+    (["task=dpo", "eval.metric_for_best=rewards/chosen"], "eval.metric_for_best=rewards/chosen: whether larger is "
+                                                          "better is not known"),
+])
+def test_metric_for_best_must_be_a_result_of_the_run(overrides, message):
+    from accel_train.metrics import check_metric_for_best
+
+    cfg = load_config(None, overrides)
+    if message is None:
+        check_metric_for_best(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_metric_for_best(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_result_names_are_those_the_metrics_report():
+    """The table preflight checks eval.metric_for_best against is what each bundled metric computes, and dpo's
+    evaluation results are its METRICS."""
+    from accel_train import dpo
+    from accel_train.metrics import DPO_RESULTS, RESULTS, bundled, load_metric, scores
+
+    assert sorted(RESULTS) == bundled() and DPO_RESULTS == dpo.METRICS
+    texts = {"predictions": ["a b c", "d e"], "references": ["a b c", "d f"]}
+    inputs = {"accuracy": {"predictions": [1, 0], "references": [1, 1]}, "f1": {"predictions": [1, 0],
+              "references": [1, 1]}, "exact_match": texts, "rouge": texts, "sacrebleu": texts, "chrf": texts}
+    for name in bundled():
+        reported = scores(name, load_metric(name).compute(**inputs[name]))
+        assert tuple(k.removeprefix("eval_") for k in reported) == RESULTS[name], name
+
+
+def test_data_files_of_a_hub_dataset_are_not_looked_for_here():
+    """They are paths inside the dataset's repository, resolved by load_dataset."""
+    from accel_train.data_sources import check_data_source
+
+    check_data_source(load_config(None, ["data.path=someone/some-dataset", "data.data_files=[data/train-*.parquet]"]))

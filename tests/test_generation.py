@@ -140,30 +140,6 @@ def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
     assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in card.text
 
 
-def test_push_uploads_the_adapter_with_its_card(runs, monkeypatch):
-    from accel_train import push
-
-    calls = []
-
-    class FakeApi:
-        def create_repo(self, **kwargs):
-            calls.append(("create_repo", kwargs))
-
-        def upload_folder(self, **kwargs):
-            calls.append(("upload_folder", kwargs))
-            return "https://huggingface.co/me/reverse/commit/abc"
-
-    monkeypatch.setattr(push, "HfApi", FakeApi)
-    push.main([str(runs["one"]), "--repo-id", "me/reverse", "--private"])
-    folder = runs["one"] / "adapter"
-    assert calls == [
-        ("create_repo", {"repo_id": "me/reverse", "repo_type": "model", "private": True, "exist_ok": True}),
-        ("upload_folder", {"repo_id": "me/reverse", "repo_type": "model", "folder_path": str(folder),
-                           "revision": None, "commit_message": "accel_train: upload adapter of one"}),
-    ]
-    assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in (folder / "README.md").read_text()
-
-
 def test_generation_is_refused_under_fsdp(tmp_out):
     """Sharded parameters: generate() would need every rank in lock-step; refused by every rank before it loads
     anything (preflight), not a hang."""

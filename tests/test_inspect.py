@@ -50,3 +50,22 @@ def test_a_messages_row_not_ending_with_the_assistant_is_one_line_exit_2(tmp_pat
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "row 0" in errors[0] and "not an assistant turn" in errors[0]
+
+
+def test_dpo_shows_pairs_with_their_trained_tokens_and_truncation(tmp_path):
+    # builtin:reverse_pref: "<|user|>reverse WORD<|assistant|>" is 13 to 16 tokens, each answer 4 to 7 with </s>:
+    # max_length 18 cuts the prompt of the pairs longer than that
+    proc = inspect("task=dpo", "data.path=builtin:reverse_pref", "data.builtin_size=50", "data.max_length=18",
+                   "--samples", "2", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "(task dpo, pairs prompt/chosen/rejected, max_length 18)" in out
+    assert "rows: 45 train, 5 eval" in out
+    assert "pairs: 45 kept; 0 dropped (chosen and rejected identical after truncation), 33 cut to max_length" in out
+    assert "--- pair 0: prompt 13 tokens; chosen 4, rejected 4 with loss, in [[ ]]" in out
+    assert "chosen: <|user|>reverse fhd<|assistant|>[[dhf</s>]]" in out
+    assert "rejected: <|user|>reverse fhd<|assistant|>[[dcf</s>]]" in out  # a near miss: one letter changed
+    assert "chosen: verse eggfd<|assistant|>[[dfgge</s>]]" in out  # the prompt loses its first tokens, not the answer
+    assert "prompt tokens: min 11, median 12, p90 13, p99 13, max 13, mean 12.2" in out
+    assert re.search(r"padding \(batch 16 pairs, 32 rows\): efficiency 0\.\d{3}", out)
+    assert not (tmp_path / "out").exists()

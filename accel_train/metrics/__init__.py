@@ -1,4 +1,5 @@
-"""`evaluate` metrics by name: bundled modules (offline) first, then the hub; which direction is better for each.
+"""`evaluate` metrics by name: bundled modules (offline) first, then the hub; the results each reports, and which
+direction is better for each.
 
 `evaluate` (which imports torch) is imported only when a metric is loaded: preflight reads the bundled names here.
 """
@@ -9,7 +10,7 @@ import numbers
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.config import ConfigError
+from accel_train.config import Config, ConfigError, EvalConfig
 
 if TYPE_CHECKING:
     import evaluate
@@ -50,10 +51,68 @@ def compute_metrics(metrics: dict, kwargs: dict, **inputs) -> dict:
     return results
 
 
+# The results each bundled metric reports, as `scores` names them (eval_ omitted): what eval.metric_for_best may
+# name. A metric from the hub is taken to report one result named after itself, as most do (bleu, meteor, ter).
+RESULTS = {"accuracy": ("accuracy",), "f1": ("f1",), "exact_match": ("exact_match",),
+           "rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"), "sacrebleu": ("sacrebleu",), "chrf": ("chrf",)}
+# task dpo's evaluation results besides loss: dpo.METRICS (dpo.py imports torch; tests/test_config.py checks that
+# the two agree)
+DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+               "logps/rejected")
+
+
+def results_of(name: str, kwargs: dict) -> tuple[str, ...]:
+    """The result names of metric `name` computed with `kwargs` (rouge reports the rouge_types asked for)."""
+    if name == "rouge" and kwargs.get("rouge_types"):
+        return tuple(kwargs["rouge_types"])
+    return RESULTS.get(name, (name,))
+
+
+def run_results(cfg: Config) -> list[str]:
+    """The results (eval_ omitted) every evaluation of this run reports, eval_samples aside: loss, then perplexity
+    (causal_lm) or dpo's rewards, then those of eval.metrics, then of eval.generation_metrics with eval.generate."""
+    if cfg.task == "dpo":  # eval.metrics are not computed on pairs
+        return ["loss", *DPO_RESULTS]
+    names = ["loss", "perplexity"] if cfg.task == "causal_lm" else ["loss"]
+    for metric in cfg.eval.metrics + (cfg.eval.generation_metrics if cfg.eval.generate else []):
+        names += [n for n in results_of(metric, cfg.eval.metric_kwargs.get(metric, {})) if n not in names]
+    return names
+
+
+def check_metric_for_best(cfg: Config) -> None:
+    """eval.metric_for_best names a result this run produces, and whether larger is better is known: a mistake is
+    found now, not at the first evaluation or after the last step."""
+    key = cfg.eval.metric_for_best
+    if key is None:
+        return
+    name, produced = result_name(key).removeprefix("eval_"), run_results(cfg)
+    if name not in produced:
+        raise ConfigError(f"eval.metric_for_best={key} is not a result of this run; it produces: "
+                          f"{', '.join(produced)}{_source(cfg, name)}")
+    greater_is_better(key, cfg.eval.greater_is_better)
+
+
+def _source(cfg: Config, name: str) -> str:
+    """Where a result the run does not produce would come from, as a hint in parentheses ("" if unknown)."""
+    generation = [m for m in cfg.eval.generation_metrics if name in results_of(m, cfg.eval.metric_kwargs.get(m, {}))]
+    if cfg.task == "causal_lm" and generation:
+        return f" ({name} comes from eval.generation_metrics with eval.generate=true)"
+    metric = next((m for m, results in RESULTS.items() if name in results), None)
+    if metric is None:
+        return ""
+    if cfg.task == "dpo":
+        return f" ({name} is a result of metric {metric}: task dpo computes no eval.metrics)"
+    # the default generation metrics are the bundled ones that score texts
+    where = ("eval.generation_metrics, with eval.generate=true" if cfg.task == "causal_lm"
+             and metric in EvalConfig().generation_metrics else "eval.metrics")
+    return f" ({name} is a result of metric {metric}: add it to {where})"
+
+
 # Result names (eval_ omitted) whose larger values are better, and those whose smaller values are: what
 # eval.greater_is_better is inferred from for eval.metric_for_best.
 GREATER_IS_BETTER = ("accuracy", "exact_match", "f1", "precision", "recall", "matthews_correlation", "rouge1",
-                     "rouge2", "rougeL", "rougeLsum", "sacrebleu", "bleu", "google_bleu", "chrf", "meteor", "bertscore")
+                     "rouge2", "rougeL", "rougeLsum", "sacrebleu", "bleu", "google_bleu", "chrf", "meteor", "bertscore",
+                     "rewards/margin", "rewards/accuracy")
 LOWER_IS_BETTER = ("loss", "perplexity", "ter", "wer", "cer")
 
 
