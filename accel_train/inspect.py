@@ -98,18 +98,23 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
         train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
     if cfg.task == "dpo":
         return inspect_pairs(cfg, train_raw, eval_raw, streamed, tokenizer, samples, out)
+    from accelerate import PartialState
+
+    PartialState()  # data.tokenize logs what it cuts and drops with accelerate's logger, which needs its state
     labels = data_lib.label_names(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
-    train = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
+    report = {}
+    train = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report)
     fmt = (formats.resolve_format(cfg, data_lib.columns(train_raw)) if cfg.task == "causal_lm"
            else f"{cfg.data.text_field} -> {cfg.data.label_field}")
-    # The same rows without truncation: what max_length cuts, and what it drops.
-    whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, max_length=10**9)), labels)
-    full_lengths = [len(x) for x in whole["input_ids"]]
     lengths = [len(x) for x in train["input_ids"]]
-    cut = sum(n > cfg.data.max_length for n in full_lengths)
+    if report:  # conversations: data.tokenize counted what truncation cut and dropped, and the rows refused
+        cut, dropped = report["cut"], report["dropped"] + report["refused"]
+    else:  # text chunks and classification: the same rows without truncation show what max_length cuts
+        whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, max_length=10**9)), labels)
+        cut, dropped = sum(len(x) > cfg.data.max_length for x in whole["input_ids"]), 0
     figures = {"train_rows": len(train_raw), "train_samples": len(train), "cut": cut, "lengths": lengths,
-               "dropped": len(whole) - len(train) if fmt != "text" else 0}
+               "dropped": dropped, "refused": report.get("refused", 0)}
 
     color = out.isatty()
     d = cfg.data
@@ -121,9 +126,14 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     if fmt == "text":
         print(f"samples: {len(train)} chunks of at most {d.max_length} tokens from {len(train_raw)} texts "
               f"({cut} texts longer than max_length were split)", file=out)
+    elif report:
+        print(f"samples: {len(train)} kept; {cut} cut to max_length (data.truncation={d.truncation}), "
+              f"{report['dropped']} dropped by it"
+              + (f" (first: {report['first_dropped']})" if report["dropped"] else "")
+              + f", {report['refused']} refused"
+              + (f" (first: {report['first_refused']})" if report["refused"] else ""), file=out)
     else:
-        print(f"samples: {len(train)} kept; {figures['dropped']} dropped by truncation (no target token left), "
-              f"{cut} cut to max_length", file=out)
+        print(f"samples: {len(train)} kept; {cut} cut to max_length", file=out)
     for i in range(min(samples, len(train))):
         sample = train[i]
         target = (f"label {sample['labels']} ({labels[sample['labels']] if labels else sample['labels']})"

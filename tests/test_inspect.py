@@ -19,12 +19,21 @@ def test_shows_loss_tokens_truncation_lengths_and_packing(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # <|user|>reverse abcdefghij<|assistant|> is 20 tokens: max_length 24 cuts the second response, and the third
     # row's prompt alone (30 tokens) leaves it no target
-    proc = inspect(f"data.path={data}", "data.eval_fraction=0", "data.max_length=24", "--samples", "2",
+    proc = inspect(f"data.path={data}", "data.eval_fraction=0", "data.max_length=24", "--samples", "3",
                    f"output_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    # The default, data.truncation=prompt_first: the prompts lose their start, every answer keeps its eos.
+    assert "samples: 3 kept; 2 cut to max_length (data.truncation=prompt_first), 0 dropped by it, 0 refused" in out
+    assert "cdefghij<|assistant|>[[jihgfedcba</s>]]" in out and "ij<|assistant|>[[x</s>]]" in out
+
+    proc = inspect(f"data.path={data}", "data.eval_fraction=0", "data.max_length=24", "data.truncation=right",
+                   "--samples", "2", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     assert "format prompt_response, train_on last_assistant, max_length 24" in out
-    assert "samples: 2 kept; 1 dropped by truncation (no target token left), 2 cut to max_length" in out
+    assert ("samples: 2 kept; 1 cut to max_length (data.truncation=right), 1 dropped by it (first: row 2: no "
+            "trained token in the first 24 tokens), 0 refused") in out
     assert "<|user|>reverse abc<|assistant|>[[cba</s>]]" in out
     assert "<|user|>reverse abcdefghij<|assistant|>[[jihg]]" in out  # cut: no eos left
     assert re.search(r"token lengths: min 17, median 20.5, p90 23.3, p99 23.93, max 24", out)
