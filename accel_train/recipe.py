@@ -28,8 +28,8 @@ from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.dist import (Preemption, hardware, keep_until_exit, make_accelerator, prepare_dataloaders,
-                              shard_stream, teardown)
+from accel_train.dist import (Preemption, hardware, keep_until_exit, local_main_process_first,
+                              make_accelerator, prepare_dataloaders, shard_stream, teardown)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, setup_generation
 from accel_train.loop import TrainingJob, fit
@@ -102,7 +102,8 @@ def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
     """(train, eval, class names) tokenized: once per machine (its main process first, the others then read
     datasets' cache). seq_cls resolves model.num_labels here. A streamed train set is split per rank here."""
     labels = None
-    with accelerator.local_main_process_first():
+    with local_main_process_first(accelerator):  # the others wait for it outside train.dist_timeout_s
+        faults.inject_phase("setup", accelerator.process_index)
         train_raw, eval_raw = data_lib.load_splits(cfg)
         data_lib.check_columns(cfg, train_raw)
         if cfg.task == "seq_cls":
