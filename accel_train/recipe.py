@@ -76,13 +76,15 @@ def run(cfg: Config, resume: Path | None) -> dict:
                            checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
                        effective_batch=job.state.effective_batch)
+        # The last collective: what follows is the main process's alone, and the others leave rather than wait for
+        # it under train.dist_timeout_s (a merge loads the base on the CPU).
         target = save_model(cfg, accelerator, job.model, tokenizer)
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
+                faults.inject_phase("merge", accelerator.process_index)
                 merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
             write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
             write_cards(cfg.output_dir)
-        accelerator.wait_for_everyone()
         return results
     finally:
         teardown(accelerator)
