@@ -6,7 +6,10 @@ Rules that keep multi-process runs from hanging:
 - every decision that could differ between ranks (end of data, a signal, the loss normalisation) is taken from
   the one gather of per-rank counts the loop issues at the start of each step, at the same point on all ranks;
   the stop on a non-finite loss reads the gradient norm, which is global once gradients are all-reduced;
-- with one process no collective runs (accelerate's reduce/gather are no-ops there).
+- with one process no collective runs (accelerate's reduce/gather are no-ops there);
+- where ranks wait for work that takes as long as the data make it (the main process tokenizing first, each rank's
+  share of the reference log-probs), they wait on the setup group (`local_main_process_first`, `gather_setup`), not
+  under train.dist_timeout_s, which bounds the training collectives.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 from itertools import islice
 
@@ -47,7 +51,9 @@ class LaunchError(ConfigError):
 
 def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator:
     """Read the rank environment, choose the device and precision (for a model of hidden size `model_width`)
-    and, with several processes, form the process group (with train.dist_timeout_s as its timeout)."""
+    and, with several processes, form the process group (with train.dist_timeout_s as its timeout) and the setup
+    group (SETUP_TIMEOUT)."""
+    global _setup_group
     world = launched_world_size()
     if world > 1:
         stop_with_launcher()
@@ -99,6 +105,10 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
             f"({accelerator.distributed_type}); each process would train alone. Check the accelerate config "
             "(distributed_type, num_processes) against the devices of this machine."
         )
+    if accelerator.num_processes > 1:
+        # collective: every rank creates it here, once, right after the process group forms
+        _setup_group = torch.distributed.new_group(
+            backend="gloo", timeout=max(SETUP_TIMEOUT, timedelta(seconds=cfg.train.dist_timeout_s)))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
     # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
@@ -111,6 +121,43 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     # What sharded parameters rule out was refused before (preflight.check_sharded): a launch asking for FSDP or
     # DeepSpeed either gets it or stops just above.
     return accelerator
+
+
+# Setup phases in which ranks wait for one another's work last as long as the data make them: tokenizing a large set
+# on the main process, the reference log-probs of every pair. train.dist_timeout_s (600 s by default) is sized for
+# the training collectives, where ranks arrive within a step of each other; a realistic preference set outlasted it.
+# These waits go through a second process group, on the CPU (gloo, beside NCCL too), whose timeout is in effect
+# none: 24 hours (or train.dist_timeout_s if longer). A rank that dies meanwhile still ends the job at once (the
+# launcher stops the others when one exits); this bounds only a process that hangs.
+SETUP_TIMEOUT = timedelta(hours=24)
+_setup_group = None  # created in make_accelerator with several processes; kept until the process exits
+
+
+@contextmanager
+def local_main_process_first(accelerator: Accelerator):
+    """The body on each machine's main process first, then on the others, which read what it cached (datasets'
+    files): accelerate's own, waiting on the setup group instead of under the collective timeout. An error in the
+    main process's turn ends the job through the launcher, as with accelerate's."""
+    first = accelerator.is_local_main_process
+    if not first:
+        _setup_barrier(accelerator)
+    yield
+    if first:
+        _setup_barrier(accelerator)
+
+
+def _setup_barrier(accelerator: Accelerator) -> None:
+    if accelerator.num_processes > 1:
+        torch.distributed.barrier(group=_setup_group)
+
+
+def gather_setup(accelerator: Accelerator, obj) -> list:
+    """`obj` (picklable) of every rank, in rank order, gathered on the setup group: ranks may arrive far apart."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    gathered = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(gathered, obj, group=_setup_group)
+    return gathered
 
 
 def hardware(accelerator: Accelerator) -> str:

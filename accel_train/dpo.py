@@ -36,8 +36,9 @@ from accelerate.logging import get_logger
 from accelerate.utils import send_to_device
 from datasets import Dataset, IterableDataset
 
-from accel_train import formats
+from accel_train import faults, formats
 from accel_train.config import Config, ConfigError, DataConfig, DpoConfig
+from accel_train.dist import gather_setup
 from accel_train.formats import IGNORE_INDEX
 from accel_train.model import REFERENCE_ADAPTER
 
@@ -269,8 +270,13 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def add_reference_logps(ds: Dataset, cfg: Config, accelerator, model, collate) -> Dataset:
     """dpo.precompute_ref: the reference log-probs of each pair as columns ref_chosen_logps/ref_rejected_logps,
-    computed once with the initial weights (before training or a resume loads later ones) and cached by
-    `datasets` with the tokenized data, keyed by the data and a hash of the weights."""
+    computed once with the initial weights (before training or a resume loads later ones).
+
+    The batches of train.eval_batch_size pairs are split over the ranks, whole: each pair's numbers are those of
+    one process, bit for bit, however many there are. Each rank's share is cached by `datasets` with the tokenized
+    data, keyed by the data, the share's rows and a hash of the weights (a rerun on as many processes reads it
+    back); then every rank gathers all the shares, in order, outside train.dist_timeout_s (ranks may finish their
+    shares far apart: one read from the cache, or a batch of long pairs)."""
     model.to(accelerator.device)
     loss = PreferenceLoss(cfg, model, accelerator)
 
@@ -279,7 +285,20 @@ def add_reference_logps(ds: Dataset, cfg: Config, accelerator, model, collate) -
         chosen, rejected = loss.reference_logps(send_to_device(collate(features), accelerator.device), model).chunk(2)
         return {"ref_chosen_logps": chosen.tolist(), "ref_rejected_logps": rejected.tolist()}
 
-    fingerprint = hashlib.sha256(f"{ds._fingerprint} {weights_digest(model)} {cfg.lora.enabled}".encode())
-    with accelerator.local_main_process_first():
-        return ds.map(add, batched=True, batch_size=cfg.train.eval_batch_size, desc="reference log-probs",
-                      new_fingerprint=fingerprint.hexdigest()[:32])
+    batch, procs, rank = cfg.train.eval_batch_size, accelerator.num_processes, accelerator.process_index
+    batches = -(-len(ds) // batch)
+    start, stop = (min(len(ds), batch * (batches * r // procs)) for r in (rank, rank + 1))
+    key = f"{ds._fingerprint} {weights_digest(model)} {cfg.lora.enabled}"
+    columns = ("ref_chosen_logps", "ref_rejected_logps")
+    share = {name: [] for name in columns}  # fewer batches than ranks: some have none
+    if stop > start:
+        share = ds.select(range(start, stop)).map(
+            add, batched=True, batch_size=batch, desc="reference log-probs",
+            new_fingerprint=hashlib.sha256(f"{key} {start}:{stop}".encode()).hexdigest()[:32]
+        ).select_columns(columns).to_dict()
+    faults.inject_phase("reference", rank)
+    shares = gather_setup(accelerator, share)
+    for name in columns:
+        ds = ds.add_column(name, [v for part in shares for v in part[name]],
+                           new_fingerprint=hashlib.sha256(f"{key} {name}".encode()).hexdigest()[:32])
+    return ds

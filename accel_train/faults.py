@@ -12,6 +12,13 @@ on device", after part of it is written).
 
 fires at start-up instead, once the run has created output_dir (with base_model/) and before config.yaml is
 written: a start that fails half-way. KIND: crash or raise.
+
+    ACCEL_TRAIN_FAULT="slow@PHASE[,PHASE...],seconds=S[,rank=R]"
+
+makes rank R (default: every rank) take S seconds longer in each PHASE named, as slow work would: setup (its turn at
+loading and tokenizing the data; the other ranks wait for the main process's), reference (its share of
+dpo.precompute_ref's log-probs; every rank then waits for all shares), merge (merge=true, on the main process). With
+step=N[,micro=M] instead of phases, before that micro-batch: a rank that falls behind in training.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import time
 
 
 @functools.lru_cache(maxsize=4)
@@ -50,7 +58,7 @@ def inject(step: int, micro: int, rank: int) -> bool:
     spec = fault()
     if spec is not None and spec[0] == "nan_from" and step >= spec[1]["step"]:
         return spec[1].get("rank", rank) == rank
-    kind = _fires(("crash", "kill", "sigterm", "raise", "nan"), step, micro, rank)
+    kind = _fires(("crash", "kill", "sigterm", "raise", "nan", "slow"), step, micro, rank)
     if kind == "crash":
         os._exit(42)
     if kind == "kill":
@@ -59,6 +67,8 @@ def inject(step: int, micro: int, rank: int) -> bool:
         os.kill(os.getpid(), signal.SIGTERM)
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}, micro-batch {micro}")
+    if kind == "slow":
+        time.sleep(fault()[1]["seconds"])
     return kind == "nan"
 
 
@@ -77,3 +87,10 @@ def inject_start(rank: int) -> None:
         os._exit(42)
     if spec[0] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at start-up")
+
+
+def inject_phase(phase: str, rank: int) -> None:
+    """Called in the phases kind slow can name (setup, reference, merge), on the ranks that do that work."""
+    spec = fault()
+    if spec is not None and spec[0] == "slow" and phase in spec[1] and spec[1].get("rank", rank) == rank:
+        time.sleep(spec[1]["seconds"])

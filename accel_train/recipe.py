@@ -28,8 +28,8 @@ from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.dist import (Preemption, hardware, keep_until_exit, make_accelerator, prepare_dataloaders,
-                              shard_stream, teardown)
+from accel_train.dist import (Preemption, hardware, keep_until_exit, local_main_process_first,
+                              make_accelerator, prepare_dataloaders, shard_stream, teardown)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, setup_generation, stopping_config
 from accel_train.loop import TrainingJob, fit
@@ -76,13 +76,15 @@ def run(cfg: Config, resume: Path | None) -> dict:
                            checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
                        effective_batch=job.state.effective_batch)
+        # The last collective: what follows is the main process's alone, and the others leave rather than wait for
+        # it under train.dist_timeout_s (a merge loads the base on the CPU).
         target = save_model(cfg, accelerator, job.model, tokenizer)
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
+                faults.inject_phase("merge", accelerator.process_index)
                 merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
             write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
             write_cards(cfg.output_dir)
-        accelerator.wait_for_everyone()
         return results
     finally:
         teardown(accelerator)
@@ -102,7 +104,8 @@ def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
     """(train, eval, class names) tokenized: once per machine (its main process first, the others then read
     datasets' cache). seq_cls resolves model.num_labels here. A streamed train set is split per rank here."""
     labels = None
-    with accelerator.local_main_process_first():
+    with local_main_process_first(accelerator):  # the others wait for it outside train.dist_timeout_s
+        faults.inject_phase("setup", accelerator.process_index)
         train_raw, eval_raw = data_lib.load_splits(cfg)
         data_lib.check_columns(cfg, train_raw)
         if cfg.task == "seq_cls":

@@ -1,7 +1,8 @@
 """task dpo, launched as users launch it, after a short SFT run whose adapter it continues (model.adapter_from):
 the step-1 loss against the DPO formula computed here from the model's log-probs, the same losses and reward
 metrics for any split of the effective batch over processes and accumulation, with precomputed reference
-log-probs, and after a resume mid-accumulation; full fine-tuning against a frozen copy; the builtin preference
+log-probs (on 1 process, and shared by 2 under a collective timeout shorter than the main process's work alone),
+and after a resume mid-accumulation; full fine-tuning against a frozen copy; the builtin preference
 recipe learning; bad pairs answered in one line."""
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ TOPOLOGIES = {
     "B": (1, ["train.per_device_batch_size=4", "train.grad_accum_steps=2"]),
     "C": (2, ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]),
     "P": (1, ["train.per_device_batch_size=8", "train.grad_accum_steps=1", "dpo.precompute_ref=true"]),
+    # the reference log-probs shared by 2 processes (the 90 train pairs in 6 batches, 3 per rank; the 10 eval pairs
+    # in one, on rank 1), under a collective timeout shorter than the main process's work alone (FAULTS)
+    "Q": (2, ["train.per_device_batch_size=2", "train.grad_accum_steps=2", "dpo.precompute_ref=true",
+              "train.eval_batch_size=16", "train.dist_timeout_s=4", "merge=true"]),
 }
+# Run Q's main process takes 5 s more (the timeout: 4 s) to tokenize, to compute its shares of the reference log-probs
+# and to merge: each delay alone failed the run while the other rank waited for it under train.dist_timeout_s.
+FAULTS = {"Q": "slow@setup,reference,merge,seconds=5,rank=0"}
 LOGGED = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
           "logps/rejected", "grad_norm"]
 
@@ -71,7 +79,8 @@ def runs(sft):
     results = {}
     for name, (procs, extra) in TOPOLOGIES.items():
         out = sft.parent / name
-        proc = launch(procs, *dpo_args(sft, out), *TOPOLOGY, *extra)
+        proc = launch(procs, *dpo_args(sft, out), *TOPOLOGY, *extra,
+                      env={"ACCEL_TRAIN_FAULT": FAULTS[name]} if name in FAULTS else None)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[name] = {"out": out, "train": read_metrics(out)[0], "log": proc.stderr}
     return results
@@ -114,10 +123,20 @@ def test_step_one_loss_is_the_dpo_formula_on_the_models_logps(runs, sft):
     assert step1["loss"] != pytest.approx(math.log(2), abs=1e-3), "the reference must differ from the policy here"
 
 
-@pytest.mark.parametrize("name", ["B", "C", "P"])
+@pytest.mark.parametrize("name", ["B", "C", "P", "Q"])
 def test_same_losses_and_rewards_for_any_topology_and_precomputed_reference(runs, name):
     assert runs["A"]["train"][-1]["epoch"] == 1
     assert_same_steps(runs[name]["train"], runs["A"]["train"], rel=1e-5)
+
+
+def test_main_process_work_outlasting_the_collective_timeout(runs):
+    """Run Q ended as usual (exit 0: checked where it ran) although its main process worked alone for longer than
+    train.dist_timeout_s before training (tokenizing, a share of the reference log-probs) and after it (the merge):
+    the other rank waited for the first two outside that timeout, and left before the merge."""
+    out, log = runs["Q"]["out"], runs["Q"]["log"]
+    assert (out / "merged" / "model.safetensors").is_file() and (out / "summary.json").is_file()
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert "final: " in lines[-1] and log.count("final: ") == 1, lines[-3:]
 
 
 def test_adapter_continued_and_saved_on_its_base(runs, sft):
