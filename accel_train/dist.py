@@ -140,15 +140,18 @@ def local_main_process_first(accelerator: Accelerator):
     main process's turn ends the job through the launcher, as with accelerate's."""
     first = accelerator.is_local_main_process
     if not first:
-        _setup_barrier(accelerator)
+        wait_for_main(accelerator)
     yield
     if first:
-        _setup_barrier(accelerator)
+        wait_for_main(accelerator)
 
 
-def _setup_barrier(accelerator: Accelerator) -> None:
+def wait_for_main(accelerator: Accelerator) -> None:
+    """Every rank waits here for work the main process does alone (deleting an old run, writing the model), on the
+    setup group: a large model's files take longer to write than train.dist_timeout_s allows."""
     if accelerator.num_processes > 1:
         torch.distributed.barrier(group=_setup_group)
+
 
 
 def gather_setup(accelerator: Accelerator, obj) -> list:

@@ -29,7 +29,7 @@ from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import (Preemption, hardware, keep_until_exit, local_main_process_first,
-                              make_accelerator, prepare_dataloaders, shard_stream, teardown)
+                              make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, setup_generation, stopping_config
 from accel_train.loop import TrainingJob, fit
@@ -49,7 +49,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
-        train_ds, eval_ds, labels = setup_data(cfg, accelerator, tokenizer)
+        data_report = {}  # what tokenizing cut, dropped and refused, per split (summary.json)
+        train_ds, eval_ds, labels = setup_data(cfg, accelerator, tokenizer, data_report)
         model = setup_model(cfg, accelerator, tokenizer, labels, resume)
         faults.inject_start(accelerator.process_index)
         train_dl, eval_dl = setup_loaders(cfg, accelerator, tokenizer, model, train_ds, eval_ds)
@@ -75,7 +76,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
             load_trainable(accelerator.unwrap_model(job.model, keep_torch_compile=False),
                            checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
-                       effective_batch=job.state.effective_batch)
+                       effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
         # The last collective: what follows is the main process's alone, and the others leave rather than wait for
         # it under train.dist_timeout_s (a merge loads the base on the CPU).
         target = save_model(cfg, accelerator, job.model, tokenizer)
@@ -97,12 +98,13 @@ def start_run_dir(cfg: Config, accelerator) -> None:
     out = Path(cfg.output_dir)
     if cfg.overwrite and accelerator.is_main_process and out.exists():
         shutil.rmtree(out)  # asked for explicitly, and preflight checked it holds a run
-    accelerator.wait_for_everyone()
+    wait_for_main(accelerator)
 
 
-def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
+def setup_data(cfg: Config, accelerator, tokenizer, report: dict) -> tuple:
     """(train, eval, class names) tokenized: once per machine (its main process first, the others then read
-    datasets' cache). seq_cls resolves model.num_labels here. A streamed train set is split per rank here."""
+    datasets' cache). seq_cls resolves model.num_labels here. A streamed train set is split per rank here.
+    `report` gets what tokenizing cut, dropped and refused, per split."""
     labels = None
     with local_main_process_first(accelerator):  # the others wait for it outside train.dist_timeout_s
         faults.inject_phase("setup", accelerator.process_index)
@@ -115,8 +117,9 @@ def setup_data(cfg: Config, accelerator, tokenizer) -> tuple:
             # a stream's labels are not read ahead (cross-entropy checks them)
             data_lib.check_labels(cfg, cfg.model.num_labels,
                                   *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)), names=labels)
-        train_ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
-        eval_ds = data_lib.tokenize(eval_raw, tokenizer, cfg, labels) if eval_raw is not None else None
+        train_ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report.setdefault("train", {}))
+        eval_ds = (data_lib.tokenize(eval_raw, tokenizer, cfg, labels, report=report.setdefault("eval", {}))
+                   if eval_raw is not None else None)
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
     if isinstance(train_ds, IterableDataset):
         return shard_stream(accelerator, train_ds, cfg), eval_ds, labels
@@ -270,5 +273,5 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
             # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be
             # loaded on a base whose own config says otherwise: model.load_trained reads it.
             unwrapped.get_base_model().config.save_pretrained(target)
-    accelerator.wait_for_everyone()
+    wait_for_main(accelerator)
     return target

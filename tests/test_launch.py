@@ -53,6 +53,9 @@ def check_observability(out, log: str, train: list[dict], evals: list[dict]):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final"]["eval_loss"] == evals[-1]["eval_loss"] and summary["peak_memory_mb"] > 0
     assert summary["tokens_per_sec"] > 0 and summary["saved"].endswith("adapter")
+    # tokenizing's counts, per split: the built-in words fit max_length, so nothing is cut, dropped or refused
+    assert {k: summary["data"][k]["rows"] for k in summary["data"]} == {"train": 2700, "eval": 300}
+    assert all((v["cut"], v["dropped"], v["refused"]) == (0, 0, 0) for v in summary["data"].values())
     events = EventAccumulator(str(out / "logs" / "accel_train"))
     events.Reload()
     logged = events.Scalars("loss")
