@@ -134,8 +134,9 @@ class DataConfig:
     truncation: Literal["prompt_first", "right"] = "prompt_first"
     """causal_lm conversations longer than data.max_length. prompt_first: drop the oldest tokens (the prompt and
     earlier turns) and keep the last trained answer whole, with its end-of-turn token; a sample whose answer alone
-    does not fit is dropped. right: cut the end; a sample whose last trained answer loses its end-of-turn token is
-    dropped. Both are counted in the log, summary.json and inspect."""
+    does not fit is dropped. right: cut the end (the answer loses its end and its end-of-turn token); a sample left
+    with no trained token is dropped. Cut and dropped samples are counted in the log, summary.json and inspect.
+    (task dpo always cuts the prompt first; seq_cls texts and format text chunks are cut at max_length.)"""
     max_samples: Optional[int] = None
     """Use at most this many training samples (handy for quick runs)."""
     builtin_size: int = 3000
@@ -381,6 +382,11 @@ class Config:
             raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
                               "training: not with data.streaming=true, whose pairs are read as training goes; set "
                               "dpo.precompute_ref=false (the reference is then computed at each step)")
+        if self.data.truncation != "prompt_first" and (self.task != "causal_lm" or self.data.format == "text"):
+            raise ConfigError(f"data.truncation={self.data.truncation} is for causal_lm conversations: "
+                              + ("task dpo always cuts the prompt first" if self.task == "dpo" else
+                                 "format text is split into max_length chunks" if self.task == "causal_lm" else
+                                 "seq_cls texts are cut at max_length"))
         if self.dpo.rpo_alpha < 0:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:

@@ -181,7 +181,7 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
         fn, fn_kwargs, extra = formats.tokenize_cls, {"label2id": {n: i for i, n in enumerate(labels or [])}}, {}
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, **fn_kwargs}, "remove_columns": cols, **extra}
     ds = ds.map(fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(fn, **kwargs, desc="tokenizing")
-    if fmt not in (None, "text"):
+    if fmt not in (None, "text") and (isinstance(ds, IterableDataset) or "status" in ds.column_names):  # 0 rows: no column
         counts = row_counts(ds) if isinstance(ds, Dataset) else None
         ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
         ds = ds.remove_columns("status")
@@ -208,9 +208,11 @@ def row_counts(ds: Dataset) -> dict:
 
 def log_row_counts(counts: dict, cfg: Config) -> None:
     d, n = cfg.data, counts["rows"]
-    if counts["refused"] == n:
-        raise ConfigError(f"data: no row of {d.path} can be masked with this chat template ({counts['first_refused']})"
-                          "; use data.train_on=all, or a tokenizer with another template")
+    if n and counts["refused"] == n:
+        first = counts["first_refused"]
+        hint = ("fix or drop those rows, or use a tokenizer whose template takes them" if "refuses" in first or
+                "renders assistant turn" in first else "use data.train_on=all, or a tokenizer with another template")
+        raise ConfigError(f"data: every row of {d.path} is refused ({first}); {hint}")
     if counts["refused"]:
         logger.warning(f"data: {counts['refused']} of {n} rows refused, their assistant turns not found in the chat "
                        f"template's rendering (first: {counts['first_refused']})")

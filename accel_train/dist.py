@@ -107,8 +107,8 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         )
     if accelerator.num_processes > 1:
         # collective: every rank creates it here, once, right after the process group forms
-        _setup_group = torch.distributed.new_group(
-            backend="gloo", timeout=max(SETUP_TIMEOUT, timedelta(seconds=cfg.train.dist_timeout_s)))
+        # the default group's backend (NCCL on GPUs, gloo on CPUs): no second mesh of connections to set up
+        _setup_group = torch.distributed.new_group(timeout=max(SETUP_TIMEOUT, timedelta(seconds=cfg.train.dist_timeout_s)))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
     # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
@@ -147,11 +147,12 @@ def local_main_process_first(accelerator: Accelerator):
 
 
 def wait_for_main(accelerator: Accelerator) -> None:
-    """Every rank waits here for work the main process does alone (deleting an old run, writing the model), on the
-    setup group: a large model's files take longer to write than train.dist_timeout_s allows."""
+    """Every rank waits here for work the main process does alone (tokenizing first, deleting an old run, writing
+    the model, merging), on the setup group: a large model's files take longer to write than train.dist_timeout_s
+    allows."""
     if accelerator.num_processes > 1:
-        torch.distributed.barrier(group=_setup_group)
-
+        with _left_with_main():
+            torch.distributed.barrier(group=_setup_group)
 
 
 def gather_setup(accelerator: Accelerator, obj) -> list:
@@ -159,8 +160,20 @@ def gather_setup(accelerator: Accelerator, obj) -> list:
     if accelerator.num_processes == 1:
         return [obj]
     gathered = [None] * accelerator.num_processes
-    torch.distributed.all_gather_object(gathered, obj, group=_setup_group)
+    with _left_with_main():
+        torch.distributed.all_gather_object(gathered, obj, group=_setup_group)
     return gathered
+
+
+@contextmanager
+def _left_with_main():
+    """A setup wait that breaks because another rank ended (the main process refused the data, say, and printed the
+    one line about it): this rank leaves quietly with status 1 instead of adding a traceback of its own."""
+    assert _setup_group is not None, "the setup group is created in make_accelerator"
+    try:
+        yield
+    except RuntimeError:  # gloo: "Connection closed by peer"; NCCL: a DistBackendError, a RuntimeError too
+        raise SystemExit(1) from None
 
 
 def hardware(accelerator: Accelerator) -> str:

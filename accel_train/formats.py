@@ -18,6 +18,8 @@ seq_cls rows are {"text": ..., "label": ...}, the label an integer or a class na
 
 from __future__ import annotations
 
+import json
+
 from accel_train.config import Config, ConfigError
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
@@ -166,7 +168,7 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
             ids.append(tokenizer.convert_tokens_to_ids(token))
     own = getattr(generation_config, "eos_token_id", None)
     ids += own if isinstance(own, list) else [own] if own is not None else []
-    return list(dict.fromkeys(i for i in ids if i is not None and i != tokenizer.unk_token_id))
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 class UnmaskableRow(ValueError):
@@ -174,30 +176,32 @@ class UnmaskableRow(ValueError):
     (counted and named in the log), not the run."""
 
 
-def _render(tokenizer, messages: list[dict], **kw) -> str:
-    """The template's text; a conversation the template refuses (Gemma 2 raises on a system turn) is a row refused."""
+def _render(tokenizer, messages: list[dict], tools: list | None = None, **kw) -> str:
+    """The template's text (with the row's tool schemas, for templates that show them to the model); a conversation
+    the template refuses (Gemma 2 raises on a system turn) is a row refused."""
     if not messages:
         return ""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kw)
     except Exception as e:  # noqa: BLE001 (jinja2's TemplateError for raise_exception, or any template bug)
         raise UnmaskableRow(f"the chat template refuses this conversation: {' '.join(str(e).split())[:200]}") from None
 
 
-def _header(tokenizer, messages: list[dict], i: int) -> str:
+def _header(tokenizer, messages: list[dict], i: int, tools: list | None) -> str:
     """The text the template writes between message i-1's content and assistant turn i (e.g.
     `<|im_end|>\n<|im_start|>assistant\n`), led by that content: the tail of the conversation up to turn i rendered
     with a generation prompt."""
-    prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+    prompt = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
     before = messages[i - 1]["content"].strip() if i else ""
     at = prompt.rfind(before) if before else -1
     if at >= 0:
         return prompt[at:]
-    plain = _render(tokenizer, messages[:i])
+    plain = _render(tokenizer, messages[:i], tools)
     return prompt[len(plain):] if prompt.startswith(plain) else ""
 
 
-def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -> list[tuple[int, int]]:
+def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str, tools: list | None = None
+                    ) -> list[tuple[int, int]]:
     """Character spans of the trained assistant turns in `text` (the template's rendering of `messages`): each
     from the start of its answer (its content; for a turn with no content, such as a tool call, or with a reasoning
     block, what follows the assistant header) to the end of the end-of-turn marker that follows it. Template
@@ -208,7 +212,7 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for i in turns:
         m = messages[i]
-        header = _header(tokenizer, messages, i)
+        header = _header(tokenizer, messages, i, tools)
         at = text.find(header, pos) if header else pos
         eos = tokenizer.eos_token
         if at < 0 and eos and header.endswith(eos):  # a template that ends every rendering with eos (Phi-3)
@@ -217,12 +221,14 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -
         if at < 0:
             raise UnmaskableRow(f"the template's text before assistant turn {i} is not in the full rendering")
         after_header = at + len(header)
-        # As written, else as templates that trim it (Llama 3, Gemma, Mistral) render it.
-        body = next((b for b in (m["content"], m["content"].strip()) if b.strip() and b in text[after_header:]),
-                    m["content"].strip())
-        content = text.find(body, after_header) if body else after_header
-        if content < 0:
-            raise UnmaskableRow(f"assistant turn {i}'s content is not in the template's rendering")
+        # As written, or as templates that trim it (Llama 3, Gemma, Mistral) render it: whichever comes first (a
+        # later turn may quote the answer).
+        body, content = m["content"].strip(), after_header
+        if body:
+            found = [(at, b) for b in (m["content"], body) if (at := text.find(b, after_header)) >= 0]
+            if not found:
+                raise UnmaskableRow(f"assistant turn {i}'s content is not in the template's rendering")
+            content, body = min(found, key=lambda f: (f[0], -len(f[1])))
         reasoning = [str(m[k]).strip() for k in REASONING_KEYS if m.get(k)]
         # The model writes a tool call or a reasoning block itself: trained from the header on. Otherwise what
         # stands between header and content (Qwen3's empty <think> block) is the template's, not the answer.
@@ -233,6 +239,10 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -
             if stop < 0:
                 raise UnmaskableRow(f"no end-of-turn marker {marker!r} after assistant turn {i}")
             end = stop + len(marker)
+        if not text[start:end].removesuffix(marker).strip():
+            # Phi-3, Phi-4, SmolLM2 render a tool-call turn as an empty answer: it would teach answering nothing
+            raise UnmaskableRow(f"the chat template renders assistant turn {i} empty"
+                                + (" (it does not show tool calls)" if m.get("tool_calls") else ""))
         if train_on == "all_assistant" or i == turns[-1]:
             spans.append((start, end))
         pos = end
@@ -242,21 +252,52 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str) -
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # what templates with <think> blocks read
 
 
-def tokens_with_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
+def tokens_with_template(messages: list[dict], tokenizer, train_on: str, tools: list | None = None
+                         ) -> tuple[list[int], list[int]]:
     """(input ids, labels) of a conversation rendered once by the chat template, the ids exactly those of
     `apply_chat_template`. Trained tokens are those whose characters fall in an assistant span
-    (`assistant_spans`), mapped through the fast tokenizer's offsets."""
-    text = _render(tokenizer, messages)
-    if not tokenizer.is_fast:
-        raise UnmaskableRow("locating answers needs a fast tokenizer (character offsets)")
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    (`assistant_spans`), mapped through the fast tokenizer's offsets (a slow tokenizer's, by tokenizing the text up
+    to each span's edge)."""
+    messages = [_split_reasoning(m, tokenizer) for m in messages]
+    text = _render(tokenizer, messages, tools)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
     ids = encoded["input_ids"]
     if train_on == "all":
         return ids, list(ids)
-    spans = assistant_spans(messages, tokenizer, text, train_on)
+    spans = assistant_spans(messages, tokenizer, text, train_on, tools)
+    if not tokenizer.is_fast:
+        return ids, _labels_by_prefixes(text, ids, spans, tokenizer)
     labels = [t if any(a < e and b > s for s, e in spans) else IGNORE_INDEX
               for t, (a, b) in zip(ids, (_core(text, a, b) for a, b in encoded["offset_mapping"]))]
     return ids, labels
+
+
+def _split_reasoning(m: dict, tokenizer) -> dict:
+    """An answer written as `<think>...</think>answer`, for a template that renders reasoning_content itself
+    (Qwen3): split as that template splits it, so that the turn renders (and is found) the way the template
+    writes it."""
+    content = m["content"]
+    if (m["role"] != "assistant" or "</think>" not in content or m.get("reasoning_content")
+            or "reasoning_content" not in (tokenizer.chat_template or "")):
+        return m
+    reasoning, _, answer = content.partition("</think>")
+    return {**m, "reasoning_content": reasoning.split("<think>")[-1].strip("\n"), "content": answer.lstrip("\n")}
+
+
+def _labels_by_prefixes(text: str, ids: list[int], spans: list[tuple[int, int]], tokenizer) -> list[int]:
+    """A slow tokenizer (no offsets): each span's edges as token positions, where the text up to the edge
+    tokenizes to a prefix of the whole."""
+    labels = [IGNORE_INDEX] * len(ids)
+    for s, e in spans:
+        edges = []
+        for c in (s, e):
+            prefix = tokenizer(text[:c], add_special_tokens=False)["input_ids"]
+            if ids[: len(prefix)] != prefix:
+                raise UnmaskableRow("the tokenizer splits the text differently at an answer's edge (a slow tokenizer "
+                                    "without character offsets)")
+            edges.append(len(prefix))
+        labels[edges[0]: edges[1]] = ids[edges[0]: edges[1]]
+    return labels
 
 
 def _core(text: str, a: int, b: int) -> tuple[int, int]:
@@ -299,13 +340,35 @@ def tokenize_causal(example: dict, tokenizer, cfg: Config, fmt: str | None = Non
     row: "" kept whole, "cut", "dropped: ..." (nothing to train on is left) or "refused: ..." (the answers cannot
     be located): data.tokenize counts and removes the last two."""
     messages = conversation(example, cfg, fmt or resolve_format(cfg, list(example)), row)
-    render = tokens_with_template if tokenizer.chat_template else tokens_without_template
     try:
-        ids, labels = render(messages, tokenizer, cfg.data.train_on)
+        if tokenizer.chat_template:
+            ids, labels = tokens_with_template(messages, tokenizer, cfg.data.train_on, row_tools(example.get("tools")))
+        else:
+            ids, labels = tokens_without_template(messages, tokenizer, cfg.data.train_on)
     except UnmaskableRow as e:
         return {"input_ids": [], "attention_mask": [], "labels": [], "status": f"refused: {e}"}
     ids, labels, status = truncate(ids, labels, cfg, tokenizer.bos_token_id)
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels, "status": status}
+
+
+def row_tools(value) -> list | None:
+    """A row's `tools` column (the function schemas a tool-calling conversation was held with): a list, or the JSON
+    text of one (as most tool-calling datasets store it); `datasets` gives a list of structs every key of which is
+    present, None where a schema lacks it: those are dropped."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UnmaskableRow(f"its tools column is not JSON ({e.msg} at character {e.pos})") from None
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if x is not None}
+        return [clean(x) for x in v] if isinstance(v, list) else v
+
+    return clean(value) or None
 
 
 def truncate(ids: list[int], labels: list[int], cfg: Config, bos: int | None) -> tuple[list[int], list[int], str]:
@@ -325,6 +388,8 @@ def truncate(ids: list[int], labels: list[int], cfg: Config, bos: int | None) ->
         last -= 1
     head = [0] if ids[0] == bos and bos is not None else []
     keep = size - len(head)
+    if last == 0:  # every token is trained (train_on=all): the end stays, with the last end-of-turn marker
+        last = len(ids) - keep + 1
     if len(ids) - last > keep - 1:
         return [], [], f"dropped: the last answer alone is {len(ids) - last} tokens"
     pick = head + list(range(len(ids) - keep, len(ids)))

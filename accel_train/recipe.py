@@ -77,8 +77,6 @@ def run(cfg: Config, resume: Path | None) -> dict:
                            checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
                        effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
-        # The last collective: what follows is the main process's alone, and the others leave rather than wait for
-        # it under train.dist_timeout_s (a merge loads the base on the CPU).
         target = save_model(cfg, accelerator, job.model, tokenizer)
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
@@ -86,6 +84,9 @@ def run(cfg: Config, resume: Path | None) -> dict:
                 merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
             write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
             write_cards(cfg.output_dir)
+        # The others wait for the main process's merge and summary outside train.dist_timeout_s (a merge loads the
+        # base on the CPU), and all ranks end together: torchrun's agents on other machines wait at most 300 s.
+        wait_for_main(accelerator)
         return results
     finally:
         teardown(accelerator)

@@ -495,18 +495,26 @@ def test_builtin_sentiment_labels_follow_the_word_counts():
 
 def test_messages_with_text_parts_and_a_tool_call_turn_are_rendered_intact(tok):
     """OpenAI-style content given as a list of parts, and a turn whose content is None (a tool call): the text is
-    what the parts say, never the string 'None'."""
+    what the parts say, never the string 'None'. The tiny model's template does not show tool calls, so it renders
+    that turn as an empty answer, and the row is refused (counted, with the reason) rather than trained on."""
     rows = [{"messages": [
         {"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]},
         {"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": "{}"}]},
         {"role": "user", "content": [{"type": "text", "text": "ef"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "gh"}]}]}]
-    out = data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg())[0]
-    plain = [{"role": "user", "content": "abcd"}, {"role": "assistant", "content": ""},
-             {"role": "user", "content": "ef"}, {"role": "assistant", "content": "gh"}]
-    assert out["input_ids"] == tok.apply_chat_template(plain)["input_ids"]
-    assert "None" not in tok.decode(out["input_ids"]) and "none" not in tok.decode(out["input_ids"])
-    assert targets(out) == ids(tok, "gh") + [tok.eos_token_id]
+        {"role": "assistant", "content": [{"type": "text", "text": "gh"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "gh"}]}]}]
+    ds = Dataset.from_list(rows)
+    messages = formats.conversation(ds[0], make_cfg(), "messages", 0)
+    assert [m["content"] for m in messages] == ["abcd", "", "ef", "gh"]
+    report = {}
+    out = data_lib.tokenize(ds, tok, make_cfg(), report=report)
+    assert report["refused"] == 1 and report["first_refused"] == (
+        "row 0: the chat template renders assistant turn 1 empty (it does not show tool calls)")
+    plain = [{"role": "user", "content": "abcd"}, {"role": "assistant", "content": "gh"}]
+    assert len(out) == 1 and out[0]["input_ids"] == tok.apply_chat_template(plain)["input_ids"]
+    assert "None" not in tok.decode(out[0]["input_ids"])
+    assert targets(out[0]) == ids(tok, "gh") + [tok.eos_token_id]
 
 
 def test_sharegpt_conversations_map_speakers_to_roles(tok):

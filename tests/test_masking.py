@@ -6,6 +6,8 @@ search."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from datasets import Dataset
 
@@ -23,6 +25,16 @@ def accelerate_state():
     PartialState(cpu=True)
 
 
+def row(shape: str) -> dict:
+    """The conversation as a dataset row; the tool-calling one with its tool schemas as JSON text, as tool-calling
+    datasets store them."""
+    return {"messages": ct.conversation(shape), **({"tools": json.dumps(ct.TOOLS)} if shape == "tools" else {})}
+
+
+def tools_of(shape: str):
+    return ct.TOOLS if shape == "tools" else None
+
+
 def expected_spans(name: str, shape: str, text: str, train_on: str) -> list[tuple[int, int]]:
     """Character spans that must be trained: each answer (its text as rendered: trimmed by templates that trim),
     from its first character (for a tool call or a rendered reasoning block, the first character after the
@@ -35,7 +47,7 @@ def expected_spans(name: str, shape: str, text: str, train_on: str) -> list[tupl
         if before in text[cursor:]:  # answers may repeat the question ("... x = 1"); tool results may be escaped
             cursor = text.index(before, cursor) + len(before)
         body = m["content"] if m["content"] and m["content"] in text[cursor:] else m["content"].strip()
-        prompt = formats._render(ct.tokenizer_for(name), messages[:i], add_generation_prompt=True)
+        prompt = formats._render(ct.tokenizer_for(name), messages[:i], tools_of(shape), add_generation_prompt=True)
         if body:
             start = text.index(body, cursor)
         else:  # a tool call: what follows the generation prompt's last line
@@ -64,10 +76,17 @@ CASES = [(n, s, t, r) for n, s in ct.pairs(valid=True) for t in ("last_assistant
 def test_trained_tokens_are_the_answers_and_their_end_of_turn(name, shape, train_on, realistic):
     tok = ct.tokenizer_for(name, realistic)
     cfg = load_config(None, [f"data.train_on={train_on}", "data.max_length=100000"])
-    out = formats.tokenize_causal({"messages": ct.conversation(shape)}, tok, cfg)
+    out = formats.tokenize_causal(row(shape), tok, cfg)
+    if shape == "tools" and not ct.keeps(name, shape):
+        # Phi-3, Phi-4 and SmolLM2 render the tool-call turn as an empty answer (and drop the tool's result):
+        # training on that would teach answering nothing, so the row is refused
+        assert out["status"] == "refused: the chat template renders assistant turn 1 empty (it does not show tool calls)"
+        return
     assert out["status"] == "", out["status"]
-    text = formats._render(tok, ct.conversation(shape))
-    assert out["input_ids"] == tok.apply_chat_template(ct.conversation(shape))["input_ids"]
+    text = formats._render(tok, ct.conversation(shape), tools_of(shape))
+    assert out["input_ids"] == tok.apply_chat_template(ct.conversation(shape), tools=tools_of(shape))["input_ids"]
+    if shape == "tools":  # the row's tool schemas are shown to the model, as the template shows them
+        assert "Get the current weather in a city." in text
 
     want = expected_spans(name, shape, text, train_on)
     offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -102,7 +121,7 @@ def test_a_conversation_the_template_refuses_is_a_row_refused_with_the_reason(na
                             report=report)
     assert len(out) == 1 and report["refused"] == 1
     assert report["first_refused"].startswith("row 1: the chat template refuses this conversation: ")
-    with pytest.raises(ConfigError, match="no row of .* can be masked with this chat template") as e:
+    with pytest.raises(ConfigError, match="every row of .* is refused .*; fix or drop those rows") as e:
         data_lib.tokenize(Dataset.from_list([{"messages": ct.conversation(shape)}]), tok, cfg)
     assert "\n" not in str(e.value)
 
@@ -124,3 +143,89 @@ def test_end_of_turn_and_stop_ids_of_each_real_template():
         assert formats.end_of_turn(tok) == spec["end_of_turn"], name
         stop = formats.stop_token_ids(tok)
         assert tok.convert_tokens_to_ids(spec["end_of_turn"]) in stop and tok.eos_token_id in stop, name
+
+
+def test_an_answer_quoted_again_later_is_found_in_its_own_turn():
+    """Templates that trim (Llama 3, Gemma) render "    x = 1\n" as "x = 1"; the untrimmed text appears again in a
+    later user turn, which must not be taken for the answer."""
+    messages = [{"role": "user", "content": "Indent by four spaces: x = 1"}, {"role": "assistant", "content": "    x = 1\n"},
+                {"role": "user", "content": "You wrote\n    x = 1\nWhy?"}, {"role": "assistant", "content": "As asked."}]
+    cfg = load_config(None, ["data.train_on=all_assistant"])
+    for name in ("llama3.1", "gemma3", "qwen2.5"):
+        tok = ct.tokenizer_for(name)
+        out = formats.tokenize_causal({"messages": messages}, tok, cfg)
+        assert out["status"] == "", (name, out["status"])
+        trained = tok.decode([t for t, lab in zip(out["input_ids"], out["labels"]) if lab != IGNORE_INDEX])
+        eot = ct.TEMPLATES[name]["end_of_turn"]
+        assert trained in (f"x = 1{eot}As asked.{eot}", f"    x = 1\n{eot}As asked.{eot}"), (name, trained)
+
+
+def test_qwen3_reasoning_written_inline_is_split_as_the_template_splits_it():
+    """Distilled reasoning data writes `<think>...</think>answer` in the content; Qwen3's template splits it and
+    drops the reasoning of earlier turns: each turn is still found, and the last one trains its reasoning too."""
+    messages = [{"role": "user", "content": "What is 17 x 23?"},
+                {"role": "assistant", "content": "<think>\n17 x 20 = 340, + 51\n</think>\n\n17 x 23 = 391."},
+                {"role": "user", "content": "And 17 x 24?"},
+                {"role": "assistant", "content": "<think>\n391 + 17\n</think>\n\n17 x 24 = 408."}]
+    tok = ct.tokenizer_for("qwen3")
+    out = formats.tokenize_causal({"messages": messages}, tok, load_config(None, ["data.train_on=all_assistant"]))
+    assert out["status"] == ""
+    trained = tok.decode([t for t, lab in zip(out["input_ids"], out["labels"]) if lab != IGNORE_INDEX])
+    assert trained == "17 x 23 = 391.<|im_end|><think>\n391 + 17\n</think>\n\n17 x 24 = 408.<|im_end|>"
+
+
+def test_a_slow_tokenizer_is_masked_through_prefixes():
+    """A tokenizer without character offsets (a slow, Python one: trust_remote_code models): each answer's edges
+    are found by tokenizing the text up to them."""
+    from transformers import AutoTokenizer
+
+    from accel_train.config import TINY_MODEL
+
+    fast = AutoTokenizer.from_pretrained(TINY_MODEL)
+
+    class Slow:  # the fast tokenizer, minus its offsets
+        is_fast = False
+
+        def __getattr__(self, name):
+            return getattr(fast, name)
+
+        def __call__(self, text, return_offsets_mapping=False, **kw):
+            assert not return_offsets_mapping
+            return fast(text, **kw)
+
+    cfg = load_config(None, ["data.train_on=all_assistant"])
+    messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"},
+                {"role": "user", "content": "cd"}, {"role": "assistant", "content": "dc"}]
+    assert formats.tokenize_causal({"messages": messages}, Slow(), cfg) == formats.tokenize_causal(
+        {"messages": messages}, fast, cfg)
+
+
+def test_stop_ids_keep_eos_where_it_is_also_unk():
+    """GPT-2, Pythia, SmolLM2 base: bos = eos = unk = <|endoftext|>; generation must still stop at it."""
+    from transformers import GenerationConfig
+
+    tok = ct.tokenizer_for("smollm2")
+    plain = type(tok)(tokenizer_object=tok.backend_tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                      unk_token="<|endoftext|>")
+    eos = plain.eos_token_id
+    assert formats.stop_token_ids(plain, GenerationConfig(eos_token_id=eos)) == [eos]
+
+
+def test_train_on_all_is_cut_from_the_start_not_dropped():
+    ids = list(range(1, 21))
+    cut = formats.truncate(ids, list(ids), load_config(None, ["data.max_length=8"]), bos=None)
+    assert cut == (ids[-8:], ids[-8:], "cut")
+
+
+def test_an_empty_split_tokenizes_to_an_empty_split():
+    out = data_lib.tokenize(Dataset.from_list([{"prompt": "a", "response": "b"}]).select([]), ct.tokenizer_for("qwen2.5"),
+                            load_config(None, []))
+    assert len(out) == 0
+
+
+def test_a_truncation_that_does_not_apply_is_refused():
+    for args, reason in ((["task=dpo"], "task dpo always cuts the prompt first"),
+                         (["task=seq_cls"], "seq_cls texts are cut at max_length"),
+                         (["data.format=text"], "format text is split into max_length chunks")):
+        with pytest.raises(ConfigError, match=reason):
+            load_config(None, [*args, "data.truncation=right"])
