@@ -19,6 +19,7 @@ seq_cls rows are {"text": ..., "label": ...}, the label an integer or a class na
 from __future__ import annotations
 
 import json
+import weakref
 
 from accel_train.config import Config, ConfigError
 
@@ -138,7 +139,23 @@ def special_tokens(tokenizer) -> list[str]:
     return sorted(set(tokenizer.all_special_tokens) | set(added), key=len, reverse=True)
 
 
+_END_OF_TURN = weakref.WeakKeyDictionary()  # tokenizer -> ((chat template, eos), end_of_turn): else once per row
+
+
 def end_of_turn(tokenizer) -> str:
+    """`_end_of_turn`, computed once per tokenizer and template."""
+    template = (tokenizer.chat_template, tokenizer.eos_token)
+    try:
+        known, marker = _END_OF_TURN.get(tokenizer, (None, None))
+    except TypeError:  # an object that cannot be weakly referenced
+        return _end_of_turn(tokenizer)
+    if known != template or marker is None:
+        marker = _end_of_turn(tokenizer)
+        _END_OF_TURN[tokenizer] = (template, marker)
+    return marker
+
+
+def _end_of_turn(tokenizer) -> str:
     """The end-of-turn marker the chat template writes right after an assistant's answer: the run of special
     tokens that follows it (<|im_end|> for ChatML, <|eot_id|> for Llama 3, <end_of_turn> for Gemma, </s> for
     Mistral, <|end|> for Phi-3), else an eos after white space; "" for a template that ends turns with neither.
