@@ -148,8 +148,9 @@ def columns(ds: Dataset | IterableDataset) -> list[str]:
     return ds.column_names or list(next(iter(ds)).keys())
 
 
-def _tokenize_conversations(batch: dict, rows: list[int], tokenizer, cfg: Config, fmt: str) -> dict:
-    """A batch of conversation rows, one by one (batched: datasets' per-row overhead was 40% of the time)."""
+def _tokenize_conversations(batch: dict, rows: list[int], tokenizer, cfg: Config, fmt: str, version: int) -> dict:
+    """A batch of conversation rows, one by one (batched: datasets' per-row overhead was 40% of the time);
+    `version`: formats.TOKENIZE_VERSION, for the cache key only."""
     out = {"input_ids": [], "attention_mask": [], "labels": [], "status": []}
     for i, row in enumerate(rows):
         for key, value in formats.tokenize_causal({k: v[i] for k, v in batch.items()}, tokenizer, cfg, fmt, row).items():
@@ -176,7 +177,8 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
     if fmt == "text":
         fn, fn_kwargs, extra = formats.tokenize_text, {}, {"batched": True}
     elif fmt is not None:
-        fn, fn_kwargs, extra = _tokenize_conversations, {"fmt": fmt}, {"with_indices": True, "batched": True}
+        fn, fn_kwargs, extra = (_tokenize_conversations, {"fmt": fmt, "version": formats.TOKENIZE_VERSION},
+                                {"with_indices": True, "batched": True})
     else:
         fn, fn_kwargs, extra = formats.tokenize_cls, {"label2id": {n: i for i, n in enumerate(labels or [])}}, {}
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, **fn_kwargs}, "remove_columns": cols, **extra}

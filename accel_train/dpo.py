@@ -93,7 +93,7 @@ def _split(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
     return ids[:start], ids[start:]
 
 
-def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config) -> dict:
+def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION) -> dict:
     """Prompt + chosen and prompt + rejected token ids and labels, truncated to data.max_length prompt first."""
     render = formats.tokens_with_template if tokenizer.chat_template else formats.tokens_without_template
     try:
@@ -122,7 +122,8 @@ def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: 
     # Only what tokenizing reads goes into the cache key (see data.tokenize).
     key = Config(task="dpo", data=DataConfig(prompt_field=d.prompt_field, max_length=d.max_length),
                  dpo=DpoConfig(chosen_field=cfg.dpo.chosen_field, rejected_field=cfg.dpo.rejected_field))
-    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key}, "remove_columns": cols, "with_indices": True}
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
+              "remove_columns": cols, "with_indices": True}  # version: formats.TOKENIZE_VERSION, for the cache key
     ds = ds.map(tokenize_pair, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
         tokenize_pair, **kwargs, desc="tokenizing pairs")
     n, truncated = (len(ds), sum(ds["truncated"])) if isinstance(ds, Dataset) else (None, 0)

@@ -28,7 +28,7 @@ from transformers import GenerationConfig
 
 from accel_train.config import Config, ConfigError
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.metrics import compute_metrics, load_metric
+from accel_train.metrics import compute_metrics, load_metrics
 
 PREDICTIONS_FILE = "eval_predictions.jsonl"  # one row per eval sample and evaluation, with its step
 
@@ -81,7 +81,8 @@ def setup_generation(cfg: Config, accelerator, tokenizer, eval_ds) -> Generation
     return GenerationEval(
         loader, tokenizer, prompts=tokenizer.batch_decode(prompts),
         references=[t.strip() for t in tokenizer.batch_decode(references, skip_special_tokens=True)],
-        metrics={name: load_metric(name) for name in cfg.eval.generation_metrics})
+        metrics=load_metrics(cfg.eval.generation_metrics, cfg.eval.metric_kwargs, ["the cat sat", "a dog"],
+                             ["the cat sat down", "a dog"], "eval.generation_metrics"))
 
 
 def generation_kwargs(cfg: Config, tokenizer, model) -> dict:

@@ -34,7 +34,7 @@ from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, setup_generation, stopping_config
 from accel_train.loop import TrainingJob, fit
 from accel_train.loss import loss_head
-from accel_train.metrics import load_metric
+from accel_train.metrics import load_metrics
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.preflight import make_output_dir
@@ -205,7 +205,10 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     preference = dpo.PreferenceLoss(cfg, model, accelerator) if cfg.task == "dpo" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
-    metrics = {name: load_metric(name) for name in cfg.eval.metrics}
+    # tried on ids as the run gives them: tokens (many classes), or the classifier's classes
+    classes = list(range(cfg.model.num_labels or 2 if cfg.task == "seq_cls" else 3))
+    metrics = load_metrics(cfg.eval.metrics, cfg.eval.metric_kwargs, classes, classes[1:] + classes[:1],
+                           "eval.metrics") if cfg.task != "dpo" else {}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
     state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
     accelerator.register_for_checkpointing(state)

@@ -296,3 +296,22 @@ def test_metric_kwargs_a_config_accepts_reach_the_metrics():
     # f1 of class 0: tp 1, 2 predicted, 2 actual -> 1/2; class 1: tp 2, 3 predicted, 2 actual -> 4/5; class 2: 0
     results = compute_metrics(metrics, cfg.eval.metric_kwargs)
     assert results == {"eval_accuracy": 3.0, "eval_f1": pytest.approx((1 / 2 + 4 / 5 + 0) / 3)}
+
+
+def test_a_metric_that_cannot_run_on_the_runs_data_stops_before_training():
+    """Tried once on ids of the run's kind before training (recipe.prepare, generation.setup_generation): f1's
+    default average=binary on token ids (many classes), or an argument a metric does not take, is one line then,
+    not a crash at the first evaluation after hours of training."""
+    from accel_train.metrics import load_metrics
+
+    tokens = [0, 1, 2], [1, 2, 0]
+    with pytest.raises(ConfigError) as e:
+        load_metrics(["accuracy", "f1"], {}, *tokens, "eval.metrics")
+    assert str(e.value).startswith("eval.metrics: metric 'f1' with eval.metric_kwargs {} fails on this run's kind of "
+                                   "data: ValueError: Target is multiclass but average='binary'")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="metric 'accuracy' .* TypeError: .*unexpected keyword argument 'nomalize'"):
+        load_metrics(["accuracy"], {"accuracy": {"nomalize": False}}, *tokens, "eval.metrics")
+    assert set(load_metrics(["accuracy", "f1"], {"f1": {"average": "macro"}}, *tokens, "eval.metrics")) == {"accuracy",
+                                                                                                          "f1"}
+    assert set(load_metrics(["f1"], {}, [0, 1], [1, 0], "eval.metrics")) == {"f1"}  # two classes: binary is right

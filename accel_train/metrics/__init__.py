@@ -42,6 +42,22 @@ def scores(name: str, result: dict) -> dict:
     return {f"eval_{k}": float(v) for k, v in result.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
 
+def load_metrics(names: list[str], kwargs: dict, predictions: list, references: list, key: str) -> dict:
+    """`evaluate` modules by name, each tried once on a few values of the kind the run will give it (`predictions`,
+    `references`) with its eval.metric_kwargs: an argument it does not take, or data it refuses (f1's default
+    average=binary on more than two classes), stops the run before training with one line, not at the first
+    evaluation."""
+    metrics = {name: load_metric(name) for name in names}
+    for name, metric in metrics.items():
+        try:
+            metric.compute(predictions=predictions, references=references, **kwargs.get(name, {}))
+        except Exception as e:  # noqa: BLE001 (TypeError, sklearn's ValueError, ...: whatever the metric raises)
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(f"{key}: metric {name!r} with eval.metric_kwargs {kwargs.get(name, {})} fails on this "
+                              f"run's kind of data: {type(e).__name__}: {reason}") from None
+    return metrics
+
+
 def compute_metrics(metrics: dict, kwargs: dict, **inputs) -> dict:
     """`eval_NAME` numbers of every metric (`evaluate` modules by name), each with its compute arguments from
     `kwargs` (eval.metric_kwargs); `inputs`: predictions and references, or none after add_batch."""
