@@ -18,7 +18,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
 from accel_train import dpo, formats
 from accel_train.config import Config, ConfigError, DataConfig
-from accel_train.data_sources import FILE_BUILDERS, builtin_rows
+from accel_train.data_sources import FILE_BUILDERS, builtin_rows, is_saved_dataset
 from accel_train.formats import IGNORE_INDEX
 
 logger = get_logger(__name__)
@@ -43,7 +43,7 @@ def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]
             if local.is_file():
                 loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)},
                                       streaming=d.streaming)
-            elif (local / "dataset_dict.json").exists() or (local / "dataset_info.json").exists():
+            elif is_saved_dataset(local):
                 loaded = load_from_disk(str(local))
             else:  # a hub dataset, a local folder of data files, or a builder (json, csv, ...) with data_files
                 loaded = load_dataset(d.path, name=d.name, data_files=d.data_files, revision=d.revision,
