@@ -12,12 +12,11 @@ import sys
 from pathlib import Path
 
 from accel_train.config import ConfigError, load_config
-from accel_train.generation import stopping_config
-from accel_train.model import AUTO_CLASS, load_trained
+from accel_train.model_sources import existing_folder
 
 
 def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir, out_dir = existing_folder(run_dir, "RUN_DIR"), Path(out_dir)
     adapter = run_dir / "adapter"
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"{run_dir} has no LoRA adapter ({adapter}/adapter_config.json); is it a LoRA run?")
@@ -25,6 +24,9 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
         if not overwrite:
             raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite or choose --out")
         shutil.rmtree(out_dir)
+    from accel_train.generation import stopping_config  # torch: once the arguments are known to be right
+    from accel_train.model import AUTO_CLASS, load_trained
+
     cfg = load_config(run_dir / "config.yaml")
     # dtype auto: the merged model keeps the base's dtype
     model, tokenizer = load_trained(run_dir / "adapter", AUTO_CLASS[cfg.task], dtype="auto",
@@ -41,7 +43,8 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="accel_train.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a finished run's output_dir (holds adapter/ and config.yaml)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a finished LoRA run's output_dir (holds adapter/ and "
+                                                           "config.yaml)")
     parser.add_argument("--out", help="where to write the merged model (default: RUN_DIR/merged)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)

@@ -1,45 +1,149 @@
-"""Generate a response with a trained causal LM (greedy), through the tokenizer's chat template; it ends at the
-template's end of turn or eos.
+"""Generate responses with a trained causal LM, through the tokenizer's chat template; each ends at the template's
+end of turn or eos. Greedy unless --do-sample. The model is loaded once; the prompts are generated in batches.
 
-    python -m accel_train.generate PATH --prompt "reverse abcd" [--max-new-tokens 64]
+    python -m accel_train.generate PATH --prompt "reverse abcd" [--prompt ...] [--prompts-file FILE]
+        [--system TEXT] [--max-new-tokens 64] [--do-sample [--temperature T] [--top-p P] [--seed N]]
+        [--output FILE.jsonl | --jsonl]
 
-PATH: a run's output_dir (uses merged/, model/ or adapter/, in that order), or one of those folders.
+One prompt prints its response as plain text; several prompts (or --jsonl) print one JSON row per prompt on stdout,
+and --output writes them to a file: the prompt's row ({"prompt": ...} or {"messages": [...]}) with "generation".
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
+from accel_train.config import ConfigError
+from accel_train.model_sources import PATH_HELP, check_task, trained_folder
 
-from accel_train.formats import stop_token_ids
-from accel_train.generation import until_stop
-from accel_train.model import load_trained
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """The rows of a prompts file: JSON lines (.jsonl) with a "prompt" string or a "messages" list (role/content,
+    as training data has them), or plain text, one prompt per non-empty line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--prompts-file: no such file: {path}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix != ".jsonl":
+        return [{"prompt": line} for line in lines if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--prompts-file {path}, line {number}: not JSON ({e.msg})") from None
+        if not (isinstance(row, dict) and (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list))):
+            raise ConfigError(f"--prompts-file {path}, line {number}: needs a \"prompt\" string or a \"messages\" list")
+        rows.append(row)
+    return rows
+
+
+def conversation(row: dict, system: str | None) -> list[dict]:
+    """The messages a row asks to continue, with the --system message first unless the row has its own."""
+    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    if system is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def prompt_ids(tokenizer, row: dict, system: str | None) -> list[int]:
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(conversation(row, system), add_generation_prompt=True)["input_ids"]
+    if system is not None or "messages" in row:
+        raise ConfigError("--system and \"messages\" rows need a chat template; this model's tokenizer has none")
+    return tokenizer(row["prompt"] + "\n")["input_ids"]
+
+
+def generate_rows(path: str, rows: list[dict], system: str | None = None, max_new_tokens: int = 64,
+                  batch_size: int = 8, **sampling) -> list[str]:
+    """One response per row (see read_prompts), in order. `sampling`: do_sample, temperature, top_p (generate()'s
+    arguments; greedy without them)."""
+    folder = trained_folder(path)
+    check_task(folder, "causal_lm")
+    # torch and transformers only once PATH is known to hold the right kind of model
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from accel_train.formats import stop_token_ids
+    from accel_train.generation import until_stop
+    from accel_train.model import load_trained
+
+    model, tokenizer = load_trained(folder, AutoModelForCausalLM)
+    prompts = [prompt_ids(tokenizer, row, system) for row in rows]
+    # a run saved before its generation_config.json held them, or a model/ folder of another tool: the same stops
+    stops = stop_token_ids(tokenizer, model.generation_config)
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        # left-padded: every row continues from its own last token
+        batch = tokenizer.pad([{"input_ids": p} for p in prompts[start: start + batch_size]], padding=True,
+                              padding_side="left", return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stops,
+                                 pad_token_id=tokenizer.pad_token_id, **{"do_sample": False, **sampling})
+        new = out[:, batch["input_ids"].shape[1]:].tolist()
+        answers += tokenizer.batch_decode([until_stop(t, stops) for t in new], skip_special_tokens=True)
+    return answers
 
 
 def generate(path: str, prompt: str, max_new_tokens: int = 64) -> str:
-    model, tokenizer = load_trained(path, AutoModelForCausalLM)
-    messages = [{"role": "user", "content": prompt}]
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-    else:
-        ids = tokenizer(prompt + "\n", return_tensors="pt")["input_ids"]
-    # a run saved before its generation_config.json held them, or a model/ folder of another tool: the same stops
-    stops = stop_token_ids(tokenizer, model.generation_config)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(until_stop(out[0, ids.shape[1]:].tolist(), stops), skip_special_tokens=True)
+    """The greedy response to one prompt."""
+    return generate_rows(path, [{"prompt": prompt}], max_new_tokens=max_new_tokens)[0]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="accel_train.generate", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", metavar="PATH", help=PATH_HELP)
+    parser.add_argument("--prompt", action="append", default=[], help="a user message to answer (repeatable)")
+    parser.add_argument("--prompts-file", help='.jsonl rows with a "prompt" or a "messages" list, or a text file '
+                                               "with one prompt per line")
+    parser.add_argument("--system", help="a system message before each conversation (one that has none)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens per response (default 64)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (with --do-sample)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling: keep the tokens of this probability mass "
+                                                    "(with --do-sample)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --do-sample; default 0)")
+    parser.add_argument("--output", help="write the rows with their generation to this JSONL file")
+    parser.add_argument("--jsonl", action="store_true", help="print JSON rows on stdout even for one prompt")
+    args = parser.parse_args(argv)
+    if not args.prompt and not args.prompts_file:
+        parser.error("give --prompt TEXT (repeatable) or --prompts-file FILE")
+    if not args.do_sample and (args.temperature is not None or args.top_p is not None):
+        parser.error("--temperature and --top-p apply to sampling: add --do-sample")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="accel_train.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    args = parser.parse_args(argv)
-    print(generate(args.path, args.prompt, args.max_new_tokens))
+    args = parse_args(argv)
+    try:
+        rows = [{"prompt": p} for p in args.prompt] + (read_prompts(args.prompts_file) if args.prompts_file else [])
+        if not rows:
+            raise ConfigError(f"--prompts-file {args.prompts_file} holds no prompt")
+        sampling = {}
+        if args.do_sample:
+            from transformers import set_seed
+
+            set_seed(args.seed)
+            given = {"temperature": args.temperature, "top_p": args.top_p}
+            sampling = {"do_sample": True, **{k: v for k, v in given.items() if v is not None}}
+        answers = generate_rows(args.path, rows, args.system, args.max_new_tokens, args.batch_size, **sampling)
+    except ConfigError as e:
+        print(f"accel_train.generate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out = [json.dumps({**row, "generation": answer}, ensure_ascii=False) for row, answer in zip(rows, answers)]
+    if args.output:
+        Path(args.output).write_text("".join(line + "\n" for line in out), encoding="utf-8")
+    elif len(rows) == 1 and not args.jsonl:
+        print(answers[0])
+    else:
+        print("\n".join(out))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections import Counter
 from accel_train.cli import parse_cli
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
+from accel_train.preflight import check_model_source
 
 STREAM_ROWS = 1000  # a stream is inspected on its first rows: reading all of it is what streaming avoids
 
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_cli(rest)
         check_data_source(cfg)
+        check_model_source(cfg)  # its tokenizer: a missing folder or an unreachable hub in one line, at once
         inspect_data(cfg, args.samples)
     except ConfigError as e:
         print(f"accel_train.inspect: error: {e}", file=sys.stderr)

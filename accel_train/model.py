@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import peft
@@ -13,6 +14,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from accel_train.config import Config, ConfigError
+from accel_train.model_sources import check_model, trained_folder
 
 logger = get_logger(__name__)
 
@@ -208,17 +210,18 @@ def load_trained(path, auto_cls, **kw):
     base), else on the base it names, with the head it was trained with: the adapter folder's config.json
     (num_labels, id2label) when there is one, so a hub base with another number of classes still fits; and with
     the adapter folder's generation_config.json (where generation stops), which peft leaves unread."""
-    path = Path(path)
-    for sub in ("merged", "model", "adapter"):
-        if (path / sub).is_dir():
-            path = path / sub
-            break
+    path = trained_folder(path)
     if (path / "adapter_config.json").is_file():
         saved_base = path.parent / "base_model"
-        base = saved_base if saved_base.is_dir() else peft.PeftConfig.from_pretrained(path).base_model_name_or_path
+        adapter_config = peft.PeftConfig.from_pretrained(path)
+        base = saved_base if saved_base.is_dir() else adapter_config.base_model_name_or_path
+        check_model(str(base), key=f"{path / 'adapter_config.json'}: base_model_name_or_path")
         config = AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
         # the head's weights come from the adapter (modules_to_save): a base head of another size is replaced
-        base_model = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True, **kw)
+        with held_load_report() as held:
+            base_model, loading = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True,
+                                                           output_loading_info=True, **kw)
+            held.drop = supplied_by(adapter_config.modules_to_save, loading)
         if (path / GENERATION_CONFIG_NAME).is_file():
             base_model.generation_config = GenerationConfig.from_pretrained(path)
         model = peft.PeftModel.from_pretrained(base_model, path)
@@ -228,6 +231,41 @@ def load_trained(path, auto_cls, **kw):
     model.eval()
     set_pad_token_id(model, tokenizer)
     return model, tokenizer
+
+
+class held_load_report:
+    """Holds back transformers' LOAD REPORT of one from_pretrained (a warning table of the weights the checkpoint
+    lacks, "MISSING ... Consider training on your downstream task"): a trained classifier's head is missing from
+    its base and comes from the adapter right after. Dropped when `drop` is set true; otherwise, and on any error,
+    it is logged as transformers would have."""
+
+    LOGGER = "transformers.modeling_utils"
+
+    def __enter__(self):
+        self.records, self.drop = [], False
+        logging.getLogger(self.LOGGER).addFilter(self.hold)
+        return self
+
+    def hold(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+    def __exit__(self, *exc):
+        logger_ = logging.getLogger(self.LOGGER)
+        logger_.removeFilter(self.hold)
+        for record in () if self.drop and exc[0] is None else self.records:
+            logger_.handle(record)
+
+
+def supplied_by(modules_to_save: list[str] | None, loading: dict) -> bool:
+    """Whether every weight the base checkpoint lacked (missing, or replaced for another size) belongs to a module
+    the adapter saves in full (peft's modules_to_save: a classifier's head), so that loading the adapter fills
+    it."""
+    lacking = set(loading["missing_keys"]) | {key for key, *_ in loading["mismatched_keys"]}
+    modules = modules_to_save or []
+    return all(any(f".{m}." in f".{key}" for m in modules) for key in lacking)
 
 
 def set_pad_token_id(model, tokenizer) -> None:

@@ -10,11 +10,6 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
@@ -22,6 +17,11 @@ def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    import matplotlib  # here, not at the top: --help answers without it
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
     records = {run_dir: read_records(run_dir) for run_dir in run_dirs}
     rewards = any("rewards/margin" in r for train, _ in records.values() for r in train)
     fig, axes = plt.subplots(3 if rewards else 2, 1, figsize=(8, 9 if rewards else 6), sharex=True,
@@ -59,8 +59,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="accel_train.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("runs.png"))
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="a run's output_dir (holds metrics.jsonl); several are drawn together")
+    parser.add_argument("--out", type=Path, default=Path("runs.png"), help="the PNG to write (default runs.png)")
     args = parser.parse_args(argv)
     print(plot_runs(args.run_dirs, args.out))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from accel_train.checkpoint import resolve_resume
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
+from accel_train.model_sources import check_model
 from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train.tracking import check_trackers
 
@@ -62,12 +63,11 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin
 
 
 def check_model_source(cfg: Config) -> None:
-    """A local model folder must exist, and hold weights unless random ones are asked for (a hub id is checked
-    when it is loaded)."""
+    """A local model folder must exist, and hold weights unless random ones are asked for; a hub model must be
+    reachable, or in the cache when offline (model_sources.check_model: one request, not a minute of retries)."""
     path = cfg.model.name_or_path
     folder = Path(path).expanduser()
-    if path.startswith((".", "/", "~")) and not folder.is_dir():
-        raise ConfigError(f"model.name_or_path: no such model folder: {path}")
+    check_model(path, cfg.model.revision)
     if cfg.model.quantization and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"model.quantization={cfg.model.quantization} needs bitsandbytes (GPUs only): "
                           "pip install bitsandbytes")

@@ -97,7 +97,8 @@ def warn(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="accel_train.push", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a finished run's output_dir")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's output_dir (holds summary.json and "
+                                                           "adapter/, model/ or merged/)")
     parser.add_argument("--repo-id", required=True, help="hub repository, e.g. USER/NAME (created if missing)")
     parser.add_argument("--folder", choices=EXPORTS, help="which export to upload (default: adapter, else model)")
     parser.add_argument("--private", action="store_true", help="create the repository private")

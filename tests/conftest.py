@@ -100,7 +100,7 @@ def _forkserver():
         ctx = multiprocessing.get_context("forkserver")
         # and what a run imports later: metrics (evaluate), the tensorboard tracker, the loss plot (matplotlib)
         ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe", "evaluate", "torch.utils.tensorboard",
-                                    "accel_train.plot"])
+                                    "matplotlib.pyplot"])
         _SERVER.append(ctx)
     return _SERVER[0]
 

@@ -324,3 +324,29 @@ def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
     with torch.no_grad():
         answers = merged.generate(**prompt, max_new_tokens=MAX_NEW, do_sample=False)[:, prompt["input_ids"].shape[1]:]
     assert answers.shape[1] < MAX_NEW and (answers == tokenizer.eos_token_id).any(dim=1).all()
+
+
+def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, tmp_path, capsys):
+    """The trained default recipe, loaded once for every prompt: --prompt twice, a prompts file (JSON lines, a
+    "messages" row among them), --system, written to --output; batched (left-padded) generation gives the answers
+    one prompt at a time gives."""
+    from accel_train.generate import generate_rows, main
+
+    words = ["abcd", "hgfe", "jiabc", "dcb"]
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": f"reverse {words[2]}"}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": f"reverse {words[3]}"}]}) + "\n")
+    main([str(runs["one"]), "--prompt", f"reverse {words[0]}", "--prompt", f"reverse {words[1]}",
+          "--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "12", "--batch-size", "3",
+          "--output", str(tmp_path / "out.jsonl")])
+    assert capsys.readouterr().out == ""
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r.get("prompt") for r in rows] == [f"reverse {w}" for w in words[:3]] + [None]
+    assert rows[3]["messages"] == [{"role": "user", "content": f"reverse {words[3]}"}]
+    alone = generate_rows(str(runs["one"]), [{"prompt": f"reverse {w}"} for w in words], max_new_tokens=12,
+                          batch_size=1)
+    assert [r["generation"] for r in rows] == alone
+    # several prompts on stdout: one JSON row each; --system reaches the template (the tiny one renders any role)
+    main([str(runs["one"]), "--prompt", "reverse abc", "--prompt", "reverse cde", "--system", "x", "--max-new-tokens",
+          "4", "--do-sample", "--temperature", "0.8", "--seed", "1"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [set(r) for r in printed] == [{"prompt", "generation"}] * 2
