@@ -93,13 +93,18 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:reverse"
-    """Local .jsonl/.json/.csv/.parquet file, a `save_to_disk` folder, a hub dataset name, or builtin:NAME."""
+    """A data file (.jsonl, .json, .csv, .tsv, .parquet, .arrow, .txt: read by the datasets builder its suffix
+    names), a `save_to_disk` folder, a folder of data files, a hub dataset, a builder (json, csv, parquet, text)
+    with data.data_files, or builtin:NAME."""
     train_split: str = "train"
     """Split used for training."""
     eval_split: Optional[str] = None
-    """Split used for evaluation; None carves eval_fraction out of the training split."""
+    """Split of data.path used for evaluation; None: data.eval_path, else eval_fraction of the training split."""
+    eval_path: Optional[str] = None
+    """A data file (the suffixes of data.path) or `save_to_disk` folder to evaluate on; not with data.eval_split."""
     eval_fraction: float = 0.1
-    """Share of the training split held out for evaluation when eval_split is None (0 disables eval)."""
+    """Share of the training split held out for evaluation when neither data.eval_split nor data.eval_path is set
+    (0 disables eval)."""
     prompt_field: str = "prompt"
     """causal_lm: column with the prompt (used with response_field)."""
     response_field: str = "response"
@@ -126,7 +131,7 @@ class DataConfig:
     """Dataset configuration (subset) name given to load_dataset, e.g. data.path=glue data.name=sst2."""
     data_files: Optional[Union[list[str], dict[str, list[str]]]] = None
     """Files given to load_dataset (globs allowed): a list (the train split) or {split: [files]}; data.path is then
-    the builder (json, csv, parquet), a folder or a hub dataset."""
+    the builder (json, csv, parquet, text), a folder or a hub dataset (for one file: data.path=FILE)."""
     revision: Optional[str] = None
     """Hub dataset revision (branch, tag or commit); None: the default branch."""
     max_length: int = 512
@@ -159,7 +164,7 @@ class DataConfig:
     streaming: bool = False
     """Read the training split as a stream (datasets IterableDataset): memory independent of the data's size.
     Each rank reads its own shards of the files (or every N-th sample); needs train.max_steps; evaluates on
-    data.eval_split only."""
+    data.eval_split or data.eval_path only."""
     shuffle_buffer: int = 10000
     """streaming: samples held in the shuffle buffer (reshuffled every epoch)."""
 
@@ -362,6 +367,9 @@ class Config:
                            ("train.early_stopping_threshold", self.train.early_stopping_threshold)):
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
+        if self.data.eval_split is not None and self.data.eval_path:
+            raise ConfigError(f"data.eval_split={self.data.eval_split} and data.eval_path={self.data.eval_path} both "
+                              "name the evaluation data; pass one of them")
         if self.data.streaming and self.train.max_steps is None:
             raise ConfigError("data.streaming=true needs train.max_steps: a stream's length is unknown until read")
         if self.data.streaming and self.task == "seq_cls" and self.model.num_labels is None:
@@ -406,7 +414,8 @@ class Config:
         if unknown:
             raise ConfigError(f"eval.metric_kwargs: {', '.join(sorted(unknown))} is not in eval.metrics or "
                               "eval.generation_metrics")
-        no_eval = (self.data.eval_split is None and (self.data.eval_fraction == 0 or self.data.streaming))
+        no_eval = (self.data.eval_split is None and not self.data.eval_path
+                   and (self.data.eval_fraction == 0 or self.data.streaming))
         users = [name for name, on in (("train.early_stopping_patience", self.train.early_stopping_patience),
                                        ("checkpoint.keep_best", self.checkpoint.keep_best),
                                        ("save.final=best", self.save.final == "best")) if on]
@@ -416,8 +425,8 @@ class Config:
             if self.train.eval_every is None:
                 raise ConfigError(f"{user} needs train.eval_every: the best is chosen among evaluations")
             if no_eval:
-                raise ConfigError(f"{user} needs evaluation data (data.eval_split, or data.eval_fraction > 0 "
-                                  "without streaming)")
+                raise ConfigError(f"{user} needs evaluation data (data.eval_path, data.eval_split, or "
+                                  "data.eval_fraction > 0 without streaming)")
         if self.save.final == "best" and not self.checkpoint.keep_best:
             raise ConfigError("save.final=best needs checkpoint.keep_best=true: the best weights are read from the "
                               "best checkpoint")
@@ -497,8 +506,8 @@ def _check(value, hint, key: str):
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
     if origin is list:
-        if isinstance(value, str):  # a single name is accepted where a list is expected
-            value = [value]
+        if isinstance(value, str):  # a comma list (q_proj,v_proj) or a single name, where a list is expected
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_check(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]

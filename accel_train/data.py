@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 import torch
 from accelerate.logging import get_logger
@@ -18,7 +19,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
 from accel_train import dpo, formats
 from accel_train.config import Config, ConfigError, DataConfig
-from accel_train.data_sources import FILE_BUILDERS, builtin_rows, is_saved_dataset
+from accel_train.data_sources import builtin_rows, file_builder, is_saved_dataset
 from accel_train.formats import IGNORE_INDEX
 
 logger = get_logger(__name__)
@@ -32,45 +33,36 @@ def builtin_dataset(name: str, size: int) -> Dataset:
 
 
 def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]:
-    """Return (train, eval) raw datasets; eval is carved out of train when no eval split is named.
-    With data.streaming, train is an IterableDataset read lazily from the files (or the hub)."""
+    """Return (train, eval) raw datasets: eval from data.eval_path, or the split data.eval_split, or carved out of
+    train (data.eval_fraction). With data.streaming, train is an IterableDataset read lazily from the files (or the
+    hub)."""
     d = cfg.data
     if d.path.startswith("builtin:"):
         loaded = DatasetDict(train=builtin_dataset(d.path.removeprefix("builtin:"), d.builtin_size))
     else:
-        local = Path(d.path).expanduser()
-        try:
-            if local.is_file():
-                loaded = load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)},
-                                      streaming=d.streaming)
-            elif is_saved_dataset(local):
-                loaded = load_from_disk(str(local))
-            else:  # a hub dataset, a local folder of data files, or a builder (json, csv, ...) with data_files
-                loaded = load_dataset(d.path, name=d.name, data_files=d.data_files, revision=d.revision,
-                                      streaming=d.streaming)
-        except Exception as e:  # datasets wraps the parser's error: name the root cause, in one line
-            root = e
-            while root.__cause__ or root.__context__:
-                root = root.__cause__ or root.__context__
-            first = (str(root).strip().splitlines() or [""])[0][:300]
-            raise ConfigError(f"data.path: cannot read {d.path}: {type(root).__name__}: {first}") from e
+        loaded = _read(d.path, "data.path", lambda: load_dataset(
+            d.path, name=d.name, data_files=d.data_files, revision=d.revision, streaming=d.streaming), d.streaming)
     if isinstance(loaded, Dataset):
         loaded = DatasetDict(train=loaded)
-    for split in (d.train_split, d.eval_split):
+    for key, split in (("data.train_split", d.train_split), ("data.eval_split", d.eval_split)):
         if split is not None and split not in loaded:
-            raise ConfigError(f"data: split {split!r} not in {d.path}; splits found: {', '.join(loaded)}")
+            raise ConfigError(f"{key}: split {split!r} not in {d.path}; splits found: {', '.join(loaded)}"
+                              + _split_hint(key))
     train = loaded[d.train_split]
+    evaluation = _read(d.eval_path, "data.eval_path")["train"] if d.eval_path else None
     if isinstance(train, IterableDataset):
-        return _stream_splits(cfg, loaded)
+        return _stream_splits(cfg, loaded, evaluation)
     if len(train) == 0:
         raise ConfigError(f"data: split {d.train_split!r} of {d.path} has no rows")
+    unused = [s for s in loaded if s != d.train_split and s != d.eval_split]
+    if unused and not (d.eval_split or d.eval_path):
+        logger.info(f"data: {d.path} also holds split(s) {', '.join(unused)}, not used: data.eval_split={unused[0]} "
+                    "evaluates on it")
     if d.eval_split is not None:
         evaluation = loaded[d.eval_split]
-    elif d.eval_fraction > 0:
+    elif evaluation is None and d.eval_fraction > 0:
         parts = train.train_test_split(test_size=d.eval_fraction, seed=cfg.seed)
         train, evaluation = parts["train"], parts["test"]
-    else:
-        evaluation = None
     if d.max_samples is not None:  # a seeded random subset: files are often sorted (by label, by source)
         train = train.shuffle(seed=cfg.seed).select(range(min(d.max_samples, len(train))))
     if d.streaming:  # data already in memory (builtin, save_to_disk): streamed anyway, in shards for the ranks
@@ -78,19 +70,49 @@ def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]
     return train, evaluation
 
 
+def _read(path: str, key: str, other=None, streaming: bool = False):
+    """A local data file (its builder from its suffix), a save_to_disk folder, or `other()` (a hub dataset, a folder
+    of data files, a builder with data.data_files); a failure is one line naming `key`."""
+    local = Path(path).expanduser()
+    if other is None and not (local.is_file() or is_saved_dataset(local)):
+        raise ConfigError(f"{key}: {path} is not a data file or a save_to_disk folder")
+    try:
+        if local.is_file():
+            builder, options = file_builder(local)
+            return load_dataset(builder, data_files={"train": str(local)}, streaming=streaming, **options)
+        if is_saved_dataset(local):
+            return load_from_disk(str(local))
+        return other()
+    except Exception as e:  # datasets wraps the parser's error: name the root cause, in one line
+        root = e
+        while root.__cause__ or root.__context__:
+            root = root.__cause__ or root.__context__
+        first = (str(root).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"{key}: cannot read {path}: {type(root).__name__}: {first}") from e
+
+
+def _split_hint(key: str) -> str:
+    """What to do about a split name that is not there: datasets names a folder's files' splits by keywords."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    named = "; ".join(f"{'/'.join(words)} -> {split}" for split, words in SPLIT_KEYWORDS.items())
+    return (f" (datasets names the splits of a folder's files by the words in their names: {named}); set {key} to "
+            "one of them" + (", or give an evaluation file as data.eval_path=FILE" if key == "data.eval_split" else ""))
+
+
 STREAM_SHARDS = 64  # shards of an in-memory dataset streamed: a multiple of any usual number of ranks
 
 
-def _stream_splits(cfg: Config, loaded) -> tuple[IterableDataset, Dataset | None]:
-    """Streamed files: nothing is read yet. The eval split (small) is read into memory; without one there is no
-    evaluation, since eval_fraction needs the data's size."""
+def _stream_splits(cfg: Config, loaded, evaluation: Dataset | None) -> tuple[IterableDataset, Dataset | None]:
+    """Streamed files: nothing is read yet. The eval split (small) is read into memory; without one (or
+    data.eval_path) there is no evaluation, since eval_fraction needs the data's size."""
     d = cfg.data
-    train, evaluation = loaded[d.train_split], None
+    train = loaded[d.train_split]
     if d.eval_split is not None:
         evaluation = Dataset.from_list(list(loaded[d.eval_split]))
-    elif d.eval_fraction > 0:
-        logger.warning("data.streaming: no data.eval_split, so no evaluation (data.eval_fraction needs the size "
-                       "of the data, which a stream does not know)")
+    elif evaluation is None and d.eval_fraction > 0:
+        logger.warning("data.streaming: no data.eval_split or data.eval_path, so no evaluation (data.eval_fraction "
+                       "needs the size of the data, which a stream does not know)")
     if d.max_samples is not None:
         train = train.take(d.max_samples)
     return train, evaluation
@@ -164,11 +186,13 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
     names, in id order. In memory, datasets caches the result on disk, keyed by a hash of the function and its
     arguments: only what tokenizing reads goes into them, so later runs (another output_dir, learning rate, ...)
     reuse the cache. A stream is tokenized lazily, as it is read. Conversations that were cut, dropped or refused
-    (formats.tokenize_causal) are counted into `report` and logged (in memory; a stream is not read ahead)."""
-    d, cols = cfg.data, columns(ds)
+    (formats.tokenize_causal), <unk> tokens and samples left without a trained token are counted into `report` and
+    logged (in memory; a stream is not read ahead)."""
+    cols = columns(ds)
     if cfg.task == "dpo":
         return dpo.tokenize_pairs(ds, tokenizer, cfg, cols)
-    fmt = formats.resolve_format(cfg, cols) if cfg.task == "causal_lm" else None
+    d = formats.resolve(cfg, cols) if cfg.task == "causal_lm" else cfg.data  # the format and columns read
+    fmt = d.format if cfg.task == "causal_lm" else None
     key = Config(task=cfg.task, data=DataConfig(
         prompt_field=d.prompt_field, response_field=d.response_field, messages_field=d.messages_field,
         instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
@@ -182,18 +206,71 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
     else:
         fn, fn_kwargs, extra = formats.tokenize_cls, {"label2id": {n: i for i, n in enumerate(labels or [])}}, {}
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, **fn_kwargs}, "remove_columns": cols, **extra}
+    raw = ds
     ds = ds.map(fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(fn, **kwargs, desc="tokenizing")
+    found = {}  # what the model cannot see or learn from (in memory; a stream is not read ahead)
+    if isinstance(ds, Dataset):
+        found.update(unknown_tokens(ds, raw, tokenizer, key, fmt))
     if fmt not in (None, "text") and (isinstance(ds, IterableDataset) or "status" in ds.column_names):  # 0 rows: no column
         counts = row_counts(ds) if isinstance(ds, Dataset) else None
         ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
         ds = ds.remove_columns("status")
         if counts is not None:
             log_row_counts(counts, cfg)
-            if report is not None:
-                report.update(counts)
+            found.update(counts)
     if cfg.task == "causal_lm":  # a sample with no target token (an empty answer) would teach nothing
+        untrained = untrained_samples(ds) if isinstance(ds, Dataset) and len(ds) else []
+        if untrained:
+            found.update(untrained=len(untrained), first_untrained=f"sample {untrained[0]}: "
+                         + repr(tokenizer.decode(ds[untrained[0]]["input_ids"])[:120]), samples=len(ds))
         ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels[1:]), input_columns="labels")
+    log_unseen(found, cfg)
+    if report is not None:
+        report.update(found)
     return ds
+
+
+def unknown_tokens(ds: Dataset, raw: Dataset, tokenizer, cfg: Config, fmt: str | None) -> dict:
+    """How many tokens are <unk> (characters the tokenizer has no token for: the model sees one token for all of
+    them), and the first row holding one, those characters marked. Nothing for a tokenizer without an unk token
+    (byte-level ones need none) or whose unk is also its eos or bos (GPT-2's <|endoftext|>). `cfg`: the resolved
+    data.* fields, `fmt` the format (None: seq_cls)."""
+    unk = tokenizer.unk_token_id
+    if unk is None or unk in (tokenizer.eos_token_id, tokenizer.bos_token_id) or not len(ds):
+        return {}
+    ids = ds.with_format("arrow")["input_ids"].combine_chunks()
+    flat = pc.list_flatten(ids)
+    count = pc.sum(pc.equal(flat, unk)).as_py() or 0
+    if not count:
+        return {}
+    first = pc.index(flat, unk).as_py()
+    sample = int(np.searchsorted(np.cumsum(pc.list_value_length(ids).to_numpy()), first, side="right"))
+    row = sample if fmt != "text" else next(  # a text splits into chunks: the first text with an unknown character
+        i for i in range(sample + 1) if unk in tokenizer(str(raw[i][cfg.data.text_field]))["input_ids"])
+    text = formats.row_text(raw[row], tokenizer, cfg, fmt, row)
+    return {"tokens": len(flat), "unk": count, "first_unk": f"row {row}: {formats.mark_unknown(text, tokenizer)}"}
+
+
+def untrained_samples(ds: Dataset) -> list[int]:
+    """Samples whose labels carry no target (the first label is never one: nothing precedes it)."""
+    rest = pc.list_slice(ds.with_format("arrow")["labels"].combine_chunks(), 1)
+    targets = pc.filter(pc.list_parent_indices(rest), pc.not_equal(pc.list_flatten(rest), IGNORE_INDEX))
+    trained = set(pc.unique(targets).to_pylist())
+    return [i for i in range(len(ds)) if i not in trained]
+
+
+def log_unseen(found: dict, cfg: Config) -> None:
+    """Warn about what the model cannot see (<unk> tokens) or learn from (samples without a trained token)."""
+    opened, closed = formats.UNKNOWN_MARKS
+    if found.get("unk"):
+        logger.warning(f"data: {found['unk'] / found['tokens']:.2%} of the tokens ({found['unk']} of "
+                       f"{found['tokens']}) are <unk>: the tokenizer of {cfg.model.name_or_path} has no token for "
+                       f"those characters, and the model sees one token for all of them; first, in {opened}{closed}: "
+                       f"{found['first_unk']}")
+    if found.get("untrained"):
+        logger.warning(f"data: {found['untrained']} of {found['samples']} samples ({found['untrained'] / found['samples']:.1%}) "
+                       f"have no trained token (every label {IGNORE_INDEX}) and are dropped (first: "
+                       f"{found['first_untrained']})")
 
 
 def row_counts(ds: Dataset) -> dict:
@@ -416,5 +493,11 @@ def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
     return real, batch["input_ids"].numel()
 
 
-def check_columns(cfg: Config, ds: Dataset | IterableDataset) -> None:
+def check_columns(cfg: Config, ds: Dataset | IterableDataset) -> str | None:
+    """The columns the run reads are there; causal_lm: returns (and logs) the format read and from which columns."""
     (dpo.pair_columns if cfg.task == "dpo" else formats.check_columns)(cfg, columns(ds))
+    if cfg.task == "causal_lm":
+        chosen = formats.describe_format(cfg, columns(ds))
+        logger.info(f"data: {chosen}")
+        return chosen
+    return None

@@ -10,16 +10,24 @@ import glob
 import random
 from pathlib import Path
 
-from accel_train.config import Config, ConfigError
+from accel_train.config import Config, ConfigError, DataConfig
 
-# file suffix -> the `datasets` builder that reads it
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# file suffix -> the `datasets` builder that reads it (datasets' own table is in datasets.packaged_modules, whose
+# import takes seconds), and the builder options a suffix needs
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv", ".tsv": "csv",
+                 ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+BUILDER_OPTIONS = {".tsv": {"sep": "\t"}}
 # What `save_to_disk` writes into its folder (a DatasetDict, a Dataset): such a folder is read with load_from_disk.
 SAVED_MARKERS = ("dataset_dict.json", "dataset_info.json")
 
 
 def is_saved_dataset(folder: Path) -> bool:
     return any((folder / marker).is_file() for marker in SAVED_MARKERS)
+
+
+def file_builder(path: Path) -> tuple[str, dict]:
+    """The builder that reads a data file, and its options."""
+    return FILE_BUILDERS[path.suffix], BUILDER_OPTIONS.get(path.suffix, {})
 
 
 def _reverse(rng: random.Random) -> dict:
@@ -63,23 +71,39 @@ def builtin_rows(name: str, size: int) -> list[dict]:
 
 
 def check_data_source(cfg: Config) -> None:
-    """data.path names a built-in dataset, a readable local file of a known type, a folder, or a hub id; and
-    data.data_files fits it."""
+    """data.path names a built-in dataset, a readable local file of a known type, a folder, or a hub id;
+    data.eval_path a readable local file; data.eval_split a split, not a file; and data.data_files fits data.path."""
     path = cfg.data.path
     local = Path(path).expanduser()
     if path.startswith("builtin:"):
         if path.removeprefix("builtin:") not in BUILTIN:
             raise ConfigError(f"data.path: unknown built-in dataset {path!r}; available: "
                               + ", ".join(f"builtin:{n}" for n in BUILTIN))
-        return check_data_files(cfg, local)
-    looks_local = local.suffix in FILE_BUILDERS or path.startswith((".", "/", "~"))
-    if looks_local and not local.exists():
-        raise ConfigError(f"data.path: data file not found: {path}")
-    if local.is_file() and local.stat().st_size == 0:
-        raise ConfigError(f"data.path: {path} is empty")
-    if local.is_file() and local.suffix not in FILE_BUILDERS:
-        raise ConfigError(f"data.path: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
+    else:
+        check_local_file("data.path", path)
+    if cfg.data.eval_path:
+        check_local_file("data.eval_path", cfg.data.eval_path, only_files=True)
+    split = cfg.data.eval_split
+    if split and (Path(split).suffix in FILE_BUILDERS or Path(split).expanduser().is_file()):
+        raise ConfigError(f"data.eval_split names a split of data.path; for an evaluation file use "
+                          f"data.eval_path={split}")
     check_data_files(cfg, local)
+
+
+def check_local_file(key: str, path: str, only_files: bool = False) -> None:
+    """A local-looking path exists, and a file there is not empty and of a type datasets reads; with
+    `only_files`, it must be such a file (or a save_to_disk folder)."""
+    local = Path(path).expanduser()
+    looks_local = only_files or local.suffix in FILE_BUILDERS or path.startswith((".", "/", "~"))
+    if looks_local and not local.exists():
+        raise ConfigError(f"{key}: data file not found: {path}")
+    if local.is_file() and local.stat().st_size == 0:
+        raise ConfigError(f"{key}: {path} is empty")
+    if local.is_file() and local.suffix not in FILE_BUILDERS:
+        raise ConfigError(f"{key}: unsupported file type {local.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
+    if only_files and local.is_dir() and not is_saved_dataset(local):
+        raise ConfigError(f"{key}: {path} is a folder; give one data file ({', '.join(FILE_BUILDERS)}) or a "
+                          "save_to_disk folder")
 
 
 def check_data_files(cfg: Config, local: Path) -> None:
@@ -88,11 +112,16 @@ def check_data_files(cfg: Config, local: Path) -> None:
     path, files = cfg.data.path, cfg.data.data_files
     if not files:
         return
+    if path == DataConfig.path:  # data.data_files given alone: the file belongs in data.path
+        raise ConfigError("data.data_files needs data.path to name their builder (data.path=json, csv, parquet, "
+                          "text, ...); for one file give it as data.path=FILE (and data.eval_path=FILE to evaluate "
+                          "on another)")
     whole = ("a built-in dataset" if path.startswith("builtin:") else "one file, read alone" if local.is_file()
              else "a save_to_disk folder, loaded whole" if local.is_dir() and is_saved_dataset(local) else None)
     if whole:
         raise ConfigError(f"data.data_files cannot be used with data.path={path} ({whole}): data_files goes with a "
-                          "builder (data.path=json, csv or parquet), a folder of files or a hub dataset")
+                          "builder (data.path=json, csv, parquet, text, ...), a folder of files or a hub dataset; "
+                          "one file is data.path=FILE, an evaluation file data.eval_path=FILE")
     if not (local.is_dir() or path in FILE_BUILDERS.values()):
         return  # a hub dataset (or another builder): load_dataset names what is missing
     base = local if local.is_dir() else Path.cwd()  # where load_dataset resolves relative data_files

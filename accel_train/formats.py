@@ -7,6 +7,7 @@ causal_lm formats (data.format; `auto` picks one from the columns, in this order
                      {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}
     prompt_response  {"prompt": ..., "response": ...}
     alpaca           {"instruction": ..., "input": ..., "output": ...}  (input may be empty)
+    (then the column sets of KNOWN_COLUMNS: Dolly, GPTeacher, prompt/completion, question/answer)
     text             {"text": ...}: continued pre-training, loss on every token; a long text is split into
                      data.max_length chunks rather than cut
 
@@ -18,10 +19,11 @@ seq_cls rows are {"text": ..., "label": ...}, the label an integer or a class na
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 
-from accel_train.config import Config, ConfigError
+from accel_train.config import Config, ConfigError, DataConfig
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
 # What conversations tokenize to, in datasets' cache key (data.tokenize, dpo.tokenize_pairs): the key hashes the map
@@ -39,23 +41,55 @@ def messages_column(cfg: Config, columns: list[str]) -> str | None:
     return next((c for c in (d.messages_field, SHAREGPT_COLUMN) if c in columns), None)
 
 
-def format_columns(cfg: Config, fmt: str) -> list[str]:
+def format_columns(d: DataConfig, fmt: str) -> list[str]:
     """The columns a causal_lm format reads (alpaca's input_field is optional)."""
-    d = cfg.data
     return {"prompt_response": [d.prompt_field, d.response_field], "alpaca": [d.instruction_field, d.output_field],
             "text": [d.text_field], "messages": [d.messages_field]}[fmt]
 
 
+# data.format=auto: the column sets of common datasets that the data.*_field defaults do not name, and the fields
+# that read them, tried in this order after the configured names (README "Your own data").
+KNOWN_COLUMNS = [
+    ("alpaca", {"instruction_field": "instruction", "input_field": "context", "output_field": "response"}),  # Dolly
+    ("alpaca", {"instruction_field": "instruction", "output_field": "response"}),  # GPTeacher (input optional)
+    ("prompt_response", {"prompt_field": "prompt", "response_field": "completion"}),  # TRL's prompt/completion
+    ("prompt_response", {"prompt_field": "question", "response_field": "answer"}),
+]
+
+
+def resolve(cfg: Config, columns: list[str]) -> DataConfig:
+    """cfg.data with the format (and with `auto`, the data.*_field names) that read these columns: messages_field or
+    `conversations`; else the first format all of whose columns the data has under the configured names, then under
+    one of KNOWN_COLUMNS, then text; else the first format one of whose columns it has (check_columns names what
+    is missing)."""
+    d = cfg.data
+    if d.format != "auto":
+        return d
+    if column := messages_column(cfg, columns):
+        return dataclasses.replace(d, format="messages", messages_field=column)
+    for fmt, fields in ([(f, {}) for f in ("prompt_response", "alpaca")] + KNOWN_COLUMNS + [("text", {})]):
+        mapped = dataclasses.replace(d, format=fmt, **fields)
+        if all(c in columns for c in format_columns(mapped, fmt) + list(fields.values())):
+            return mapped
+    fmt = next((f for f in ("prompt_response", "alpaca", "text") if any(c in columns for c in format_columns(d, f))),
+               "prompt_response")
+    return dataclasses.replace(d, format=fmt)
+
+
 def resolve_format(cfg: Config, columns: list[str]) -> str:
-    """data.format, or with `auto` the first format one of whose columns the data has."""
+    return resolve(cfg, columns).format
+
+
+def describe_format(cfg: Config, columns: list[str]) -> str:
+    """The format the run reads and its columns; with data.format=auto, also as the keys that choose it."""
+    d = resolve(cfg, columns)
+    read = format_columns(d, d.format) + ([d.input_field] if d.format == "alpaca" and d.input_field in columns else [])
+    text = f"format {d.format} from column(s) {', '.join(read)}"
     if cfg.data.format != "auto":
-        return cfg.data.format
-    if messages_column(cfg, columns):
-        return "messages"
-    for fmt in ("prompt_response", "alpaca", "text"):
-        if any(c in columns for c in format_columns(cfg, fmt)):
-            return fmt
-    return "prompt_response"  # the columns check names what is missing
+        return text
+    keys = [f"data.{f.name}={getattr(d, f.name)}" for f in dataclasses.fields(d)
+            if f.name.endswith("_field") and getattr(d, f.name) != getattr(cfg.data, f.name)]
+    return f"{text} (data.format=auto; the same as data.format={d.format}{''.join(' ' + k for k in keys)})"
 
 
 def check_columns(cfg: Config, columns: list[str]) -> None:
@@ -64,15 +98,16 @@ def check_columns(cfg: Config, columns: list[str]) -> None:
     if cfg.task == "seq_cls":
         needed = [d.text_field, d.label_field]
     else:
-        fmt = resolve_format(cfg, columns)
-        if fmt == "messages" and messages_column(cfg, columns):
+        d = resolve(cfg, columns)
+        if d.format == "messages" and messages_column(cfg, columns):
             return
-        needed = format_columns(cfg, fmt)
+        needed = format_columns(d, d.format)
     missing = [c for c in needed if c not in columns]
     if missing:
-        fmt = f"format {resolve_format(cfg, columns)}; " if cfg.task == "causal_lm" else ""
+        fmt = f"format {d.format}; " if cfg.task == "causal_lm" else ""
         raise ConfigError(f"data: {d.path} lacks column(s) {', '.join(missing)} needed by task {cfg.task}; columns "
-                          f"found: {', '.join(columns)} ({fmt}set data.format and data.*_field to map them)")
+                          f"found: {', '.join(columns)} ({fmt}set data.format and data.*_field to map them, as "
+                          "README's \"Your own data\" shows)")
 
 
 # ---------------------------------------------------------------------------------------------------- conversations
@@ -360,7 +395,10 @@ def tokenize_causal(example: dict, tokenizer, cfg: Config, fmt: str | None = Non
     data.train_on names, truncated to data.max_length as data.truncation says. `status` says what happened to the
     row: "" kept whole, "cut", "dropped: ..." (nothing to train on is left) or "refused: ..." (the answers cannot
     be located): data.tokenize counts and removes the last two."""
-    messages = conversation(example, cfg, fmt or resolve_format(cfg, list(example)), row)
+    if fmt is None:
+        cfg = dataclasses.replace(cfg, data=resolve(cfg, list(example)))
+        fmt = cfg.data.format
+    messages = conversation(example, cfg, fmt, row)
     try:
         if tokenizer.chat_template:
             ids, labels = tokens_with_template(messages, tokenizer, cfg.data.train_on, row_tools(example.get("tools")))
@@ -370,6 +408,41 @@ def tokenize_causal(example: dict, tokenizer, cfg: Config, fmt: str | None = Non
         return {"input_ids": [], "attention_mask": [], "labels": [], "status": f"refused: {e}"}
     ids, labels, status = truncate(ids, labels, cfg, tokenizer.bos_token_id)
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels, "status": status}
+
+
+def row_text(example: dict, tokenizer, cfg: Config, fmt: str | None, row: int) -> str:
+    """The text a row is tokenized from: its text column (seq_cls, format text: fmt None or "text"), or its
+    conversation as the chat template renders it (without one, its turns as lines)."""
+    if fmt in (None, "text"):
+        return str(example[cfg.data.text_field])
+    messages = conversation(example, cfg, fmt, row)
+    if tokenizer.chat_template:
+        return _render(tokenizer, messages, row_tools(example.get("tools")))
+    return "\n".join(m["content"] for m in messages)
+
+
+UNKNOWN_MARKS = ("«", "»")  # around the characters a tokenizer reads as <unk>, in the logs and inspect
+
+
+def mark_unknown(text: str, tokenizer, width: int = 160) -> str:
+    """`text` from a little before its first character the tokenizer reads as <unk>, such characters inside « »
+    and white space other than spaces escaped, so it fits a line. A slow tokenizer (no character offsets): its
+    tokens decoded, <unk> as such."""
+    if not tokenizer.is_fast:
+        return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"])[:width]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    unknown = {i for t, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if t == tokenizer.unk_token_id
+               for i in range(a, b)}
+    start = max(0, min(unknown, default=0) - 40)
+    end = min(len(text), start + width)
+    opened, closed = UNKNOWN_MARKS
+    out = "..." if start else ""
+    for i in range(start, end):
+        c = text[i] if text[i].isprintable() else repr(text[i])[1:-1]
+        first = i in unknown and (i == start or i - 1 not in unknown)
+        last = i in unknown and (i + 1 == end or i + 1 not in unknown)
+        out += (opened if first else "") + c + (closed if last else "")
+    return out + ("..." if end < len(text) else "")
 
 
 def row_tools(value) -> list | None:

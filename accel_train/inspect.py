@@ -90,32 +90,34 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     from accel_train import formats
     from accel_train.model import build_tokenizer
 
+    from accelerate import PartialState
+
     datasets.disable_progress_bars()  # the report is the output
+    PartialState()  # data.* log what they find (cut, dropped, <unk>) with accelerate's logger, which needs its state
     tokenizer = build_tokenizer(cfg)
     train_raw, eval_raw = data_lib.load_splits(cfg)
-    data_lib.check_columns(cfg, train_raw)
+    chosen = data_lib.check_columns(cfg, train_raw)
     streamed = isinstance(train_raw, IterableDataset)
     if streamed:
         train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
     if cfg.task == "dpo":
         return inspect_pairs(cfg, train_raw, eval_raw, streamed, tokenizer, samples, out)
-    from accelerate import PartialState
-
-    PartialState()  # data.tokenize logs what it cuts and drops with accelerate's logger, which needs its state
     labels = data_lib.label_names(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
     report = {}
     train = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report)
     fmt = (formats.resolve_format(cfg, data_lib.columns(train_raw)) if cfg.task == "causal_lm"
            else f"{cfg.data.text_field} -> {cfg.data.label_field}")
     lengths = [len(x) for x in train["input_ids"]]
-    if report:  # conversations: data.tokenize counted what truncation cut and dropped, and the rows refused
+    conversations = "rows" in report  # data.tokenize counted what truncation cut and dropped, and the rows refused
+    if conversations:
         cut, dropped = report["cut"], report["dropped"] + report["refused"]
     else:  # text chunks and classification: the same rows without truncation show what max_length cuts
         whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, max_length=10**9)), labels)
         cut, dropped = sum(len(x) > cfg.data.max_length for x in whole["input_ids"]), 0
     figures = {"train_rows": len(train_raw), "train_samples": len(train), "cut": cut, "lengths": lengths,
-               "dropped": dropped, "refused": report.get("refused", 0)}
+               "dropped": dropped, "refused": report.get("refused", 0), "unk": report.get("unk", 0),
+               "untrained": report.get("untrained", 0)}
 
     color = out.isatty()
     d = cfg.data
@@ -124,10 +126,12 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
           + f", max_length {d.max_length}); tokenizer {cfg.model.name_or_path}", file=out)
     print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
           f"{len(eval_raw) if eval_raw is not None else 0} eval", file=out)
+    if chosen:
+        print(chosen, file=out)
     if fmt == "text":
         print(f"samples: {len(train)} chunks of at most {d.max_length} tokens from {len(train_raw)} texts "
               f"({cut} texts longer than max_length were split)", file=out)
-    elif report:
+    elif conversations:
         print(f"samples: {len(train)} kept; {cut} cut to max_length (data.truncation={d.truncation}), "
               f"{report['dropped']} dropped by it"
               + (f" (first: {report['first_dropped']})" if report["dropped"] else "")
@@ -135,6 +139,14 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
               + (f" (first: {report['first_refused']})" if report["refused"] else ""), file=out)
     else:
         print(f"samples: {len(train)} kept; {cut} cut to max_length", file=out)
+    if report.get("unk"):
+        opened, closed = formats.UNKNOWN_MARKS
+        print(f"<unk>: {report['unk'] / report['tokens']:.2%} of the tokens ({report['unk']} of {report['tokens']}) "
+              f"are characters the tokenizer has no token for; first, in {opened}{closed}: {report['first_unk']}",
+              file=out)
+    if report.get("untrained"):
+        print(f"no trained token: {report['untrained']} of {report['samples']} samples "
+              f"({report['untrained'] / report['samples']:.1%}), dropped; first: {report['first_untrained']}", file=out)
     for i in range(min(samples, len(train))):
         sample = train[i]
         target = (f"label {sample['labels']} ({labels[sample['labels']] if labels else sample['labels']})"
@@ -159,12 +171,10 @@ def inspect_pairs(cfg: Config, train_raw, eval_raw, streamed: bool, tokenizer, s
     """task dpo: the pairs as the run sees them (prompt, chosen and rejected tokens, what truncation cuts and drops,
     how much padding the batches of 2 x per_device_batch_size rows hold)."""
     import torch
-    from accelerate import PartialState
 
     from accel_train import data as data_lib
     from accel_train.formats import IGNORE_INDEX
 
-    PartialState()  # dpo.tokenize_pairs logs what it drops with accelerate's logger, which needs its state
     train = data_lib.tokenize(train_raw, tokenizer, cfg)
     # The same pairs without truncation: how many max_length cuts (identical pairs are dropped from both).
     whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(

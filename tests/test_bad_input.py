@@ -27,7 +27,7 @@ def bad_json(tmp):
 
 
 def wrong_columns(tmp):
-    return [f"data.path={write(tmp / 'qa.jsonl', [{'question': 'a', 'answer': 'b'}] * 20)}"]
+    return [f"data.path={write(tmp / 'qa.jsonl', [{'query': 'a', 'reply': 'b'}] * 20)}"]
 
 
 def empty_file(tmp):
@@ -64,7 +64,7 @@ CASES = {
     "missing data file": (lambda t: [f"data.path={t / 'nope.jsonl'}"], "data.path: data file not found:"),
     "unreadable data file": (bad_json, "broken.jsonl: ValueError: Trailing data"),
     "missing columns": (wrong_columns, "lacks column(s) prompt, response needed by task causal_lm; columns found: "
-                                       "question, answer"),
+                                       "query, reply"),
     "empty dataset": (empty_file, "empty.jsonl is empty"),
     "empty after truncation": (lambda t: ["data.max_length=4"], "data: no training sample keeps a target token after "
                                                                 "truncation to data.max_length=4; raise it"),
@@ -87,10 +87,12 @@ CASES = {
                                          "loss, rewards/chosen, rewards/rejected, rewards/margin, rewards/accuracy, "
                                          "logps/chosen, logps/rejected (accuracy is a result of metric accuracy: "
                                          "task dpo computes no eval.metrics)"),
-    "data_files with a built-in dataset": (lambda t: ["data.data_files=[missing.jsonl]"],
-                                           "data.data_files cannot be used with data.path=builtin:reverse (a built-in "
-                                           "dataset): data_files goes with a builder (data.path=json, csv or "
-                                           "parquet), a folder of files or a hub dataset"),
+    "data_files without data.path": (lambda t: ["data.data_files=[missing.jsonl]"],
+                                     "data.data_files needs data.path to name their builder (data.path=json, csv, "
+                                     "parquet, text, ...); for one file give it as data.path=FILE"),
+    "data_files with a built-in dataset": (lambda t: ["data.path=builtin:sentiment", "data.data_files=[missing.jsonl]"],
+                                           "data.data_files cannot be used with data.path=builtin:sentiment (a "
+                                           "built-in dataset): data_files goes with a builder"),
     "data_files with a single file": (data_files_with_a_file, "one.jsonl (one file, read alone): data_files goes "
                                                               "with a builder"),
     "data_files with a save_to_disk folder": (data_files_with_a_saved_dataset,

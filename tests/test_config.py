@@ -140,3 +140,11 @@ def test_data_files_of_a_hub_dataset_are_not_looked_for_here():
     from accel_train.data_sources import check_data_source
 
     check_data_source(load_config(None, ["data.path=someone/some-dataset", "data.data_files=[data/train-*.parquet]"]))
+
+
+def test_list_keys_take_comma_lists():
+    cfg = load_config(None, ["lora.target_modules=q_proj,v_proj", "eval.metrics=accuracy, f1", "lora.modules_to_save=",
+                             "track.log_with=[tensorboard]"])
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.eval.metrics == ["accuracy", "f1"]
+    assert cfg.lora.modules_to_save == [] and cfg.track.log_with == ["tensorboard"]
+    assert load_config(None, ["lora.target_modules=q_proj"]).lora.target_modules == ["q_proj"]

@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -265,11 +266,11 @@ def test_check_source_lists_builtins_for_an_unknown_one():
 
 
 def test_check_source_rejects_an_unsupported_file_type(tmp_path):
-    txt = tmp_path / "data.txt"
-    txt.write_text("hello\n")
+    sheet = tmp_path / "data.xlsx"
+    sheet.write_text("hello\n")
     with pytest.raises(ConfigError) as e:
-        check_data_source(make_cfg(f"data.path={txt}"))
-    assert "'.txt'" in str(e.value) and ".jsonl" in str(e.value)
+        check_data_source(make_cfg(f"data.path={sheet}"))
+    assert "'.xlsx'" in str(e.value) and ".jsonl" in str(e.value) and ".txt" in str(e.value)
 
 
 def test_check_source_accepts_valid_sources(tmp_path):
@@ -651,3 +652,143 @@ def test_local_folder_with_named_subsets_and_data_file_globs(tmp_path):
 
     with pytest.raises(ConfigError, match="no file matches"):
         check_data_source(make_cfg("data.path=json", f"data.data_files=[{tmp_path}/nothing-*.jsonl]"))
+
+
+# ---------------------------------------------------------------------------------------------------- own data
+
+
+def _write_rows(path, rows):
+    """A data file of `rows` in the type its suffix names (.txt: their text column, a line each)."""
+    if path.suffix == ".txt":
+        path.write_text("".join(r["text"] + "\n" for r in rows))
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        getattr(Dataset.from_list(rows), {".json": "to_json", ".csv": "to_csv", ".parquet": "to_parquet"}[path.suffix])(path)
+    return path
+
+
+def test_a_file_and_a_separate_eval_file_of_any_type(tmp_path):
+    train = _write_rows(tmp_path / "train.jsonl", ROWS)
+    for suffix in (".csv", ".tsv", ".txt"):
+        evaluation = tmp_path / f"eval{suffix}"
+        if suffix == ".tsv":
+            evaluation.write_text("prompt\tresponse\nt0\tu0\nt1\tu1\n")
+        else:
+            _write_rows(evaluation, [{"prompt": "t0", "response": "u0", "text": "t0"}, {"prompt": "t1", "response": "u1", "text": "t1"}])
+        cfg = make_cfg(f"data.path={train}", f"data.eval_path={evaluation}")
+        check_data_source(cfg)
+        got_train, got_eval = data_lib.load_splits(cfg)
+        assert got_train.to_list() == ROWS  # nothing carved out of train
+        assert len(got_eval) == 2 and ("text" if suffix == ".txt" else "response") in got_eval.column_names
+
+    with pytest.raises(ConfigError, match="data.eval_split=test and data.eval_path=.* both"):
+        make_cfg(f"data.path={train}", f"data.eval_path={train}", "data.eval_split=test")
+    with pytest.raises(ConfigError, match="for an evaluation file use data.eval_path=held_out.jsonl"):
+        check_data_source(make_cfg(f"data.path={train}", "data.eval_split=held_out.jsonl"))
+    with pytest.raises(ConfigError, match="data.eval_path: data file not found: .*nope.jsonl"):
+        check_data_source(make_cfg(f"data.path={train}", f"data.eval_path={tmp_path / 'nope.jsonl'}"))
+    with pytest.raises(ConfigError, match="unknown config key data.eval_paht; did you mean data.eval_path"):
+        make_cfg("data.eval_paht=x.jsonl")
+
+
+def test_a_folder_of_train_and_eval_files_names_the_split_datasets_gives_eval(tmp_path, caplog):
+    _write_rows(tmp_path / "train.jsonl", ROWS)
+    _write_rows(tmp_path / "eval.jsonl", ROWS[:3])
+    with pytest.raises(ConfigError) as e:
+        data_lib.load_splits(make_cfg(f"data.path={tmp_path}", "data.eval_split=eval"))
+    message = str(e.value)
+    assert "data.eval_split: split 'eval' not in" in message and "splits found: train, test" in message
+    assert "eval/evaluation -> test" in message and "data.eval_path=FILE" in message and "\n" not in message
+    train, evaluation = data_lib.load_splits(make_cfg(f"data.path={tmp_path}", "data.eval_split=test"))
+    assert (len(train), len(evaluation)) == (20, 3)
+    with caplog.at_level("INFO"):
+        data_lib.load_splits(make_cfg(f"data.path={tmp_path}"))
+    assert "also holds split(s) test, not used: data.eval_split=test evaluates on it" in caplog.text
+
+
+def test_data_files_without_a_builder_in_data_path_is_refused(tmp_path):
+    mine = _write_rows(tmp_path / "mine.jsonl", ROWS)
+    with pytest.raises(ConfigError) as e:
+        check_data_source(make_cfg(f"data.data_files=[{mine}]"))
+    assert "data.data_files needs data.path to name their builder" in str(e.value) and "data.path=FILE" in str(e.value)
+
+
+@pytest.mark.parametrize("row, fmt, prompt, read, keys", [
+    ({"instruction": "add", "input": "2 3", "response": "5"}, "alpaca", "add\n\n2 3", "instruction, response, input",
+     "data.output_field=response"),  # GPTeacher
+    ({"instruction": "add", "context": "2 3", "response": "5", "category": "qa"}, "alpaca", "add\n\n2 3",
+     "instruction, response, context", "data.input_field=context data.output_field=response"),  # Dolly
+    ({"question": "what is 2+3", "answer": "5"}, "prompt_response", "what is 2+3", "question, answer",
+     "data.prompt_field=question data.response_field=answer"),
+    ({"prompt": "what is 2+3", "completion": "5"}, "prompt_response", "what is 2+3", "prompt, completion",
+     "data.response_field=completion"),  # TRL's
+], ids=["gpteacher", "dolly", "question-answer", "prompt-completion"])
+def test_auto_format_recognises_common_column_sets_and_names_its_choice(tok, caplog, row, fmt, prompt, read, keys):
+    ds, cfg = Dataset.from_list([row]), make_cfg()
+    with caplog.at_level("INFO"):
+        chosen = data_lib.check_columns(cfg, ds)
+    assert chosen == f"format {fmt} from column(s) {read} (data.format=auto; the same as data.format={fmt} {keys})"
+    assert f"data: {chosen}" in caplog.text
+    out = data_lib.tokenize(ds, tok, cfg)[0]
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "5"}]
+    assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
+    assert targets(out) == ids(tok, "5") + [tok.eos_token_id]
+
+
+def test_unk_tokens_and_samples_without_a_trained_token_are_counted_and_logged(tok, caplog):
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": "system", "content": "You are kind.\nBe brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "yo"}]}]
+    report = {}
+    with caplog.at_level("WARNING"):
+        data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg(), report=report)
+    # "system: " is in the vocabulary; Y, \n, B and H are not: 4 of 7 + 38 tokens, one per character or marker
+    assert (report["unk"], report["tokens"]) == (4, 45)
+    assert report["first_unk"] == "row 1: system: «Y»ou are kind.«\\nB»e brief.<|user|>«H»i<|assistant|>yo</s>"
+    assert "8.89% of the tokens (4 of 45) are <unk>" in caplog.text and report["first_unk"] in caplog.text
+    assert "untrained" not in report
+
+    # format text, max_length 3: "abc" + eos is 2 chunks, the second (eos alone) has nothing to predict
+    report = {}
+    with caplog.at_level("WARNING"):
+        out = data_lib.tokenize(Dataset.from_list([{"text": "abc"}, {"text": "ab"}]), tok,
+                                make_cfg("data.format=text", "data.max_length=3"), report=report)
+    assert len(out) == 2 and (report["untrained"], report["samples"]) == (1, 3) and "unk" not in report
+    assert report["first_untrained"] == "sample 1: '</s>'"
+    assert "1 of 3 samples (33.3%) have no trained token (every label -100) and are dropped" in caplog.text
+
+
+def test_the_tiny_template_renders_a_system_turn_in_its_vocabulary_and_the_rest_as_before(tok):
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tok.apply_chat_template(plain, tokenize=False) == "<|user|>hi<|assistant|>yo</s>"
+    assert tok.apply_chat_template(plain)["input_ids"] == [4, 13, 14, 5, 30, 20, 3]
+    system = tok.apply_chat_template([{"role": "system", "content": "be brief"}, *plain])["input_ids"]
+    assert tok.decode(system) == "system: be brief<|user|>hi<|assistant|>yo</s>" and tok.unk_token_id not in system
+    assert len(tok) == 52
+
+
+README_EXAMPLES = re.compile(r"^# [^:]+: (\{.*\})\npython -m accel_train (.+)$", re.M)
+
+
+def test_readme_own_data_examples_resolve_and_read_their_format(tmp_path, monkeypatch):
+    """Each command of README's "Your own data", on files holding its example row: the config loads, the cheap
+    checks pass, both files load and the columns are those of the format the comment names."""
+    from conftest import REPO
+
+    section = (REPO / "README.md").read_text().partition("### Your own data")[2].partition("###")[0]
+    examples = README_EXAMPLES.findall(section)
+    assert len(examples) == 6
+    monkeypatch.chdir(tmp_path)
+    formats_seen = []
+    for row, command in examples:
+        overrides = command.split()
+        cfg = make_cfg(*overrides)
+        for path in (cfg.data.path, cfg.data.eval_path):
+            _write_rows(tmp_path / path, [json.loads(row)] * 4)
+        check_data_source(cfg)
+        train, evaluation = data_lib.load_splits(cfg)
+        assert len(train) == 4 and len(evaluation) == 4, command
+        data_lib.check_columns(cfg, train)
+        formats_seen.append(formats.resolve_format(cfg, train.column_names) if cfg.task == "causal_lm" else cfg.task)
+    assert formats_seen == ["messages", "messages", "alpaca", "prompt_response", "text", "seq_cls"]

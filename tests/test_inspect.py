@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 
@@ -78,3 +79,45 @@ def test_dpo_shows_pairs_with_their_trained_tokens_and_truncation(tmp_path):
     assert "prompt tokens: min 11, median 12, p90 13, p99 13, max 13, mean 12.2" in out
     assert re.search(r"padding \(batch 16 pairs, 32 rows\): efficiency 0\.\d{3}", out)
     assert not (tmp_path / "out").exists()
+
+
+UNSEEN = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse abc"},
+                        {"role": "assistant", "content": "cba"}]}] * 16
+
+
+def test_unk_tokens_are_reported_with_the_first_row_and_the_chosen_format(tmp_path):
+    """Characters the tiny tokenizer has no token for (uppercase, newline) and samples left with nothing to learn
+    are reported by inspect, with the row and the characters lost."""
+    from accel_train import inspect as inspect_lib
+    from accel_train.config import load_config
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in UNSEEN))
+    out = io.StringIO()
+    figures = inspect_lib.inspect_data(load_config(None, [f"data.path={data}", "data.eval_fraction=0"]), 1, out)
+    text = out.getvalue()
+    assert "format messages from column(s) messages (data.format=auto; the same as data.format=messages)" in text
+    assert ("<unk>: 2.94% of the tokens (16 of 544) are characters the tokenizer has no token for; first, in «»: "
+            "row 0: system: «B»e brief.<|user|>reverse abc<|assistant|>cba</s>") in text
+    assert figures["unk"] == 16 and figures["untrained"] == 0 and "no trained token" not in text
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("abc\nab\n")  # max_length 3: "abc" + eos leaves a chunk of eos alone, nothing to predict
+    out = io.StringIO()
+    figures = inspect_lib.inspect_data(load_config(None, [f"data.path={texts}", "data.eval_fraction=0",
+                                                          "data.max_length=3"]), 1, out)
+    assert "no trained token: 1 of 3 samples (33.3%), dropped; first: sample 1: '</s>'" in out.getvalue()
+    assert figures["untrained"] == 1 and "<unk>" not in out.getvalue()
+
+
+def test_training_starts_by_saying_what_the_model_cannot_see(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in UNSEEN))
+    proc = python_m(f"data.path={data}", "data.eval_fraction=0", "train.max_steps=1", "track.log_with=[]",
+                    f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unk = [line for line in proc.stderr.splitlines() if "are <unk>" in line]
+    assert len(unk) == 1 and "2.94% of the tokens (16 of 544)" in unk[0] and "system: «B»e brief." in unk[0]
+    assert "data: format messages from column(s) messages" in proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["data"]["train"]["unk"], summary["data"]["train"]["tokens"]) == (16, 544)

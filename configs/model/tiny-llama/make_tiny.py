@@ -14,8 +14,11 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 HERE = Path(__file__).parent
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 CHARS = list(string.ascii_lowercase + string.digits + " +-=:.,?!'")
+# user and assistant turns start with their special token; a system (or tool) turn has none, and is written as
+# `system: CONTENT` in characters the vocabulary has, so that adding it changed no token id.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% else %}{{ m['role'] + ': ' + m['content'] }}{% endif %}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
