@@ -88,6 +88,22 @@ def check_data_source(cfg: Config) -> None:
         raise ConfigError(f"data.eval_split names a split of data.path; for an evaluation file use "
                           f"data.eval_path={split}")
     check_data_files(cfg, local)
+    check_hub_only_keys(cfg, local)
+
+
+def check_hub_only_keys(cfg: Config, local: Path) -> None:
+    """data.revision is a hub dataset's, data.name a hub dataset's or a builder's configuration: given with a
+    built-in dataset, a local file or a save_to_disk folder, they would be ignored."""
+    path = cfg.data.path
+    where = ("a built-in dataset" if path.startswith("builtin:") else "a local file" if local.is_file()
+             else "a save_to_disk folder" if local.is_dir() and is_saved_dataset(local) else None)
+    keys = [f"data.{k}={getattr(cfg.data, k)}" for k in ("name", "revision") if getattr(cfg.data, k) is not None]
+    if where and keys:
+        raise ConfigError(f"{' and '.join(keys)} would be ignored: data.path={path} is {where} (they select a "
+                          "configuration and a revision of a hub dataset)")
+    if cfg.data.revision is not None and local.is_dir():
+        raise ConfigError(f"data.revision={cfg.data.revision} would be ignored: data.path={path} is a local folder "
+                          "(a revision selects one of a hub dataset)")
 
 
 def check_local_file(key: str, path: str, only_files: bool = False) -> None:

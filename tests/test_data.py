@@ -278,6 +278,15 @@ def test_check_source_accepts_valid_sources(tmp_path):
         check_data_source(make_cfg(f"data.path={path}"))  # no error
 
 
+@pytest.mark.parametrize("key", ["data.name=sst2", "data.revision=main"])
+def test_hub_only_keys_with_local_or_builtin_data_are_refused_not_ignored(tmp_path, key):
+    for path in ("builtin:reverse", _write_jsonl(tmp_path)):
+        with pytest.raises(ConfigError) as e:
+            check_data_source(make_cfg(f"data.path={path}", key))
+        assert f"{key} would be ignored: data.path={path} is a" in str(e.value)
+    check_data_source(make_cfg("data.path=json", f"data.data_files=[{_write_jsonl(tmp_path)}]", "data.name=x"))
+
+
 def test_check_columns_names_missing_and_found_columns():
     ds = Dataset.from_list([{"text": "good film", "score": 1}])
     with pytest.raises(ConfigError) as e:
