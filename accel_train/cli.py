@@ -16,18 +16,21 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 
 import yaml
 
 from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError, help_text, load_config
-from accel_train.preflight import launched_world_size, preflight
+from accel_train.preflight import is_local_main, launched_world_size, preflight
 
 
 def parse_cli(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
         prog="accel_train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.",
+        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.\n"
+                    "Several processes: accel-train launch --config_file configs/accelerate/cpu_2proc.yaml [...] "
+                    "(accelerate launch's options, then these).",
     )
     parser.add_argument("--config", help="YAML config file (configs/train/*.yaml); defaults apply to missing keys")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
