@@ -1,6 +1,7 @@
 """The command line, and the one entry every launch ends in: `main`.
 
-    python -m accel_train / accel-train / accelerate launch [-m accel_train | accel_train/train.py] /
+    python -m accel_train / accel-train / accel-train launch (launch.py: accelerate's launcher on train.py) /
+    accelerate launch [-m accel_train | accel_train/train.py] /
     torchrun [-m accel_train | accel_train/train.py]        -> cli() -> main()
     notebook_launcher(accel_train.cli.main, (["key=value", ...],), num_processes=2)        -> main()
 
@@ -15,18 +16,21 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 
 import yaml
 
 from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError, help_text, load_config
-from accel_train.preflight import launched_world_size, preflight
+from accel_train.preflight import is_local_main, launched_world_size, preflight
 
 
 def parse_cli(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
         prog="accel_train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.",
+        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.\n"
+                    "Several processes: accel-train launch --config_file configs/accelerate/cpu_2proc.yaml [...] "
+                    "(accelerate launch's options, then these).",
     )
     parser.add_argument("--config", help="YAML config file (configs/train/*.yaml); defaults apply to missing keys")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -46,9 +50,11 @@ def parse_cli(argv: list[str] | None) -> Config:
 def main(argv: list[str] | None = None) -> dict:
     """Parse `argv` (as the command line; None: sys.argv), check, train; returns the final metrics.
 
-    A run that cannot start or stops early prints one line on stderr and raises SystemExit with its exit status:
-    2 bad configuration, 3 stopped on non-finite gradients, 128+N stopped by signal N (both after a checkpoint).
-    Anything else raises with its traceback. This is the function notebook_launcher starts in each process.
+    A run that cannot start or stops early prints one line on stderr (one rank of a multi-process run: `say`) and
+    raises SystemExit with its exit status: 2 bad configuration, 3 stopped on non-finite gradients, 128+N stopped by
+    signal N (both after a checkpoint). A rank whose collective broke because another rank ended leaves quietly
+    with status 1. Anything else raises with its traceback. This is the function notebook_launcher starts in each
+    process.
     """
     try:
         cfg = parse_cli(argv)
@@ -62,18 +68,55 @@ def main(argv: list[str] | None = None) -> dict:
     except StoppedWithCheckpoint as e:
         say(f"accel_train: {e}")
         raise SystemExit(e.exit_status) from None
+    except RuntimeError as e:
+        if not _dist() or not _dist().peer_gone(e):
+            raise
+        raise SystemExit(1) from None  # the launcher reports the rank that ended; its line, if any, is printed
+
+
+def _dist():
+    """accel_train.dist once the training code is imported (its process group may exist), else None: the cheap
+    path never imports torch."""
+    return sys.modules.get("accel_train.dist")
 
 
 def say(line: str) -> None:
-    """One line on stderr in one write: under a launcher's unbuffered stderr, print's two writes (text, then
-    newline) from two ranks interleave into one garbled line."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    """One line on stderr in one write (under a launcher's unbuffered stderr, print's two writes, text then newline,
+    from two ranks interleave into one garbled line), by one rank of a multi-process run."""
+    def write():
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    if launched_world_size() == 1:
+        write()
+    elif _dist() and _dist().formed():  # the first rank to get here says it
+        _dist().say_once(write)
+    elif is_local_main():
+        write()
+    else:
+        # Before the process group forms every rank ran the same checks on the same command line and files: the
+        # machine's main process says it. Leaving first would have the launcher stop it before it did: wait to be
+        # stopped, and speak after ALONE_S if nobody stopped this rank (the main process got past the checks).
+        try:
+            time.sleep(ALONE_S)
+        except KeyboardInterrupt:  # the launcher's Ctrl-C
+            return
+        write()
+
+
+# How long a rank that is not the main process waits, after a refusal before the process group forms, for the main
+# process to print it (its checks may import a metric's code: 10 s here).
+ALONE_S = 60
 
 
 def cli(argv: list[str] | None = None) -> None:
     """Console entry (`accel-train`, `python -m accel_train`, accel_train/train.py): `main`, then exit with its
-    status."""
+    status; `accel-train launch ...` is the multi-process launcher (launch.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"] and launched_world_size() == 1:
+        from accel_train.launch import main as launch
+
+        exit_process(launch(argv[1:]))
     try:
         main(argv)
         code = 0

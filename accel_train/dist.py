@@ -53,7 +53,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     """Read the rank environment, choose the device and precision (for a model of hidden size `model_width`)
     and, with several processes, form the process group (with train.dist_timeout_s as its timeout) and the setup
     group (SETUP_TIMEOUT)."""
-    global _setup_group
+    global _setup_group, _store
     world = launched_world_size()
     if world > 1:
         stop_with_launcher()
@@ -109,6 +109,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         # collective: every rank creates it here, once, right after the process group forms
         # the default group's backend (NCCL on GPUs, gloo on CPUs): no second mesh of connections to set up
         _setup_group = torch.distributed.new_group(timeout=max(SETUP_TIMEOUT, timedelta(seconds=cfg.train.dist_timeout_s)))
+        _store = torch.distributed.distributed_c10d._get_default_store()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
     # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
@@ -131,6 +132,10 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
 # launcher stops the others when one exits); this bounds only a process that hangs.
 SETUP_TIMEOUT = timedelta(hours=24)
 _setup_group = None  # created in make_accelerator with several processes; kept until the process exits
+# The launcher's key-value store the process group formed on (torch elastic's agent hosts it; under notebook_launcher,
+# rank 0): kept from make_accelerator on, since accelerator.end_training destroys the group before an error reaches
+# the command line.
+_store = None
 
 
 @contextmanager
@@ -176,6 +181,46 @@ def _left_with_main():
         raise SystemExit(1) from None
 
 
+# What gloo says when a collective breaks because the process at the other end exited (killed, crashed, or stopped
+# with its own line): this rank then has nothing to add, the launcher names the rank that ended.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether `error` is a collective of the formed process group broken by another rank's end (a DistNetworkError,
+    or gloo's words). Before the group forms, a network error is the user's to see (a port in use, say)."""
+    return _store is not None and (isinstance(error, torch.distributed.DistNetworkError) or (
+        isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE)))
+
+
+# How long the ranks that do not print the job's line wait for the one that does (it is printing it as they arrive).
+REPORT_WAIT = timedelta(seconds=60)
+
+
+def formed() -> bool:
+    """Whether this process joined a multi-process group (make_accelerator), which may since have been destroyed."""
+    return _store is not None
+
+
+def say_once(write) -> None:
+    """Call `write` (which prints the line that says how the job ends) on one rank: the first to get here, counted in
+    the launcher's store, so that a line every rank reaches (a stop decided together, a refusal of the same data) is
+    printed once, and a line one rank alone reaches still is. The others return once it is printed: leaving first,
+    they would have the launcher stop that rank before it printed. Without the launcher (killed: its store is gone
+    too) every rank prints it: twice rather than never."""
+    try:
+        first = launcher_gone() or _store.add("accel_train/reported", 1) == 1
+    except Exception:  # the store's host is gone (rank 0 under notebook_launcher)
+        first = True
+    if first:
+        write()
+    try:
+        if not launcher_gone():
+            _store.set("accel_train/said", "1") if first else _store.wait(["accel_train/said"], REPORT_WAIT)
+    except Exception:  # its host or the rank that prints is gone: nothing left to wait for
+        pass
+
+
 def hardware(accelerator: Accelerator) -> str:
     """What the run ran on, in words (summary.json, model card)."""
     if accelerator.device.type == "cuda":
@@ -192,6 +237,13 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_GONE = signal.SIGRTMIN + 1 if sys.platform == "linux" else None
 
 
+_launcher = None  # the pid of the process that started this rank (stop_with_launcher)
+
+
+def launcher_gone() -> bool:
+    return _launcher is not None and os.getppid() != _launcher
+
+
 def stop_with_launcher() -> None:
     """Stop as on SIGTERM when the launcher that started this rank dies, even by SIGKILL, which it cannot forward
     (the ranks of accelerate launch and torchrun run in their own sessions): with Preemption's checkpoint of the
@@ -199,7 +251,8 @@ def stop_with_launcher() -> None:
 
     Called before the process group forms: had accelerate launch or torchrun died before, the group could not form
     (the launcher holds its rendezvous store), and the rank would stop there."""
-    parent = os.getppid()
+    global _launcher
+    parent = _launcher = os.getppid()
     if LAUNCHER_GONE is not None:
         # The kernel signals when the thread that started this process exits: torch elastic starts the workers from
         # the launcher's main thread (its agent's run loop), so the signal comes when the launcher exits.

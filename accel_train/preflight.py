@@ -42,6 +42,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_local_main() -> bool:
+    """Whether this is the first process the launcher started on this machine (or the only one)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def launcher_asks(variable: str) -> bool:
     """Whether accelerate launch set this flag from its config (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED)."""
     return os.environ.get(variable, "false").lower() == "true"

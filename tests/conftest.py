@@ -112,6 +112,17 @@ def accelerate_launch(config: str, *args, script: str = "accel_train/train.py", 
                 "--main_process_port", str(free_port()), script, *args], **kw)
 
 
+def accel_train_launch(config: str, *args, **kw) -> subprocess.CompletedProcess:
+    """`accel-train launch --config_file configs/accelerate/CONFIG ARGS`: accelerate's launcher on the training entry,
+    with accel_train's exit statuses (accel_train/launch.py)."""
+    return run(accel_train_launch_cmd(config, *args), **kw)
+
+
+def accel_train_launch_cmd(config: str, *args) -> list[str]:
+    return [str(c) for c in (BIN / "accel-train", "launch", "--config_file", ACCEL_CONFIGS / config,
+                             "--main_process_port", free_port(), *args)]
+
+
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from a run's metrics.jsonl."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ACCEL_CONFIGS, BIN, REPO, accelerate_launch, free_port, read_metrics
+from conftest import ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, free_port, read_metrics
 
 pytestmark = pytest.mark.faults
 
@@ -69,6 +69,7 @@ def test_killed_launcher_leaves_no_orphaned_ranks(tmp_path):
             launcher.kill()
             launcher.wait()
     text = (tmp_path / "launch.log").read_text()
+    # every rank says it: the launcher's store, where the ranks agree on who speaks, died with it
     assert text.count("accel_train: stopped by SIGTERM; checkpoint saved:") == 2, text[-3000:]
     saved = [p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file()]
     assert len(saved) == 1
@@ -119,13 +120,21 @@ def test_launcher_gone_without_a_parent_death_signal(tmp_path):
             psutil.Process(orphan).kill()
 
 
+def said(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("accel_train:")]
+
+
 @pytest.mark.long
 def test_one_rank_killed_mid_step(tmp_path):
+    """Under accel-train launch: one line names the rank and the signal, no traceback (the other rank's collective
+    broke: it leaves quietly), status 128+9."""
     out = tmp_path / "run"
-    proc, seconds = timed(accelerate_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
+    proc, seconds = timed(accel_train_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
                           env={"ACCEL_TRAIN_FAULT": "kill@step=8,micro=0,rank=1"})
-    assert proc.returncode != 0 and seconds < BOUND_S
-    assert "SIGKILL" in proc.stderr or "Signal 9" in proc.stderr
+    assert proc.returncode == 137 and seconds < BOUND_S
+    assert said(proc.stderr) == ["accel_train: error: rank 1 was killed by SIGKILL (out of memory?); the job stopped; "
+                                 "continue from its latest complete checkpoint with resume_from=latest"]
+    assert "Traceback" not in proc.stderr
     assert complete(out) == [3, 6]
     resumed = accelerate_launch("cpu_2proc.yaml", *RUN, f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -148,11 +157,14 @@ def test_checkpoint_write_failure_keeps_the_previous_one(tmp_path):
 
 
 def test_exception_on_one_rank_ends_the_job(tmp_path):
+    """A crash keeps its traceback under accel-train launch, with the launcher's failure report after it (status 1);
+    the other rank, whose collective broke, adds none."""
     out = tmp_path / "run"
-    proc, seconds = timed(accelerate_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
+    proc, seconds = timed(accel_train_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
                           env={"ACCEL_TRAIN_FAULT": "raise@step=5,micro=0,rank=1"})
-    assert proc.returncode != 0 and seconds < BOUND_S
-    assert "RuntimeError: injected fault on rank 1 at step 5, micro-batch 0" in proc.stderr
+    assert proc.returncode == 1 and seconds < BOUND_S
+    assert "[rank1]: RuntimeError: injected fault on rank 1 at step 5, micro-batch 0" in proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "train.py FAILED" in proc.stderr
 
 
 def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
@@ -167,8 +179,10 @@ def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
 
 def test_nonfinite_stop_policy_saves_last_good_state(tmp_path):
     out = tmp_path / "run"
-    proc, seconds = timed(accelerate_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}", "train.on_nonfinite=stop",
+    proc, seconds = timed(accel_train_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}", "train.on_nonfinite=stop",
                           env={"ACCEL_TRAIN_FAULT": "nan@step=5,rank=0"})
-    assert proc.returncode != 0 and seconds < BOUND_S
-    assert "non-finite loss or gradient at step 5 (1 step(s) in a row); stopped" in proc.stderr
+    assert proc.returncode == 3 and seconds < BOUND_S
+    assert said(proc.stderr) == [f"accel_train: non-finite loss or gradient at step 5 (1 step(s) in a row); stopped. "
+                                 f"Checkpoint of the last good state: {out}/checkpoints/step-4 (lower train.lr, or "
+                                 "check the data)"]
     assert complete(out) == [3, 4]  # the last good state: after step 4

@@ -1,19 +1,26 @@
-"""The default run, launched the ways users launch it, trains, learns and leaves a loadable adapter."""
+"""The default run, launched the ways users launch it, trains, learns and leaves a loadable adapter; a run that stops
+says so in one line, once, under every launcher."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import matplotlib.image
 import pytest
 import torch
-from conftest import BIN, accelerate_launch, free_port, python_m, read_metrics, run
+from accelerate.commands.launch import launch_command_parser
+from conftest import (BIN, REPO, accel_train_launch, accel_train_launch_cmd, accelerate_launch, free_port, python_m,
+                      read_metrics, run)
 from peft import PeftModel
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accel_train import data as data_lib
+from accel_train import launch
 from accel_train.config import load_config
 from accel_train.loop import summed_cross_entropy
 
@@ -155,3 +162,74 @@ def test_plot_compares_runs(tmp_path):
     proc = python_m(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "ab.png", module="accel_train.plot")
     assert proc.returncode == 0, proc.stderr
     assert matplotlib.image.imread(tmp_path / "ab.png").shape[0] > 100
+
+
+def said(text: str) -> list[str]:
+    """accel_train's own lines in a launch's output."""
+    return [line for line in text.splitlines() if line.startswith("accel_train:")]
+
+
+def test_a_refusal_is_one_line_once_under_either_launcher(tmp_path):
+    """Both ranks refuse an output_dir that holds a run: `accel-train launch` prints that line alone and exits 2;
+    plain `accelerate launch` prints it once too, then its launcher's ChildFailedError report (exit 1)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 0\n")
+    line = (f"accel_train: error: output_dir {out} already holds a run (config.yaml); pass resume_from=latest to "
+            "continue it, overwrite=true to replace it, or another output_dir\n")
+    proc = accel_train_launch("cpu_2proc.yaml", f"output_dir={out}")
+    assert (proc.returncode, proc.stderr) == (2, line)
+    plain = accelerate_launch("cpu_2proc.yaml", f"output_dir={out}")
+    assert plain.returncode == 1 and said(plain.stderr) == [line.strip()]
+
+
+def test_ctrl_c_under_accel_train_launch_checkpoints_and_exits_130(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the launcher's process group: the ranks save a checkpoint, one line says
+    so, and the launcher exits 130 without a traceback or torch elastic's warnings."""
+    out = tmp_path / "run"
+    cmd = accel_train_launch_cmd("cpu_2proc.yaml", f"output_dir={out}", "data.builtin_size=200", "train.log_every=1",
+                                 "train.dist_timeout_s=60", "track.log_with=[]")
+    launcher = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                start_new_session=True)  # its own process group, as a terminal's foreground job
+    lines = []
+    for line in launcher.stderr:  # until training is under way, as a user watching the log
+        lines.append(line)
+        if " | epoch " in line:
+            break
+    assert launcher.poll() is None, "".join(lines)
+    os.killpg(launcher.pid, signal.SIGINT)
+    _, rest = launcher.communicate(timeout=120)
+    done = [p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file()]
+    assert launcher.returncode == 130, rest
+    assert said("".join(lines) + rest) == [f"accel_train: stopped by SIGINT; checkpoint saved: {done[0]} (continue "
+                                           "with resume_from=latest)"]
+    assert not any(word in rest for word in ("Traceback", "SignalException", "closing signal"))
+
+
+def test_accel_train_launch_splits_arguments_with_accelerates_parser():
+    parser = launch_command_parser()
+    theirs, ours = launch.split_args(
+        ["--config_file", "a.yaml", "--num-processes=2", "--cpu", "--config", "c.yaml", "train.lr=1e-3",
+         "--mixed_precision", "bf16", "--print-config", "--main_process_port", "0", "-q"], parser)
+    assert theirs == ["--config_file", "a.yaml", "--num-processes=2", "--cpu", "--mixed_precision", "bf16",
+                      "--main_process_port", "0", "-q"]
+    assert ours == ["--config", "c.yaml", "train.lr=1e-3", "--print-config"]
+
+
+def test_accel_train_launch_maps_the_ranks_statuses(capsys):
+    crashes = []
+    show = lambda: crashes.append("shown")  # noqa: E731
+    # a rank's own status: it printed its line, the other left quietly (1) or was stopped by the launcher (-15)
+    assert launch.outcome({0: 2, 1: 1}, show) == 2
+    assert launch.outcome({1: 1, 0: 143}, show) == 143
+    assert launch.outcome({0: 3, 1: -15}, show) == 3
+    assert capsys.readouterr().err == "" and crashes == []
+    # killed: rank 1 by SIGKILL; its peer's collective broke (1) or the launcher stopped it (SIGTERM)
+    for codes in ({1: -9, 0: 1}, {0: 1, 1: -9}, {1: -9, 0: -15}):
+        assert launch.outcome(codes, show) == 137
+        assert said(capsys.readouterr().err) == [
+            "accel_train: error: rank 1 was killed by SIGKILL (out of memory?); the job stopped; continue from its "
+            "latest complete checkpoint with resume_from=latest"]
+    # a crash (a traceback on rank 1) and the rank the launcher then stopped: the launcher's report, status 1
+    assert launch.outcome({1: 1, 0: -15}, show) == 1
+    assert crashes == ["shown"] and capsys.readouterr().err == ""
