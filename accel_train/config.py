@@ -327,6 +327,10 @@ class Config:
     """Delete what output_dir holds and start afresh (without it, an existing run is never touched)."""
     merge: bool = False
     """After training, also write output_dir/merged: base + LoRA merged, loadable without peft."""
+    log_level: Literal["info", "debug"] = "info"
+    """Console. info: accel_train's lines and the libraries' warnings, but for the known-harmless ones
+    (tracking.HARMLESS_WARNINGS); debug: also those, the libraries' INFO lines (accelerate's, a few per checkpoint)
+    and their progress bars (datasets' maps, transformers' loads and saves)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
