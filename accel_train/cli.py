@@ -23,6 +23,7 @@ import yaml
 from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError, help_text, load_config
 from accel_train.preflight import is_local_main, launched_world_size, preflight
+from accel_train.tracking import announce
 
 
 def parse_cli(argv: list[str] | None) -> Config:
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = parse_cli(argv)
         resume = preflight(cfg)
+        announce(cfg)
         from accel_train.recipe import run  # the heavy imports (torch, transformers, ...) only now
 
         return run(cfg, resume)

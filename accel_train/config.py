@@ -37,11 +37,29 @@ def is_embedded_tiny_model(name_or_path: str) -> bool:
 YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
 
-# transformers.TrainingArguments / peft names users bring along -> ours
-TRAINER_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "gradient_accumulation_steps": "grad_accum_steps",
-                 "per_device_train_batch_size": "per_device_batch_size", "max_seq_length": "max_length",
-                 "lora_alpha": "alpha", "lora_dropout": "dropout", "model_name_or_path": "name_or_path",
-                 "bf16": "mixed_precision", "fp16": "mixed_precision", "max_grad_norm": "max_grad_norm"}
+# Names other tools give our keys (transformers.TrainingArguments, TRL, peft, axolotl, litgpt), as a key of any
+# section or written in full: hints name ours by meaning where spelling would mislead (batch_size is closer to
+# eval_batch_size than to per_device_batch_size). A name that is ours in another section needs no entry (lr -> train.lr).
+ALIASES = {
+    "batch_size": "train.per_device_batch_size", "per_device_train_batch_size": "train.per_device_batch_size",
+    "train_batch_size": "train.per_device_batch_size", "micro_batch_size": "train.per_device_batch_size",
+    "eval.batch_size": "train.eval_batch_size", "per_device_eval_batch_size": "train.eval_batch_size",
+    "learning_rate": "train.lr", "num_train_epochs": "train.epochs", "num_epochs": "train.epochs",
+    "max_seq_length": "data.max_length", "max_seq_len": "data.max_length", "seq_len": "data.max_length",
+    "sequence_len": "data.max_length", "cutoff_len": "data.max_length", "block_size": "data.max_length",
+    "gradient_accumulation_steps": "train.grad_accum_steps", "gradient_accumulation": "train.grad_accum_steps",
+    "accumulate_grad_batches": "train.grad_accum_steps", "warmup_ratio": "train.warmup_steps",
+    "num_warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.lr_scheduler",
+    "logging_steps": "train.log_every", "eval_steps": "train.eval_every", "save_steps": "checkpoint.save_every",
+    "save_total_limit": "checkpoint.keep_last", "bf16": "train.mixed_precision", "fp16": "train.mixed_precision",
+    "output": "output_dir", "out_dir": "output_dir", "output_path": "output_dir", "save_dir": "output_dir",
+    "resume_from_checkpoint": "resume_from", "model_name_or_path": "model.name_or_path",
+    "model_name": "model.name_or_path", "base_model": "model.name_or_path", "model_id": "model.name_or_path",
+    "rank": "lora.r", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules", "dataset": "data.path", "dataset_name": "data.path",
+    "data_path": "data.path", "train_file": "data.path", "report_to": "track.log_with",
+    "load_in_4bit": "model.quantization", "load_in_8bit": "model.quantization",
+}
 
 
 class ConfigError(ValueError):
@@ -314,6 +332,10 @@ class Config:
     """Delete what output_dir holds and start afresh (without it, an existing run is never touched)."""
     merge: bool = False
     """After training, also write output_dir/merged: base + LoRA merged, loadable without peft."""
+    log_level: Literal["info", "debug"] = "info"
+    """Console. info: accel_train's lines and the libraries' warnings, but for the known-harmless ones
+    (tracking.HARMLESS_WARNINGS); debug: also those, the libraries' INFO lines (accelerate's, a few per checkpoint)
+    and their progress bars (datasets' maps, transformers' loads and saves)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -438,20 +460,27 @@ class Config:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- dotted `key=value` overrides, checked against the dataclass tree."""
     raw: dict = {}
+    lines: dict[str, str] = {}  # dotted key -> "line N of FILE", for the keys the file gives
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        text = path.read_text()
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1} of " if mark is not None else ""
+            raise ConfigError(f"{where}{path} is not valid YAML: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+                              ) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of config keys, got {type(raw).__name__}")
+        lines = {key: f"line {line} of {path}" for key, line in _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
+        lines.pop(key, None)
         node = raw
         *parents, leaf = key.split(".")
         for part in parents:
@@ -459,31 +488,93 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         node[leaf] = yaml.safe_load(value) if value else ""
-    return _build(Config, raw, prefix="")
+    return _build(Config, raw, prefix="", lines=lines)
 
 
-def _build(cls, raw: dict, prefix: str):
+def _key_lines(node, prefix: str = ""):
+    """(dotted key, 1-based line) of each key of a composed YAML mapping, from the node marks."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield f"{prefix}{key.value}", key.start_mark.line + 1
+            yield from _key_lines(value, f"{prefix}{key.value}.")
+
+
+def _build(cls, raw: dict, prefix: str, lines: dict[str, str]):
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            close = [TRAINER_NAMES[key]] if TRAINER_NAMES.get(key) in names else (
-                difflib.get_close_matches(str(key), names, n=1)
-                or [n for n in names if str(key).startswith(n) or n.startswith(str(key))])  # lora.rank -> lora.r
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+            raise ConfigError(unknown_key(f"{prefix}{key}", lines.get(f"{prefix}{key}")))
     kwargs = {}
     for name in names:
         if name not in raw:
             continue
         hint, value = hints[name], raw[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
+            kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.", lines)
         else:
             kwargs[name] = _check(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+def config_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the tree, sections included: model, model.name_or_path, ..."""
+    keys, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += config_keys(hints[f.name], f"{prefix}{f.name}.")
+    return keys
+
+
+def _words_match(key: str, name: str) -> bool:
+    """Every word of `key` is a word of `name`, or an abbreviation of one or abbreviated by one (epoch, epochs;
+    gradient, grad); one letter is no abbreviation (r is not revision)."""
+    return all(any(w == v or min(len(w), len(v)) > 1 and (w.startswith(v) or v.startswith(w))
+                   for v in name.split("_")) for w in key.split("_"))
+
+
+def suggest(dotted: str) -> list[str]:
+    """The valid keys meant by the unknown `dotted`, by meaning first, then spelling: a name other tools use
+    (ALIASES), a key of the same section made of the same words (model.name -> model.name_or_path, train.epoch ->
+    train.epochs), the same name in other sections (lr -> train.lr), the closest spelling in the same section,
+    then in any. Several only for a name that is a key of several sections."""
+    prefix, _, key = dotted.rpartition(".")
+    prefix = prefix + "." if prefix else ""
+    keys = config_keys()
+    if dotted in ALIASES or key in ALIASES:
+        return [ALIASES.get(dotted) or ALIASES[key]]
+    here = [k.removeprefix(prefix) for k in keys if k.startswith(prefix) and "." not in k.removeprefix(prefix)]
+    worded = sorted((n for n in here if _words_match(key, n)), key=lambda n: len(n.split("_")))
+    if worded:
+        return [prefix + worded[0]]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == key]
+    if elsewhere:
+        return elsewhere
+    close = difflib.get_close_matches(key, here, n=1)
+    if close:
+        return [prefix + close[0]]
+    leaves = {k.rpartition(".")[2]: k for k in keys}
+    return [leaves[n] for n in difflib.get_close_matches(key, list(leaves), n=1)]
+
+
+def unknown_key(dotted: str, where: str | None = None) -> str:
+    """The one-line error for an unknown key, with what was meant; `where`: its line in the YAML file, if it comes
+    from one (there a key of another section is most often an indentation mistake)."""
+    section, _, key = dotted.rpartition(".")
+    meant = suggest(dotted)
+    owners = [k.rpartition(".")[0] for k in meant if k.rpartition(".")[2] == key]
+    if where and owners and len(owners) == len(meant):  # the same name, in other sections
+        named = " and ".join(f"{s}:" if s else "the top level" for s in owners)
+        return (f"{where}: {key} is a key of {named}, not of {section}:" if section else
+                f"{where}: {key} is a key of {named}; is it indented under {'it' if len(owners) == 1 else 'one'}?")
+    if meant:
+        hint = f"did you mean {' or '.join(meant)}?"
+    else:
+        hint = "valid keys: " + ", ".join(k.rpartition(".")[2] for k in config_keys() if k.rpartition(".")[0] == section)
+    return f"{where + ': ' if where else ''}unknown config key {dotted}; {hint}"
 
 
 def _check(value, hint, key: str):
@@ -559,14 +650,14 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def help_text(cls=Config, prefix: str = "", defaults=None) -> str:
-    """One line per config key: name, type, default and doc, generated from the dataclasses."""
-    defaults = defaults if defaults is not None else cls()
+def help_text(cls=Config, prefix: str = "") -> str:
+    """One line per config key: name, type, default and doc, generated from the dataclasses. The default shown is
+    the field's, as the doc explains it (None where __post_init__ resolves None by other keys)."""
     docs, hints, lines = field_docs(cls), typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
-        value = getattr(defaults, f.name)
         if dataclasses.is_dataclass(hints[f.name]):
-            lines.append(help_text(hints[f.name], f"{prefix}{f.name}.", value))
+            lines.append(help_text(hints[f.name], f"{prefix}{f.name}."))
         else:
-            lines.append(f"  {prefix}{f.name} ({_type_name(hints[f.name])}, default {value!r}): {docs.get(f.name, '')}")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {prefix}{f.name} ({_type_name(hints[f.name])}, default {default!r}): {docs.get(f.name, '')}")
     return "\n".join(lines)

@@ -236,8 +236,9 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                     stopped = "early_stopping"
                     main_logger().info(
                         f"early stopping after step {state.step}: {cfg.eval.metric_for_best} has not improved on "
-                        f"{state.best_metric:.6g} (step {state.best_step}) for {state.evals_without_improvement} "
-                        f"evaluations (train.early_stopping_patience)")
+                        f"{state.best_metric:.6g} (step {state.best_step}) by more than "
+                        f"{cfg.train.early_stopping_threshold:g} (train.early_stopping_threshold) for "
+                        f"{state.evals_without_improvement} evaluations (train.early_stopping_patience)")
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
                 save_checkpoint(accelerator, cfg, state)
         else:

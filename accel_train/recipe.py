@@ -11,7 +11,6 @@ The command line (cli.py) checks the configuration and calls `run`; nothing here
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import shutil
 import time
@@ -37,14 +36,16 @@ from accel_train.loss import loss_head
 from accel_train.metrics import load_metrics
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.preflight import make_output_dir
-from accel_train.tracking import RunLog, main_logger, measure_peak_flops, truncate_log, write_summary
+from accel_train.preflight import RUN_MARKER, make_output_dir
+from accel_train.tracking import (RunLog, configure_console, main_logger, measure_peak_flops, truncate_log,
+                                  write_summary)
 
 
 def run(cfg: Config, resume: Path | None) -> dict:
     """One training job on this rank; returns the final metrics. `resume`: the checkpoint preflight resolved."""
     accelerator, t_start = None, time.perf_counter()
     try:
+        configure_console(cfg)
         accelerator = make_accelerator(cfg, model_width(cfg))
         quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
@@ -93,8 +94,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
 
 
 def start_run_dir(cfg: Config, accelerator) -> None:
-    """Console format and seed; with overwrite=true, the old run is deleted before any rank writes."""
-    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    """Seed; with overwrite=true, the old run is deleted before any rank writes."""
     set_seed(cfg.seed)
     out = Path(cfg.output_dir)
     if cfg.overwrite and accelerator.is_main_process and out.exists():
@@ -133,11 +133,21 @@ def setup_data(cfg: Config, accelerator, tokenizer, report: dict) -> tuple:
     return train_ds, eval_ds, labels
 
 
+# A run's copy of its random base (output_dir/base_model): an adapter trained on it needs it.
+BASE_MODEL = "base_model"
+
+
+def saved_random_base(name_or_path: str) -> bool:
+    """Whether a model folder is the random base an earlier run saved (only a random base is saved there)."""
+    folder = Path(name_or_path).expanduser()
+    return folder.name == BASE_MODEL and (folder.parent / RUN_MARKER).is_file()
+
+
 def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, resume: Path | None
                 ) -> torch.nn.Module:
     """The base model with its LoRA adapter (or alone, for full fine-tuning). A random base is saved into
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
-    base = Path(cfg.output_dir) / "base_model"
+    base = Path(cfg.output_dir) / BASE_MODEL
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
     model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None, device=accelerator.device)
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
@@ -236,7 +246,8 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
     accelerator, (trainable, total) = job.accelerator, count_parameters(job.model)
     batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
     weights = ("random weights (model.random_init=true)" if cfg.model.random_init
-               else f"pretrained weights from {cfg.model.name_or_path}")
+               else f"the random base saved by an earlier run ({cfg.model.name_or_path})"
+               if saved_random_base(cfg.model.name_or_path) else f"pretrained weights from {cfg.model.name_or_path}")
     main_logger().info(
         f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
         f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
@@ -262,7 +273,7 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
             # The base the adapter loads on: the copy saved before training for a random base (it cannot be
             # re-downloaded), an absolute path for a local folder (the adapter may be loaded from anywhere).
             local = Path(cfg.model.name_or_path).expanduser()
-            base = out / "base_model" if cfg.model.random_init else local if local.is_dir() else None
+            base = out / BASE_MODEL if cfg.model.random_init else local if local.is_dir() else None
             if base is not None:
                 unwrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
         # the trained adapter only (dpo may hold a frozen reference adapter beside it: model.REFERENCE_ADAPTER)

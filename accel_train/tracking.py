@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
+import os
 import statistics
 import sys
 import time
+import warnings
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
-from tqdm.auto import tqdm
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from accel_train.config import Config, ConfigError, to_dict
 
@@ -41,6 +46,41 @@ def check_trackers(cfg: Config) -> None:
         module, package = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"track.log_with: tracker {name!r} needs the package {package}: pip install {package}")
+
+
+# Warnings every default run would print, about library code, harmless to the run: shown with log_level=debug.
+HARMLESS_WARNINGS = (
+    # peft reads transformers' deprecated property when it wraps a model (transformers 5)
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    # accelerate under notebook_launcher on a CPU, per process: one thread each, as torchrun sets it
+    (UserWarning, r"OMP_NUM_THREADS/MKL_NUM_THREADS unset"),
+)
+
+
+def announce(cfg: Config) -> None:
+    """The run's first line, before the heavy imports (seconds on a slow machine), from the first process only."""
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        sys.stderr.write(f"accel_train: starting {cfg.output_dir} (loading torch, transformers ...)\n")
+        sys.stderr.flush()
+
+
+def configure_console(cfg: Config) -> None:
+    """Log format, and what the libraries may say: at log_level=info their warnings but HARMLESS_WARNINGS, no INFO
+    lines and no progress bars; debug shows everything. Warnings go through logging, which waits for the progress
+    bar (RunLog)."""
+    import datasets
+    import transformers
+
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    logging.captureWarnings(True)
+    debug = cfg.log_level == "debug"
+    logging.getLogger("accelerate").setLevel(logging.INFO if debug else logging.WARNING)  # a line per checkpoint file
+    if debug:
+        return
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    for category, message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def main_logger():
@@ -139,9 +179,17 @@ class RunLog:
         # (matmul weights, trainable ones, attention size): flops_per_token's first three arguments
         self.model_flops, self.peak_flops = model_flops, peak_flops
         self.file = open(Path(cfg.output_dir) / "metrics.jsonl", "a") if self.main else None
-        # A bar only on a terminal; in CI logs and files the log lines below are the progress (one per log step).
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        disable=not (accelerator.is_local_main_process and sys.stderr.isatty()))
+        # A bar only on a terminal or in Jupyter; in CI logs and files the log lines are the progress (one per log
+        # step). Text, not tqdm.auto's widget: notebook_launcher's processes cannot draw one.
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        disable=not (accelerator.is_local_main_process and (sys.stderr.isatty()
+                                                                            or "ipykernel" in sys.modules)))
+        # While the bar is drawn, log lines (and warnings) are written above it by tqdm, not across it.
+        self.console = ExitStack()
+        if not self.bar.disable:
+            self.console.enter_context(logging_redirect_tqdm([logging.root, logging.getLogger("transformers")]))
+        # Under a bar, which shows the latest loss, about ten training records per run get a line (RunLog.shown)
+        self.total_steps, self.tenth_shown = total_steps, start_step * 10 // max(total_steps, 1)
         if cfg.track.log_with:
             accelerator.init_trackers(cfg.track.project, config=flat_config(cfg))
         self.out = Path(cfg.output_dir)
@@ -154,7 +202,8 @@ class RunLog:
         tokens in rows `width` tokens wide on average."""
         if not self.peak_flops:
             return None
-        return flops_per_token(*self.model_flops, width) * tokens_per_sec / self.peak_flops
+        mfu = flops_per_token(*self.model_flops, width) * tokens_per_sec / self.peak_flops
+        return mfu if mfu <= 1 else None  # above 1: the peak was measured low (a busy CPU), not a real utilisation
 
     def step(self, real_tokens: int, computed_tokens: int, rows: int) -> None:
         """One optimizer step ended: its duration, tokens and rows (over all ranks) go to steps.json at the end."""
@@ -183,16 +232,27 @@ class RunLog:
     def log(self, record: dict) -> None:
         if not self.main:
             return
-        line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-        if self.bar.disable:
+        line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+                          if v is not None)  # mfu: none without a plausible peak
+        if self.shown(record):
             main_logger().info(line)
-        else:
+        if "lr" in record:  # a training record
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k in ("loss", "lr", "tokens_per_sec")})
-            self.bar.write(line)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
+
+    def shown(self, record: dict) -> bool:
+        """Whether a record gets a console line: always without a bar; under one, evaluations and the first
+        training record of each tenth of the run."""
+        if self.bar.disable or "lr" not in record:
+            return True
+        tenth = record["step"] * 10 // max(self.total_steps, 1)
+        if tenth > self.tenth_shown:
+            self.tenth_shown = tenth
+            return True
+        return False
 
     def warn(self, message: str) -> None:
         if self.main:
@@ -200,6 +260,7 @@ class RunLog:
 
     def close(self) -> None:
         self.bar.close()
+        self.console.close()
         if self.file:
             self.file.close()
             seconds, real, computed, rows = zip(*self.steps) if self.steps else ((), (), (), ())

@@ -31,6 +31,18 @@ def launch(procs: int, *args, env=None):
     return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
 
 
+def assert_quiet(stderr: str) -> None:
+    """What a user sees of a run with checkpoints: its first line before the heavy imports, from one process, then
+    accel_train's lines; no library INFO lines (accelerate's 8 per checkpoint), FutureWarning or progress bars."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("accel_train: starting ") and stderr.count("accel_train: starting ") == 1
+    for noise in ("Warning", "saved in", "Saving", "examples/s", "it/s"):
+        assert noise not in stderr, noise
+    # beside the step, evaluation and checkpoint lines: the header, "resumed from", the final line
+    others = [line for line in lines[1:] if " | " not in line and "checkpoint saved: " not in line]
+    assert len(others) == 3, others
+
+
 def weights(out):
     return load_file(out / "adapter" / "adapter_model.safetensors")
 
@@ -122,6 +134,7 @@ def test_resume_on_another_number_of_processes(tmp_path, uninterrupted, crashed,
     resumed = launch(second[0], *BASE, *second[1], f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(out, uninterrupted, rel=1e-5)
+    assert_quiet(resumed.stderr)
 
 
 def test_resume_refuses_another_effective_batch(tmp_path):

@@ -74,18 +74,19 @@ def test_bad_yaml_file_is_named(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def leaves(cls=Config, prefix=""):
+    """(dotted key, dataclass field) of every config key."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from leaves(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
 def test_help_lists_every_field_with_doc():
     text = help_text()
-
-    def walk(cls, prefix=""):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                yield from walk(hints[f.name], f"{prefix}{f.name}.")
-            else:
-                yield f"{prefix}{f.name}"
-
-    for key in walk(Config):
+    for key, _ in leaves():
         line = next((ln for ln in text.splitlines() if ln.strip().startswith(key + " (")), None)
         assert line is not None, f"--help misses {key}"
         assert line.split("): ", 1)[1].strip(), f"--help has no doc for {key}"
@@ -148,3 +149,54 @@ def test_list_keys_take_comma_lists():
     assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.eval.metrics == ["accuracy", "f1"]
     assert cfg.lora.modules_to_save == [] and cfg.track.log_with == ["tensorboard"]
     assert load_config(None, ["lora.target_modules=q_proj"]).lora.target_modules == ["q_proj"]
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("train.batch_size", "train.per_device_batch_size"),  # by meaning: closer in spelling to train.eval_batch_size
+    ("batch_size", "train.per_device_batch_size"),
+    ("eval.batch_size", "train.eval_batch_size"),
+    ("learning_rate", "train.lr"),
+    ("lr", "train.lr"),  # not lora: the same name in a section
+    ("num_train_epochs", "train.epochs"),
+    ("train.epoch", "train.epochs"),
+    ("data.max_seq_length", "data.max_length"),
+    ("train.max_length", "data.max_length"),
+    ("gradient_accumulation_steps", "train.grad_accum_steps"),
+    ("train.warmup_ratio", "train.warmup_steps"),
+    ("out_dir", "output_dir"),
+    ("train.output_dir", "output_dir"),
+    ("model.name", "model.name_or_path"),
+    ("lora.rank", "lora.r"),
+    ("revision", "model.revision or data.revision"),
+])
+def test_hints_rank_by_meaning_then_spelling(key, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}=1"])
+    assert str(e.value) == f"unknown config key {key}; did you mean {meant}?"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  epochs: 3\nlr: 0.1\n", "line 3 of {f}: lr is a key of train:; is it indented under it?"),
+    ("train:\nlr: 0.1\n", "line 2 of {f}: lr is a key of train:; is it indented under it?"),
+    ("train:\n  epochs: 3\n  max_length: 64\n", "line 3 of {f}: max_length is a key of data:, not of train:"),
+    ("model:\n  r: 4\n", "line 2 of {f}: r is a key of lora:, not of model:"),
+    ("train:\n  lrr: 0.1\n", "line 2 of {f}: unknown config key train.lrr; did you mean train.lr?"),
+    ("train:\n  epochs: 3\n    lr: 0.1\n", "line 3 of {f} is not valid YAML: mapping values are not allowed here"),
+])
+def test_yaml_structure_errors_name_the_line(tmp_path, text, message):
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == message.format(f=f)
+
+
+def test_help_shows_each_key_default_as_the_dataclass_declares_it():
+    """Not the value __post_init__ resolves it to (model.random_init None -> true for the tiny model): the doc
+    explains what None does."""
+    text = help_text()
+    for key, f in leaves():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(key + " ("))
+        assert f", default {default!r}): " in line, line
+    assert "model.random_init (Optional[bool], default None): " in text

@@ -141,6 +141,8 @@ def test_main_process_work_outlasting_the_collective_timeout(runs):
 
 def test_adapter_continued_and_saved_on_its_base(runs, sft):
     out = runs["A"]["out"]
+    # the start line says what the base is: not "pretrained weights"
+    assert f"the random base saved by an earlier run ({sft / 'base_model'})" in runs["A"]["log"]
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((sft / "base_model").resolve())
     start, end = load_file(sft / "adapter" / "adapter_model.safetensors"), load_file(

@@ -27,6 +27,8 @@ def test_resume_keeps_the_best_and_the_patience(tmp_path):
 
     resumed = python_m(*ARGS, f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("has not improved on" in resumed.stderr and "by more than 100 (train.early_stopping_threshold) for 2 "
+            "evaluations" in resumed.stderr)
     summary = json.loads((out / "summary.json").read_text())
     # had the resume forgotten the best (step 2) or the count (1), it would stop at step 10 or 8
     assert summary["stopped"] == "early_stopping" and summary["final"]["step"] == 6

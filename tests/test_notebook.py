@@ -1,5 +1,6 @@
 """The notebook trains the default on 2 processes through notebook_launcher, executed for real (3 of the default's
-10 epochs: the whole default trains on 2 processes in test_launch.py)."""
+10 epochs: the whole default trains on 2 processes in test_launch.py), as `jupyter execute` runs it: the kernel in
+notebooks/, writing outputs/notebook at the repository root."""
 
 import json
 
@@ -9,15 +10,24 @@ from conftest import REPO
 from nbclient import NotebookClient
 
 
+def rendered(text: str) -> list[str]:
+    """The lines a notebook shows for a stream: a carriage return rewrites its line (the progress bar)."""
+    shown = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n")]
+    return [line for line in shown if line.strip()]
+
+
 @pytest.mark.long
 def test_notebook_trains_on_two_processes(tmp_path):
     nb = nbformat.read(REPO / "notebooks" / "train_default.ipynb", as_version=4)
+    assert "jupyter execute notebooks/train_default.ipynb" in nb.cells[0].source  # how to run it, first
     line = 'overrides = [f"output_dir={output_dir}", "overwrite=true"]'
     assert line in nb.cells[1].source  # the cell a user edits: any key=value of the command line
     nb.cells[1].source = nb.cells[1].source.replace(line, line[:-1] + ', "train.epochs=3"]')
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    (tmp_path / "notebooks").mkdir()
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path / "notebooks")}}).execute()
 
-    out = tmp_path / "outputs" / "notebook"
+    out = tmp_path / "outputs" / "notebook"  # where README says, git-ignored (/outputs/)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     final = [r for r in records if "eval_loss" in r][-1]
@@ -29,3 +39,10 @@ def test_notebook_trains_on_two_processes(tmp_path):
     assert f"eval: loss {final['eval_loss']:.3f}" in shown
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1  # the loss plot, shown inline
+    # the training cell: a progress bar and a short log (26 records: about one line per tenth of the run), and
+    # not notebook_launcher's "Launching training on 2 CUDAs." (on a CPU too): the run's own lines say where it runs
+    training = rendered("".join(o.get("text", "") for o in nb.cells[1].outputs))
+    assert any("255/255" in line and "step/s" in line for line in training), training
+    assert training[0].startswith("accel_train: starting ") and "] final: " in training[-1], training
+    assert len(training) <= 16, "\n".join(training)
+    assert "Launching training on" not in shown
