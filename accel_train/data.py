@@ -181,13 +181,13 @@ def _tokenize_conversations(batch: dict, rows: list[int], tokenizer, cfg: Config
 
 
 def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list[str] | None = None,
-             report: dict | None = None) -> Dataset | IterableDataset:
+             report: dict | None = None, split: str = "train") -> Dataset | IterableDataset:
     """Tokenized dataset (formats.py: one row -> input_ids, attention_mask, labels). `labels`: seq_cls class
     names, in id order. In memory, datasets caches the result on disk, keyed by a hash of the function and its
     arguments: only what tokenizing reads goes into them, so later runs (another output_dir, learning rate, ...)
     reuse the cache. A stream is tokenized lazily, as it is read. Conversations that were cut, dropped or refused
     (formats.tokenize_causal), <unk> tokens and samples left without a trained token are counted into `report` and
-    logged (in memory; a stream is not read ahead)."""
+    logged, naming `split` (in memory; a stream is not read ahead)."""
     cols = columns(ds)
     if cfg.task == "dpo":
         return dpo.tokenize_pairs(ds, tokenizer, cfg, cols)
@@ -216,7 +216,7 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
         ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
         ds = ds.remove_columns("status")
         if counts is not None:
-            log_row_counts(counts, cfg)
+            log_row_counts(counts, cfg, split)
             found.update(counts)
     if cfg.task == "causal_lm":  # a sample with no target token (an empty answer) would teach nothing
         untrained = untrained_samples(ds) if isinstance(ds, Dataset) and len(ds) else []
@@ -224,7 +224,7 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
             found.update(untrained=len(untrained), first_untrained=f"sample {untrained[0]}: "
                          + repr(tokenizer.decode(ds[untrained[0]]["input_ids"])[:120]), samples=len(ds))
         ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels[1:]), input_columns="labels")
-    log_unseen(found, cfg)
+    log_unseen(found, cfg, split)
     if report is not None:
         report.update(found)
     return ds
@@ -259,16 +259,17 @@ def untrained_samples(ds: Dataset) -> list[int]:
     return [i for i in range(len(ds)) if i not in trained]
 
 
-def log_unseen(found: dict, cfg: Config) -> None:
+def log_unseen(found: dict, cfg: Config, split: str = "train") -> None:
     """Warn about what the model cannot see (<unk> tokens) or learn from (samples without a trained token)."""
     opened, closed = formats.UNKNOWN_MARKS
     if found.get("unk"):
-        logger.warning(f"data: {found['unk'] / found['tokens']:.2%} of the tokens ({found['unk']} of "
+        logger.warning(f"data ({split}): {found['unk'] / found['tokens']:.2%} of the tokens ({found['unk']} of "
                        f"{found['tokens']}) are <unk>: the tokenizer of {cfg.model.name_or_path} has no token for "
                        f"those characters, and the model sees one token for all of them; first, in {opened}{closed}: "
                        f"{found['first_unk']}")
     if found.get("untrained"):
-        logger.warning(f"data: {found['untrained']} of {found['samples']} samples ({found['untrained'] / found['samples']:.1%}) "
+        logger.warning(f"data ({split}): {found['untrained']} of {found['samples']} samples "
+                       f"({found['untrained'] / found['samples']:.1%}) "
                        f"have no trained token (every label {IGNORE_INDEX}) and are dropped (first: "
                        f"{found['first_untrained']})")
 
@@ -285,18 +286,20 @@ def row_counts(ds: Dataset) -> dict:
     return counts
 
 
-def log_row_counts(counts: dict, cfg: Config) -> None:
+def log_row_counts(counts: dict, cfg: Config, split: str = "train") -> None:
     d, n = cfg.data, counts["rows"]
     if n and counts["refused"] == n:
         first = counts["first_refused"]
         hint = ("fix or drop those rows, or use a tokenizer whose template takes them" if "refuses" in first or
                 "renders assistant turn" in first else "use data.train_on=all, or a tokenizer with another template")
-        raise ConfigError(f"data: every row of {d.path} is refused ({first}); {hint}")
+        source = d.eval_path if split == "eval" and d.eval_path else d.path
+        raise ConfigError(f"data: every row of {source}{'' if split == 'train' else f' ({split})'} is refused "
+                          f"({first}); {hint}")
     if counts["refused"]:
-        logger.warning(f"data: {counts['refused']} of {n} rows refused, their assistant turns not found in the chat "
-                       f"template's rendering (first: {counts['first_refused']})")
+        logger.warning(f"data ({split}): {counts['refused']} of {n} rows refused, their assistant turns not found "
+                       f"in the chat template's rendering (first: {counts['first_refused']})")
     if counts["cut"] or counts["dropped"]:
-        logger.warning(f"data: {counts['cut']} of {n} samples cut and {counts['dropped']} dropped at "
+        logger.warning(f"data ({split}): {counts['cut']} of {n} samples cut and {counts['dropped']} dropped at "
                        f"data.max_length={d.max_length} (data.truncation={d.truncation}"
                        + (f"; first dropped: {counts['first_dropped']})" if counts["dropped"] else ")"))
 

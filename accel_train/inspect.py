@@ -105,6 +105,8 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     labels = data_lib.label_names(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
     report = {}
     train = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report)
+    if eval_raw is not None:  # what it cuts, refuses or cannot see is logged as training logs it
+        data_lib.tokenize(eval_raw, tokenizer, cfg, labels, split="eval")
     fmt = (formats.resolve_format(cfg, data_lib.columns(train_raw)) if cfg.task == "causal_lm"
            else f"{cfg.data.text_field} -> {cfg.data.label_field}")
     lengths = [len(x) for x in train["input_ids"]]

@@ -88,7 +88,8 @@ def run(launch_command, args) -> int:
     except SignalException as e:  # torch elastic's handler: the ranks had the signal and stopped
         return 128 + e.sigval
     except ChildFailedError as e:
-        return outcome({rank: f.exitcode for rank, f in e.failures.items()}, lambda: replay(records, str(e)))
+        summary = str(e)
+        return outcome({rank: f.exitcode for rank, f in e.failures.items()}, lambda: replay(records, summary))
     except subprocess.CalledProcessError as e:  # accelerate's launcher of a single process
         return outcome({0: e.returncode}, lambda: None)
     except KeyboardInterrupt:  # one process: the terminal's Ctrl-C reached it too, and it checkpoints

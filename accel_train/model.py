@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from pathlib import Path
 
 import peft
 import torch
@@ -15,6 +14,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from accel_train.config import Config, ConfigError
 from accel_train.model_sources import check_model, trained_folder
+from accel_train.tracking import quiet_libraries
 
 logger = get_logger(__name__)
 
@@ -211,6 +211,7 @@ def load_trained(path, auto_cls, **kw):
     (num_labels, id2label) when there is one, so a hub base with another number of classes still fits; and with
     the adapter folder's generation_config.json (where generation stops), which peft leaves unread."""
     path = trained_folder(path)
+    quiet_libraries()  # the tools' output is their answer: no "Loading weights" bar, no known-harmless warnings
     if (path / "adapter_config.json").is_file():
         saved_base = path.parent / "base_model"
         adapter_config = peft.PeftConfig.from_pretrained(path)

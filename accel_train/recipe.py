@@ -119,7 +119,7 @@ def setup_data(cfg: Config, accelerator, tokenizer, report: dict) -> tuple:
             data_lib.check_labels(cfg, cfg.model.num_labels,
                                   *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)), names=labels)
         train_ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report.setdefault("train", {}))
-        eval_ds = (data_lib.tokenize(eval_raw, tokenizer, cfg, labels, report=report.setdefault("eval", {}))
+        eval_ds = (data_lib.tokenize(eval_raw, tokenizer, cfg, labels, report=report.setdefault("eval", {}), split="eval")
                    if eval_raw is not None else None)
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
     if isinstance(train_ds, IterableDataset):

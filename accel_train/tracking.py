@@ -68,15 +68,20 @@ def configure_console(cfg: Config) -> None:
     """Log format, and what the libraries may say: at log_level=info their warnings but HARMLESS_WARNINGS, no INFO
     lines and no progress bars; debug shows everything. Warnings go through logging, which waits for the progress
     bar (RunLog)."""
-    import datasets
-    import transformers
-
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     logging.captureWarnings(True)
     debug = cfg.log_level == "debug"
     logging.getLogger("accelerate").setLevel(logging.INFO if debug else logging.WARNING)  # a line per checkpoint file
-    if debug:
-        return
+    if not debug:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """No progress bars from datasets and transformers ("Loading weights"), none of HARMLESS_WARNINGS: a run at
+    log_level=info, and the tools (generate, predict, export), whose output is their answer."""
+    import datasets
+    import transformers
+
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     for category, message in HARMLESS_WARNINGS:

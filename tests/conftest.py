@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -121,6 +122,31 @@ def accel_train_launch(config: str, *args, **kw) -> subprocess.CompletedProcess:
 def accel_train_launch_cmd(config: str, *args) -> list[str]:
     return [str(c) for c in (BIN / "accel-train", "launch", "--config_file", ACCEL_CONFIGS / config,
                              "--main_process_port", free_port(), *args)]
+
+
+def ctrl_c_launch(config: str, *args, after: str = " | epoch ") -> tuple[int, str]:
+    """`accel-train launch --config_file configs/accelerate/CONFIG ARGS` in its own process group, as a terminal's
+    foreground job, and Ctrl-C (SIGINT to that group) once a line holding `after` is printed, as a user watching
+    the log would: (exit status, stdout and stderr together)."""
+    launcher = subprocess.Popen(accel_train_launch_cmd(config, *args), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    lines = []
+    for line in launcher.stdout:
+        lines.append(line)
+        if after in line:
+            break
+    assert launcher.poll() is None, "".join(lines)
+    os.killpg(launcher.pid, signal.SIGINT)
+    rest, _ = launcher.communicate(timeout=120)
+    print(f"$ {' '.join(launcher.args)} (Ctrl-C after {after!r})\n--- output\n{''.join(lines)[-4000:]}{rest[-8000:]}")
+    return launcher.returncode, "".join(lines) + rest
+
+
+def said(text: str) -> list[str]:
+    """accel_train's own lines in a run's output (stop, error, refusal), but the start line every run prints first
+    (`accel_train: starting OUTPUT_DIR ...`)."""
+    return [line for line in text.splitlines()
+            if line.startswith("accel_train") and not line.startswith("accel_train: starting ")]
 
 
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:

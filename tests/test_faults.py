@@ -11,7 +11,8 @@ import time
 
 import psutil
 import pytest
-from conftest import ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, free_port, read_metrics
+from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, free_port, read_metrics,
+                      said)
 
 pytestmark = pytest.mark.faults
 
@@ -119,9 +120,6 @@ def test_launcher_gone_without_a_parent_death_signal(tmp_path):
         if psutil.pid_exists(orphan) and "stopped" not in report.read_text():
             psutil.Process(orphan).kill()
 
-
-def said(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("accel_train:")]
 
 
 @pytest.mark.long

@@ -4,17 +4,14 @@ says so in one line, once, under every launcher."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import matplotlib.image
 import pytest
 import torch
 from accelerate.commands.launch import launch_command_parser
-from conftest import (BIN, REPO, accel_train_launch, accel_train_launch_cmd, accelerate_launch, free_port, python_m,
-                      read_metrics, run)
+from conftest import (BIN, accel_train_launch, accelerate_launch, ctrl_c_launch, free_port, python_m,
+                      read_metrics, run, said)
 from peft import PeftModel
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -164,10 +161,6 @@ def test_plot_compares_runs(tmp_path):
     assert matplotlib.image.imread(tmp_path / "ab.png").shape[0] > 100
 
 
-def said(text: str) -> list[str]:
-    """accel_train's own lines in a launch's output."""
-    return [line for line in text.splitlines() if line.startswith("accel_train:")]
-
 
 def test_a_refusal_is_one_line_once_under_either_launcher(tmp_path):
     """Both ranks refuse an output_dir that holds a run: `accel-train launch` prints that line alone and exits 2;
@@ -187,23 +180,14 @@ def test_ctrl_c_under_accel_train_launch_checkpoints_and_exits_130(tmp_path):
     """Ctrl-C in a terminal sends SIGINT to the launcher's process group: the ranks save a checkpoint, one line says
     so, and the launcher exits 130 without a traceback or torch elastic's warnings."""
     out = tmp_path / "run"
-    cmd = accel_train_launch_cmd("cpu_2proc.yaml", f"output_dir={out}", "data.builtin_size=200", "train.log_every=1",
+    status, seen = ctrl_c_launch("cpu_2proc.yaml", f"output_dir={out}", "data.builtin_size=200", "train.log_every=1",
                                  "train.dist_timeout_s=60", "track.log_with=[]")
-    launcher = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                start_new_session=True)  # its own process group, as a terminal's foreground job
-    lines = []
-    for line in launcher.stderr:  # until training is under way, as a user watching the log
-        lines.append(line)
-        if " | epoch " in line:
-            break
-    assert launcher.poll() is None, "".join(lines)
-    os.killpg(launcher.pid, signal.SIGINT)
-    _, rest = launcher.communicate(timeout=120)
     done = [p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file()]
-    assert launcher.returncode == 130, rest
-    assert said("".join(lines) + rest) == [f"accel_train: stopped by SIGINT; checkpoint saved: {done[0]} (continue "
-                                           "with resume_from=latest)"]
-    assert not any(word in rest for word in ("Traceback", "SignalException", "closing signal"))
+    assert status == 130, seen
+    assert said(seen) == [f"accel_train: stopped by SIGINT; checkpoint saved: {done[0]} (continue with "
+                          "resume_from=latest)"]
+    assert seen.count("accel_train: starting ") == 1
+    assert not any(word in seen for word in ("Traceback", "SignalException", "closing signal"))
 
 
 def test_accel_train_launch_splits_arguments_with_accelerates_parser():
