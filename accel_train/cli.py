@@ -118,13 +118,21 @@ def cli(argv: list[str] | None = None) -> None:
     if argv[:1] == ["launch"] and launched_world_size() == 1:
         from accel_train.launch import main as launch
 
-        exit_process(launch(argv[1:]))
+        exit_process(launch(argv[1:], check))
     try:
         main(argv)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     exit_process(code)
+
+
+def check(argv: list[str]) -> Config:
+    """The training arguments parsed (answering --help and --print-config) and their cheap checks: what
+    `accel-train launch` runs before it starts any process."""
+    cfg = parse_cli(argv)
+    preflight(cfg)
+    return cfg
 
 
 def exit_process(code: int) -> None:

@@ -449,7 +449,13 @@ def teardown(accelerator: Accelerator | None) -> None:
     """End trackers and destroy the process group; safe to call in `finally` whatever happened. The accelerator of
     a multi-process run stays alive until the process exits (`keep_until_exit`)."""
     if accelerator is not None:
-        accelerator.end_training()
+        try:
+            accelerator.end_training()
+        except RuntimeError:
+            # the launcher was killed and its store with it: destroying the group fails, and must not hide the
+            # stop (with its checkpoint) that brought the run here
+            if not launcher_gone():
+                raise
         keep_until_exit(accelerator)
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

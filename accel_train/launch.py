@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from accel_train.config import ConfigError
+from accel_train.tracking import ANNOUNCED, announce
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
 # accelerate launch's options that choose what it runs: here it runs accel_train (TRAIN_SCRIPT).
@@ -54,8 +56,30 @@ def split_args(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[s
     return theirs, ours
 
 
-def main(argv: list[str]) -> int:
-    """Launch accel_train with accelerate's launcher; returns the exit status."""
+def early_args(argv: list[str]) -> list[str]:
+    """accel_train's arguments as far as they can be told apart before accelerate's parser is imported (it imports
+    torch: seconds): the key=value overrides, --config FILE and --print-config. Only so that the checks and the start
+    line come that much sooner; split_args decides."""
+    ours, args = [], iter(argv)
+    for arg in args:
+        if arg == "--config":
+            ours += [arg, next(args, "")]
+        elif arg.startswith("--config=") or arg == "--print-config" or ("=" in arg and not arg.startswith("-")):
+            ours.append(arg)
+    return ours
+
+
+def main(argv: list[str], check) -> int:
+    """Launch accel_train with accelerate's launcher; returns the exit status. `check(args)` parses and checks
+    accel_train's arguments (cli.check): its --print-config and cheap checks answer here, before any process
+    starts, and the start line follows (each rank runs the checks again, under the launcher's environment)."""
+    checked = None
+    if not {"-h", "--help"} & set(argv):
+        try:
+            cfg, checked = check(early_args(argv)), early_args(argv)
+            announce(cfg)
+        except ConfigError:
+            pass  # decided on accelerate's split below
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     parser = launch_command_parser()
@@ -69,9 +93,14 @@ def main(argv: list[str]) -> int:
         if chosen:
             raise ConfigError(f"{', '.join(chosen)}: accel-train launch runs accel_train itself; drop it (or use "
                               "accelerate launch to run another script)")
+        if ours != checked:
+            cfg = check(ours)
+            if checked is None:
+                announce(cfg)
     except ConfigError as e:
         sys.stderr.write(f"accel_train: error: {e}\n")
         return 2
+    os.environ[ANNOUNCED] = "1"  # the ranks inherit it: the start line is printed once
     return run(launch_command, args)
 
 

@@ -72,13 +72,13 @@ def check_model_source(cfg: Config) -> None:
     reachable, or in the cache when offline (model_sources.check_model: one request, not a minute of retries)."""
     path = cfg.model.name_or_path
     folder = Path(path).expanduser()
-    check_model(path, cfg.model.revision)
     if cfg.model.quantization and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"model.quantization={cfg.model.quantization} needs bitsandbytes (GPUs only): "
                           "pip install bitsandbytes")
     if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package (GPUs only): "
                           "pip install flash-attn, or use sdpa")
+    check_model(path, cfg.model.revision)  # after the checks that need no network
     if folder.is_dir() and not cfg.model.random_init and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
         raise ConfigError(f"model.name_or_path: {path} holds no weights ({', '.join(WEIGHT_FILES)}); pass "
                           "model.random_init=true to train from random weights built from its config.json")

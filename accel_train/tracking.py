@@ -57,9 +57,13 @@ HARMLESS_WARNINGS = (
 )
 
 
+# Set by `accel-train launch` (launch.py), which printed the start line itself before starting the processes.
+ANNOUNCED = "ACCEL_TRAIN_ANNOUNCED"
+
+
 def announce(cfg: Config) -> None:
     """The run's first line, before the heavy imports (seconds on a slow machine), from the first process only."""
-    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0" and not os.environ.get(ANNOUNCED):
         sys.stderr.write(f"accel_train: starting {cfg.output_dir} (loading torch, transformers ...)\n")
         sys.stderr.flush()
 

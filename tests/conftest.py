@@ -146,7 +146,7 @@ def said(text: str) -> list[str]:
     """accel_train's own lines in a run's output (stop, error, refusal), but the start line every run prints first
     (`accel_train: starting OUTPUT_DIR ...`)."""
     return [line for line in text.splitlines()
-            if line.startswith("accel_train") and not line.startswith("accel_train: starting ")]
+            if line.startswith(("accel_train:", "accel_train.")) and not line.startswith("accel_train: starting ")]
 
 
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:

@@ -198,6 +198,9 @@ def test_accel_train_launch_splits_arguments_with_accelerates_parser():
     assert theirs == ["--config_file", "a.yaml", "--num-processes=2", "--cpu", "--mixed_precision", "bf16",
                       "--main_process_port", "0", "-q"]
     assert ours == ["--config", "c.yaml", "train.lr=1e-3", "--print-config"]
+    # what is told apart before accelerate (and torch) is imported, to check and print the start line at once
+    assert launch.early_args(["--config_file", "a.yaml", "--num-processes=2", "--config", "c.yaml", "train.lr=1e-3",
+                              "--main_process_port", "0", "--print-config"]) == ours
 
 
 def test_accel_train_launch_maps_the_ranks_statuses(capsys):
