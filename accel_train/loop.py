@@ -14,7 +14,7 @@ from itertools import islice
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import send_to_device
+from accelerate.utils import DistributedType, send_to_device
 
 from accel_train import data as data_lib
 from accel_train import dpo, faults
@@ -87,12 +87,49 @@ def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Te
 MIN_LOSS_SCALE = 1.0
 
 
-def nonfinite_step(grad_norm: float, scaler) -> bool:
+def loss_scaling(accelerator, optimizer) -> tuple[float, float] | None:
+    """fp16 loss scaling as (the scale, the lowest it can go), or None without it. The native scaler's is read
+    before optimizer.step updates it, and has no floor. Under DeepSpeed accelerate has no scaler: the engine scales
+    the loss, and at the window's last backward skips an overflowing step and lowers its scale, down to its
+    min_loss_scale, where its next overflow raises ("Current loss scale already at minimum")."""
+    if accelerator.scaler is not None:
+        return accelerator.scaler.get_scale(), 0.0
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision == "fp16":
+        engine_scaler = optimizer.optimizer.loss_scaler  # accelerate's wrapper around the ZeRO optimizer
+        return float(engine_scaler.cur_scale), float(getattr(engine_scaler, "min_scale", 0.0))
+    return None
+
+
+def nonfinite_step(grad_norm: float, scaling: tuple[float, float] | None) -> bool:
     """Whether this step's gradient is broken (counted towards train.max_nonfinite_steps): a non-finite global norm,
-    except under fp16 loss scaling while the scale is still high enough to be the cause."""
+    except under fp16 loss scaling while the scale is still high enough to be the cause (and above its floor)."""
     if math.isfinite(grad_norm):
         return False
-    return scaler is None or scaler.get_scale() < MIN_LOSS_SCALE
+    return scaling is None or scaling[0] < MIN_LOSS_SCALE or scaling[0] <= scaling[1]
+
+
+def step_or_skip(cfg: Config, job: TrainingJob, grad_norm: float) -> bool:
+    """The non-finite policy, then the optimizer step: a broken gradient stops the run with a checkpoint (at once
+    with train.on_nonfinite=stop, else after train.max_nonfinite_steps in a row, or when DeepSpeed's loss scale is
+    at its floor: the engine would raise at its next overflow); a non-finite one is skipped with a warning.
+    Returns whether the gradient was finite (the window's loss is logged only then)."""
+    state, scaling = job.state, loss_scaling(job.accelerator, job.optimizer)
+    finite, bad = math.isfinite(grad_norm), nonfinite_step(grad_norm, scaling)
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
+    floored = bad and scaling is not None and scaling[0] <= scaling[1]
+    if bad and (cfg.train.on_nonfinite == "stop" or floored
+                or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
+        raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(job.accelerator, cfg, state))
+    if not finite:
+        state.skipped_steps += 1
+        job.run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
+                         + (f"(fp16 loss scale {scaling[0]:g}) " if scaling is not None else "")
+                         + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
+    if finite or scaling is not None:
+        # fp16: the scaler skips a non-finite step itself, and lowers its scale. Under DeepSpeed this does nothing:
+        # the engine stepped (or skipped) in the window's last backward.
+        job.optimizer.step()
+    return finite
 
 
 def judge(cfg: Config, job: TrainingJob, results: dict) -> bool:
@@ -197,23 +234,14 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
-            finite, scaler = math.isfinite(grad_norm), accelerator.scaler
-            bad = nonfinite_step(grad_norm, scaler)
-            state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
-            if bad and (cfg.train.on_nonfinite == "stop" or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
-                raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(accelerator, cfg, state))
             lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
-            if not finite:
-                state.skipped_steps += 1
-                run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
-                             + (f"(fp16 loss scale {scaler.get_scale():g}) " if scaler is not None else "")
-                             + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
-            if finite or scaler is not None:
-                optimizer.step()  # fp16: the scaler skips a non-finite step itself, and lowers its scale
+            finite = step_or_skip(cfg, job, grad_norm)
             if finite:
                 rank_sums += window_sums
                 targets_since_log += targets
-            job.scheduler.step()  # once per optimizer step, skipped or not: the rate follows state.step
+            # once per optimizer step, skipped or not: the rate follows state.step. Under DeepSpeed too: accelerate
+            # gives the engine only DeepSpeed's own schedule types, so it neither steps nor skips this one.
+            job.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
