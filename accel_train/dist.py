@@ -329,9 +329,10 @@ def configure_deepspeed(ds: dict, cfg: Config) -> None:
 
 
 def skip_deepspeed_shm_op() -> None:
-    """DeepSpeed's CPU accelerator, without its shared-memory all-reduce: DeepSpeed compiles it (C++, about 100 s
-    on 2 cores) at the first start on a machine, for its inference all-reduce only; training all-reduces through
-    the process group (gloo) all the same. DeepSpeed keeps the dict of usable ops it checks for edits like this."""
+    """DeepSpeed's CPU accelerator, without its shared-memory all-reduce: DeepSpeed compiles it (C++, 136 s
+    on 2 busy cores) at the first start on a machine, for its inference all-reduce only; training all-reduces through
+    the process group (gloo) all the same. deepspeed.ops caches the dict of usable ops it checks, so that edits
+    to it persist."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed's probe would find, without probing
     import deepspeed.ops
 

@@ -1,6 +1,7 @@
 """Every machine users have, checked from this CPU: the CPU config beside GPUs, CPUs without native bf16 (the
-capability probe faked), fp16's loss scaler with a loss that stays broken, accumulation under DeepSpeed, QLoRA
-refused off GPUs, torch.compile's parameter names, and the prepared GPU check (its plan and its verdicts)."""
+capability probe faked), fp16's loss scaler (and DeepSpeed's) with a loss that stays broken, accumulation under
+DeepSpeed, QLoRA refused off GPUs, torch.compile's parameter names, and the prepared GPU check (its plan and its
+verdicts)."""
 
 from __future__ import annotations
 
