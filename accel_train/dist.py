@@ -69,7 +69,12 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
                           "lower num_processes in the accelerate config (one process per GPU)")
     # accelerate forms a CPU (gloo) group only when told cpu=True. Without it, N processes launched on a
     # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
-    cpu = world > 1 and not torch.accelerator.is_available()
+    # DeepSpeed is the exception: accelerate sets it up only with cpu=False (AcceleratorState in 1.15), and
+    # DeepSpeed's CPU accelerator then forms the group on the backend given here (gloo without oneCCL).
+    deepspeed_on_cpu = world > 1 and not torch.accelerator.is_available() and launcher_asks("ACCELERATE_USE_DEEPSPEED")
+    cpu = world > 1 and not torch.accelerator.is_available() and not deepspeed_on_cpu
+    if deepspeed_on_cpu:
+        skip_deepspeed_shm_op()
     precision, note = choose_precision(cfg.train.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
                                        model_width)
     if precision != os.environ.get("ACCELERATE_MIXED_PRECISION", precision):
@@ -84,7 +89,8 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         step_scheduler_with_optimizer=False,
         # Seedable sampler: one shuffle per epoch from (seed, epoch), the same on every rank, then sharded.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s),
+                                                **({"backend": "gloo"} if deepspeed_on_cpu else {}))],
         log_with=cfg.track.log_with or None,
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=True) if cfg.train.compile else None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"),
@@ -117,11 +123,35 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
                            ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
         if launcher_asks(variable) and accelerator.distributed_type != kind:
             raise LaunchError(f"the accelerate config asks for {kind.value} but accelerate set up "
-                              f"{accelerator.distributed_type.value} on {accelerator.device}"
-                              + (": DeepSpeed needs GPUs" if kind == DistributedType.DEEPSPEED else ""))
+                              f"{accelerator.distributed_type.value} on {accelerator.device}")
     # What sharded parameters rule out was refused before (preflight.check_sharded): a launch asking for FSDP or
     # DeepSpeed either gets it or stops just above.
     return accelerator
+
+
+def zero3(accelerator: Accelerator) -> bool:
+    """Whether DeepSpeed shards the weights themselves (ZeRO-3)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextmanager
+def whole_model(accelerator: Accelerator):
+    """Inside, transformers builds models whole, as on one process, even under a ZeRO-3 launch without
+    zero3_init_flag: accelerate 1.15 registers the DeepSpeed config with transformers whatever the flag says, and
+    transformers then builds every model sharded (deepspeed.zero.Init), where the forwards run before
+    accelerator.prepare (model.check_packing, loss.loss_head) fail ("'weight' must be 2-D"). prepare shards it."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero3_init_flag:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
 
 
 # Setup phases in which ranks wait for one another's work last as long as the data make them: tokenizing a large set
@@ -296,6 +326,17 @@ def configure_deepspeed(ds: dict, cfg: Config) -> None:
         elif float(theirs) != float(value):
             raise LaunchError(f"the DeepSpeed config sets {key}={theirs} but {DEEPSPEED_KEYS[key]}={value}: set one "
                               f"to the other, or {key} to auto")
+
+
+def skip_deepspeed_shm_op() -> None:
+    """DeepSpeed's CPU accelerator, without its shared-memory all-reduce: DeepSpeed compiles it (C++, 136 s
+    on 2 busy cores) at the first start on a machine, for its inference all-reduce only; training all-reduces through
+    the process group (gloo) all the same. deepspeed.ops caches the dict of usable ops it checks, so that edits
+    to it persist."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed's probe would find, without probing
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def use_fsdp_on_cpu(accelerator: Accelerator) -> None:

@@ -14,7 +14,7 @@ from itertools import islice
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import send_to_device
+from accelerate.utils import DistributedType, send_to_device
 
 from accel_train import data as data_lib
 from accel_train import dpo, faults
@@ -87,12 +87,49 @@ def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Te
 MIN_LOSS_SCALE = 1.0
 
 
-def nonfinite_step(grad_norm: float, scaler) -> bool:
+def loss_scaling(accelerator, optimizer) -> tuple[float, float] | None:
+    """fp16 loss scaling as (the scale, the lowest it can go), or None without it. The native scaler's is read
+    before optimizer.step updates it, and has no floor. Under DeepSpeed accelerate has no scaler: the engine scales
+    the loss, and at the window's last backward skips an overflowing step and lowers its scale, down to its
+    min_loss_scale, where its next overflow raises ("Current loss scale already at minimum")."""
+    if accelerator.scaler is not None:
+        return accelerator.scaler.get_scale(), 0.0
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision == "fp16":
+        engine_scaler = optimizer.optimizer.loss_scaler  # accelerate's wrapper around the ZeRO optimizer
+        return float(engine_scaler.cur_scale), float(getattr(engine_scaler, "min_scale", 0.0))
+    return None
+
+
+def nonfinite_step(grad_norm: float, scaling: tuple[float, float] | None) -> bool:
     """Whether this step's gradient is broken (counted towards train.max_nonfinite_steps): a non-finite global norm,
-    except under fp16 loss scaling while the scale is still high enough to be the cause."""
+    except under fp16 loss scaling while the scale is still high enough to be the cause (and above its floor)."""
     if math.isfinite(grad_norm):
         return False
-    return scaler is None or scaler.get_scale() < MIN_LOSS_SCALE
+    return scaling is None or scaling[0] < MIN_LOSS_SCALE or scaling[0] <= scaling[1]
+
+
+def step_or_skip(cfg: Config, job: TrainingJob, grad_norm: float) -> bool:
+    """The non-finite policy, then the optimizer step: a broken gradient stops the run with a checkpoint (at once
+    with train.on_nonfinite=stop, else after train.max_nonfinite_steps in a row, or when DeepSpeed's loss scale is
+    at its floor: the engine would raise at its next overflow); a non-finite one is skipped with a warning.
+    Returns whether the gradient was finite (the window's loss is logged only then)."""
+    state, scaling = job.state, loss_scaling(job.accelerator, job.optimizer)
+    finite, bad = math.isfinite(grad_norm), nonfinite_step(grad_norm, scaling)
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
+    floored = bad and scaling is not None and scaling[0] <= scaling[1]
+    if bad and (cfg.train.on_nonfinite == "stop" or floored
+                or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
+        raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(job.accelerator, cfg, state))
+    if not finite:
+        state.skipped_steps += 1
+        job.run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
+                         + (f"(fp16 loss scale {scaling[0]:g}) " if scaling is not None else "")
+                         + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
+    if finite or scaling is not None:
+        # fp16: the scaler skips a non-finite step itself, and lowers its scale. Under DeepSpeed this does nothing:
+        # the engine stepped (or skipped) in the window's last backward.
+        job.optimizer.step()
+    return finite
 
 
 def judge(cfg: Config, job: TrainingJob, results: dict) -> bool:
@@ -142,15 +179,73 @@ def loss_and_logged(model, batch: dict, task: str, job: TrainingJob) -> tuple[to
     return loss, loss.detach()[None]
 
 
+@dataclass
+class LossSums:
+    """This rank's summed target losses (and dpo's pair metrics) since the last log, and their targets over all
+    ranks."""
+
+    names: tuple[str, ...]
+    sums: torch.Tensor
+    targets: int = 0
+
+    @classmethod
+    def start(cls, task: str, device) -> "LossSums":
+        names = ("loss", *dpo.METRICS) if task == "dpo" else ("loss",)
+        return cls(names, torch.zeros(len(names), device=device))
+
+    def add(self, window_sums: torch.Tensor, targets: int) -> None:
+        self.sums += window_sums
+        self.targets += targets
+
+    def means(self, accelerator) -> dict:
+        """The means since the last log over every rank (one collective, on every rank); the sums start again."""
+        sums = accelerator.reduce(self.sums, reduction="sum").tolist()
+        means = {k: s / self.targets if self.targets else math.nan  # nan: only skipped steps
+                 for k, s in zip(self.names, sums)}
+        self.sums.zero_()
+        self.targets = 0
+        return means
+
+
+def log_training(job: TrainingJob, since_log: LossSums, lr: float, grad_norm: float) -> dict:
+    """The training record of this step (metrics.jsonl, trackers, console): the means since the last log."""
+    state, accelerator = job.state, job.accelerator
+    record = {"step": state.step, "epoch": state.epoch, **since_log.means(accelerator), "lr": lr,
+              "grad_norm": float(grad_norm), **job.run_log.throughput(),
+              "memory_mb": current_memory_mb(accelerator.device)}
+    job.run_log.log(record)
+    return record
+
+
+def evaluate_and_judge(cfg: Config, job: TrainingJob) -> tuple[dict, str | None]:
+    """An evaluation during training, logged and judged: (its results, "early_stopping" when patience has run out,
+    a normal end after this step on every rank, else None)."""
+    state = job.state
+    evaluation = run_evaluation(cfg, job)
+    job.run_log.log({"step": state.step, "epoch": state.epoch, **evaluation})
+    if not judge(cfg, job, evaluation):
+        return evaluation, None
+    main_logger().info(
+        f"early stopping after step {state.step}: {cfg.eval.metric_for_best} has not improved on "
+        f"{state.best_metric:.6g} (step {state.best_step}) by more than "
+        f"{cfg.train.early_stopping_threshold:g} (train.early_stopping_threshold) for "
+        f"{state.evals_without_improvement} evaluations (train.early_stopping_patience)")
+    return evaluation, "early_stopping"
+
+
+def empty_pass(cfg: Config) -> ConfigError:
+    """A whole pass over the training data gave no step: reading it again would never end."""
+    return ConfigError(f"data: a whole pass over the training {'stream' if cfg.data.streaming else 'data'} gave "
+                       f"no batch: no sample keeps a target token after truncation to "
+                       f"data.max_length={cfg.data.max_length}; raise it, or check data.path={cfg.data.path}")
+
+
 def fit(cfg: Config, job: TrainingJob) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
     accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
     last, evaluation, stopped = {}, {}, None
-    # This rank's summed target losses (and dpo's pair metrics) since the last log; their targets over all ranks.
-    logged = ("loss", *dpo.METRICS) if task == "dpo" else ("loss",)
-    rank_sums = torch.zeros(len(logged), device=accelerator.device)
-    targets_since_log = 0
+    since_log = LossSums.start(task, accelerator.device)
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: send_to_device(
         job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
@@ -170,16 +265,13 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
                 if state.step_in_epoch == 0:  # and it gave no step: reading it again would never end
-                    raise ConfigError(
-                        f"data: a whole pass over the training {'stream' if cfg.data.streaming else 'data'} gave "
-                        f"no batch: no sample keeps a target token after truncation to "
-                        f"data.max_length={cfg.data.max_length}; raise it, or check data.path={cfg.data.path}")
+                    raise empty_pass(cfg)
                 break
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
             # effective batch.
             scale = accelerator.num_processes * accum / targets
-            window_sums = torch.zeros_like(rank_sums)
+            window_sums = torch.zeros_like(since_log.sums)
             for i in range(n_micro):
                 poison = faults.inject(state.step + 1, i, rank)
                 # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
@@ -197,48 +289,23 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
-            finite, scaler = math.isfinite(grad_norm), accelerator.scaler
-            bad = nonfinite_step(grad_norm, scaler)
-            state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
-            if bad and (cfg.train.on_nonfinite == "stop" or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
-                raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(accelerator, cfg, state))
             lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
-            if not finite:
-                state.skipped_steps += 1
-                run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
-                             + (f"(fp16 loss scale {scaler.get_scale():g}) " if scaler is not None else "")
-                             + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
-            if finite or scaler is not None:
-                optimizer.step()  # fp16: the scaler skips a non-finite step itself, and lowers its scale
+            finite = step_or_skip(cfg, job, grad_norm)
             if finite:
-                rank_sums += window_sums
-                targets_since_log += targets
-            job.scheduler.step()  # once per optimizer step, skipped or not: the rate follows state.step
+                since_log.add(window_sums, targets)
+            # once per optimizer step, skipped or not: the rate follows state.step. Under DeepSpeed too: accelerate
+            # gives the engine only DeepSpeed's own schedule types, so it neither steps nor skips this one.
+            job.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
             run_log.step(real_tokens, computed_tokens, n_rows)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
-                sums = accelerator.reduce(rank_sums, reduction="sum").tolist()  # one collective, on every rank
-                means = {k: s / targets_since_log if targets_since_log else math.nan  # nan: only skipped steps
-                         for k, s in zip(logged, sums)}
-                last = {"step": state.step, "epoch": state.epoch, **means, "lr": lr, "grad_norm": float(grad_norm),
-                        **run_log.throughput(), "memory_mb": current_memory_mb(accelerator.device)}
-                run_log.log(last)
-                rank_sums.zero_()
-                targets_since_log = 0
+                last = log_training(job, since_log, lr, grad_norm)  # a collective, on every rank
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
-                evaluation = run_evaluation(cfg, job)
-                run_log.log({"step": state.step, "epoch": state.epoch, **evaluation})
-                if judge(cfg, job, evaluation):  # a normal end, after this step on every rank
-                    stopped = "early_stopping"
-                    main_logger().info(
-                        f"early stopping after step {state.step}: {cfg.eval.metric_for_best} has not improved on "
-                        f"{state.best_metric:.6g} (step {state.best_step}) by more than "
-                        f"{cfg.train.early_stopping_threshold:g} (train.early_stopping_threshold) for "
-                        f"{state.evals_without_improvement} evaluations (train.early_stopping_patience)")
+                evaluation, stopped = evaluate_and_judge(cfg, job)
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
                 save_checkpoint(accelerator, cfg, state)
         else:

@@ -151,6 +151,15 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
                           f"{', '.join(linear)} (or use [all-linear])") from None
 
 
+def whole_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape, whole: ZeRO-3 leaves each rank an empty tensor, and the shape in ds_shape."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def numel(p: torch.nn.Parameter) -> int:
+    return whole_shape(p).numel()
+
+
 def attention_size(model: torch.nn.Module) -> int:
     """layers x heads x head_dim, from the model's config: attention's FLOPs per token are proportional to it
     and to the sequence width."""
@@ -162,7 +171,7 @@ def attention_size(model: torch.nn.Module) -> int:
 def attention_cost(model: torch.nn.Module) -> float:
     """Attention's FLOPs per token and per unit of sequence width, relative to the linear layers' FLOPs per token
     (QK^T and AV: 4 x width x heads x head_dim per layer; linear layers: 2 x their weights), for the packer."""
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear = sum(numel(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
     return 4 * attention_size(model) / (2 * linear)
 
 
@@ -174,8 +183,8 @@ def matmul_parameters(model: torch.nn.Module) -> tuple[int, int]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = {id(head.weight)} if head is not None else set()
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - tied
-    weights = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in looked_up]
-    return sum(p.numel() for p in weights), sum(p.numel() for p in weights if p.requires_grad)
+    weights = [p for p in model.parameters() if len(whole_shape(p)) >= 2 and id(p) not in looked_up]
+    return sum(map(numel, weights)), sum(numel(p) for p in weights if p.requires_grad)
 
 
 @torch.no_grad()
@@ -200,8 +209,8 @@ def check_packing(model: torch.nn.Module) -> None:
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    return trainable, sum(map(numel, model.parameters()))
 
 
 def load_trained(path, auto_cls, **kw):

@@ -28,7 +28,8 @@ from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import (Preemption, hardware, keep_until_exit, local_main_process_first,
-                              make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main)
+                              make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main,
+                              whole_model, zero3)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, setup_generation, stopping_config
 from accel_train.loop import TrainingJob, fit
@@ -149,7 +150,9 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
     base = Path(cfg.output_dir) / BASE_MODEL
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
-    model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None, device=accelerator.device)
+    with whole_model(accelerator):  # ZeRO-3 shards it in accelerator.prepare
+        model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None,
+                            device=accelerator.device)
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
     model = apply_lora(cfg, model)
@@ -210,7 +213,13 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
-    head = loss_head(model) if cfg.task == "causal_lm" else None
+    head = loss_head(model) if cfg.task == "causal_lm" and not zero3(accelerator) else None
+    if cfg.task == "causal_lm" and zero3(accelerator):
+        # The chunked loss recomputes the head chunk by chunk in the backward pass (checkpointed), where ZeRO-3's
+        # hooks have released its weight, and gathering it there (deepspeed.zero.GatheredParameters) does not
+        # hold it until the recompute is checked: full logits, a batch x length x vocabulary tensor.
+        main_logger().info("ZeRO-3: the loss is computed from full logits (the chunked loss head needs the "
+                           "head's weight in the backward pass, where ZeRO-3 has released it)")
     # dpo: the reference is this model (its adapter disabled) or a frozen copy of its initial weights
     preference = dpo.PreferenceLoss(cfg, model, accelerator) if cfg.task == "dpo" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -265,8 +274,8 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
         # Gather the adapter's shards only (a collective per tensor): get_state_dict would gather the whole
         # model, frozen base included, into rank 0's memory.
         state = trainable_state(accelerator.unwrap_model(model, keep_torch_compile=False))
-    else:  # a collective under FSDP/DeepSpeed: every rank must call it
-        state = {plain_name(k): v for k, v in accelerator.get_state_dict(model).items()}
+    else:  # a collective under FSDP/DeepSpeed: every rank must call it (ZeRO-3 returns the weights on rank 0 only)
+        state = {plain_name(k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         if cfg.lora.enabled:

@@ -1,6 +1,7 @@
 """Every machine users have, checked from this CPU: the CPU config beside GPUs, CPUs without native bf16 (the
-capability probe faked), fp16's loss scaler with a loss that stays broken, accumulation under DeepSpeed, QLoRA
-refused off GPUs, torch.compile's parameter names, and the prepared GPU check (its plan and its verdicts)."""
+capability probe faked), fp16's loss scaler (and DeepSpeed's) with a loss that stays broken, accumulation under
+DeepSpeed, QLoRA refused off GPUs, torch.compile's parameter names, and the prepared GPU check (its plan and its
+verdicts)."""
 
 from __future__ import annotations
 
@@ -65,22 +66,54 @@ def test_bf16_launch_config_on_a_cpu_without_bf16_trains_in_fp32(tmp_out):
     assert [r["step"] for r in read_metrics(tmp_out)[0]] == [1, 2, 3, 4]
 
 
-class FakeScaler:
-    def __init__(self, scale):
-        self.scale = scale
-
-    def get_scale(self):
-        return self.scale
-
-
 def test_nonfinite_policy_under_fp16_loss_scaling():
     from accel_train.loop import nonfinite_step
 
-    assert not nonfinite_step(3.0, None) and not nonfinite_step(3.0, FakeScaler(0.5))
+    native = lambda scale: (scale, 0.0)  # noqa: E731 (loop.loss_scaling: torch's scaler has no floor)
+    assert not nonfinite_step(3.0, None) and not nonfinite_step(3.0, native(0.5))
     assert nonfinite_step(float("nan"), None) and nonfinite_step(float("inf"), None)
     # fp16: overflows while the scale calibrates down from 2^16 are expected; below 1 they are the gradient's own
-    assert not nonfinite_step(float("inf"), FakeScaler(2.0**16))
-    assert nonfinite_step(float("inf"), FakeScaler(0.5))
+    assert not nonfinite_step(float("inf"), native(2.0**16))
+    assert nonfinite_step(float("inf"), native(0.5))
+
+
+def test_nonfinite_policy_under_deepspeed_fp16_stops_before_the_engine_raises(monkeypatch):
+    """DeepSpeed's fp16 (no GPU here to run it): accelerate has no scaler; the engine's norm is inf on an overflow, it
+    skips the step and lowers its own scale (DeepSpeed's DynamicLossScaler, driven here as the engine drives it),
+    down to min_loss_scale, and raises at the next overflow there. The loop skips the calibrating overflows and
+    stops with its checkpoint (exit 3) at the floor, before the engine's exception."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16 import loss_scaler as ds_scaler
+    from accelerate.utils import DistributedType
+
+    from accel_train import loop
+    from accel_train.checkpoint import NonFiniteError, TrainState
+
+    monkeypatch.setattr(ds_scaler.dist, "get_rank", lambda: 0)  # its overflow log line asks for the rank
+    monkeypatch.setattr(loop, "save_checkpoint", lambda *a: "checkpoints/step-0")
+    engine_scaler = ds_scaler.DynamicLossScaler(init_scale=2.0**4, scale_window=1000, min_scale=1, delayed_shift=2,
+                                                consecutive_hysteresis=False)
+    stepped = []
+    optimizer = SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=engine_scaler), step=lambda: stepped.append(1))
+    accelerator = SimpleNamespace(scaler=None, distributed_type=DistributedType.DEEPSPEED, mixed_precision="fp16")
+    warned = []
+    job = SimpleNamespace(accelerator=accelerator, optimizer=optimizer, state=TrainState(),
+                          run_log=SimpleNamespace(warn=warned.append))
+    cfg = load_config(None, ["train.on_nonfinite=skip", "train.max_nonfinite_steps=3"])
+    overflows = 0
+    with pytest.raises(NonFiniteError):
+        while True:
+            engine_scaler.update_scale(True)  # the engine, in the window's last backward: an overflow
+            overflows += 1
+            loop.step_or_skip(cfg, job, float("inf"))
+            job.state.step += 1
+    # 16 -> 8 -> 4 -> 2 -> 1, hysteresis 2: the 5th overflow leaves the scale at its floor, where the 6th would raise
+    assert overflows == 5 and engine_scaler.cur_scale == 1
+    with pytest.raises(Exception, match="loss scale already at minimum"):
+        engine_scaler.update_scale(True)
+    assert job.state.skipped_steps == 4 and "(fp16 loss scale 2)" in warned[-1]
+    assert loop.step_or_skip(cfg, job, 0.5) and job.state.nonfinite_in_a_row == 0  # a finite step: taken
 
 
 def test_a_loss_that_stays_broken_stops_with_the_last_good_state(tmp_out):

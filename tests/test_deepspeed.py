@@ -1,0 +1,91 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 (configs/accelerate/cpu_deepspeed_zero*.yaml) train the tiny LoRA run as DDP does,
+step for step, on 2 CPU processes (DeepSpeed's CPU accelerator, gloo); ZeRO-3 saves the adapter gathered on rank 0
+(rank 1 gets no state dict), and resumes exactly from a checkpoint after a crash in the middle of a window.
+
+As in test_fsdp.py, the DeepSpeed runs use 1 sample x 2 micro-batches per rank where the DDP reference uses 2 x 1:
+DeepSpeed's own accumulation (its boundary is accelerate's sync_gradients) is exercised too.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import accelerate_launch, read_metrics
+from safetensors.torch import load_file
+from test_launch import eval_loss_from_saved
+from test_topology import TOPOLOGIES, overrides
+
+pytest.importorskip("deepspeed")
+
+# The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
+pytestmark = [pytest.mark.xdist_group("topology"), pytest.mark.long]
+
+DS_ARGS = TOPOLOGIES["D"][1] + ["checkpoint.save_every=5"]
+# Crash before the 2nd micro-batch of step 8: the last checkpoint is step 5, steps 6-7 are lost, 8 is half done.
+CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=8,micro=1,rank=0"}
+STAGES = {"zero2": "cpu_deepspeed_zero2.yaml", "zero3": "cpu_deepspeed_zero3.yaml"}
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory, ddp_reference) -> dict:
+    runs = {}
+    for stage, config in STAGES.items():
+        out = tmp_path_factory.mktemp(stage) / "run"
+        proc = accelerate_launch(config, *overrides(ddp_reference["data"], out), *DS_ARGS)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = proc.stdout + proc.stderr
+        assert "2 process(es) on cpu (DEEPSPEED)" in log
+        assert "0 of 0 parameters" not in log and "Traceback" not in log
+        assert "shm_comm" not in log  # not built: dist.skip_deepspeed_shm_op (minutes of C++ on a fresh machine)
+        runs[stage] = out
+    return runs
+
+
+def adapter(out):
+    return load_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def test_deepspeed_trains_as_ddp(ds_runs, ddp_reference):
+    want, ref_weights = ddp_reference["train"], adapter(ddp_reference["out"])
+    table = {}
+    for stage, out in ds_runs.items():
+        got, evals = read_metrics(out)
+        assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 13))
+        for a, b in zip(got, want):  # fp32; ZeRO reduces gradients in buckets, in another order than DDP's
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), f"{stage} step {a['step']}"
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), f"{stage} step {a['step']}"
+            assert a["lr"] == pytest.approx(b["lr"], rel=1e-9), f"{stage} step {a['step']}"
+        assert evals[-1]["eval_loss"] == pytest.approx(ddp_reference["eval"]["eval_loss"], rel=1e-5), stage
+        mine = adapter(out)
+        assert mine.keys() == ref_weights.keys() and all("lora_" in key for key in mine), stage
+        for key in ref_weights:  # ZeRO-3: gathered from the shards on rank 0, whole tensors
+            assert mine[key].shape == ref_weights[key].shape, key
+            assert (mine[key] - ref_weights[key]).norm() <= 1e-5 * ref_weights[key].norm(), f"{stage} {key}"
+        table[stage] = {
+            "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want)),
+            "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got, want)),
+            "lr": max(abs(a["lr"] - b["lr"]) for a, b in zip(got, want)),
+            "eval_loss": abs(evals[-1]["eval_loss"] - ddp_reference["eval"]["eval_loss"]),
+            "adapter": max(float((mine[k] - ref_weights[k]).abs().max()) for k in ref_weights)}
+    print("max |DeepSpeed - DDP| over 12 steps:", *(f"{s}: " + ", ".join(f"{k} {v:.2g}" for k, v in row.items())
+                                                   for s, row in table.items()), sep="\n  ")
+
+
+def test_zero3_final_save_loads_as_the_run_evaluated_it(ds_runs):
+    out = ds_runs["zero3"]
+    assert eval_loss_from_saved(out) == pytest.approx(read_metrics(out)[1][-1]["eval_loss"], rel=1e-5)
+
+
+def test_zero3_resumes_exactly_after_a_crash_mid_window(tmp_path, ds_runs, ddp_reference):
+    out = tmp_path / "run"
+    args = [*overrides(ddp_reference["data"], out), *DS_ARGS]
+    crashed = accelerate_launch(STAGES["zero3"], *args, env=CRASH)
+    assert crashed.returncode != 0
+    assert (out / "checkpoints" / "step-5" / "COMPLETE").is_file()
+    resumed = accelerate_launch(STAGES["zero3"], *args, "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 5, epoch 0, 5 steps into the epoch" in resumed.stdout + resumed.stderr
+    got, want = read_metrics(out)[0], read_metrics(ds_runs["zero3"])[0]
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
+    mine, ref = adapter(out), adapter(ds_runs["zero3"])
+    assert all((mine[key] == ref[key]).all() for key in ref)
