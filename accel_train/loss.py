@@ -1,7 +1,7 @@
 """Cross-entropy of a causal LM without its full logits (batch x length x vocabulary, 0.6 GB in fp32 for 1,024
 tokens of a 152k vocabulary): computed from the final hidden states at the target positions only (prompt and
 padding carry no loss), in chunks of target tokens, fp32 inside a chunk only, and recomputed chunk by chunk in the
-backward pass, so no more than one chunk's logits is ever held.
+backward pass (all but the last), so no more than one chunk's logits is ever held.
 
 How the hidden states are reached: for the duration of one model call, the output head's forward is replaced by
 one that computes the loss (`LossHead.computing`). The loss is thus computed inside the prepared model's forward:
@@ -37,13 +37,16 @@ def _chunk_sum(head_forward, hidden: torch.Tensor, targets: torch.Tensor) -> tor
 
 def summed_target_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """Sum over the targets of the next-token cross-entropy. `hidden` (B, T, H): final hidden states; `labels`
-    (B, T), unshifted. Each chunk is checkpointed: its logits are freed after its loss and recomputed in backward."""
+    (B, T), unshifted. Each chunk but the last is checkpointed: its logits are freed after its loss and recomputed
+    in backward. The last one's are kept: the backward pass starts with them, so no more than one chunk's logits is
+    held at once either way, and its head is not run twice (one chunk holds every target of a batch of up to 8,192
+    tokens at an 8k vocabulary: there the head then runs once forward, as in a plain loop)."""
     _, hidden, targets = _targets(hidden, labels)
-    total = 0
+    total, n = 0, max(len(targets), 1)
     # An empty batch still calls the head once (on no rows): DDP expects a gradient for each of its parameters.
-    for i in range(0, max(len(targets), 1), chunk):
-        total = total + checkpoint(_chunk_sum, head_forward, hidden[i:i + chunk], targets[i:i + chunk],
-                                   use_reentrant=False)
+    for i in range(0, n, chunk):
+        args = (head_forward, hidden[i:i + chunk], targets[i:i + chunk])
+        total = total + (_chunk_sum(*args) if i + chunk >= n else checkpoint(_chunk_sum, *args, use_reentrant=False))
     return total
 
 

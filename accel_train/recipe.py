@@ -27,7 +27,7 @@ from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
-from accel_train.dist import (Preemption, hardware, keep_until_exit, local_main_process_first,
+from accel_train.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
                               make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main,
                               whole_model, zero3)
 from accel_train.export import merge_adapter
@@ -38,8 +38,8 @@ from accel_train.metrics import load_metrics
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.preflight import RUN_MARKER, make_output_dir
-from accel_train.tracking import (RunLog, configure_console, main_logger, measure_peak_flops, truncate_log,
-                                  write_summary)
+from accel_train.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
+                                  reset_peak_memory, truncate_log, write_summary)
 
 
 def run(cfg: Config, resume: Path | None) -> dict:
@@ -242,10 +242,16 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
                 truncate_log(out / log, state.step)
             set_aside_later(out, state.step)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    peak = measure_peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
     unwrapped = accelerator.unwrap_model(model)
     model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
-    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peak)
+    # MFU's denominator: every rank measures at once (on a CPU each its share of the cores, as they train; on GPUs
+    # each its device), with the model's matmul shapes (ZeRO-3 keeps a shard's real shape in ds_shape); the peak
+    # memory then starts over, so that the probe's matrices are not counted in it.
+    wait_for_main(accelerator)
+    dims = matmul_dims([tuple(getattr(p, "ds_shape", p.shape)) for p in unwrapped.parameters()])
+    peaks = gather_setup(accelerator, measure_peak_flops(accelerator.device, dtype, inner_dims=dims))
+    reset_peak_memory(accelerator.device)
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peaks)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
                        run_log, Preemption(), head, preference=preference)
 

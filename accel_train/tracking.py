@@ -120,21 +120,35 @@ def flops_per_token(n_matmul: int, n_trainable: int, attention_size: int, width:
     return 4 * n_matmul + 2 * n_trainable + 12 * attention_size * width
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.1) -> float:
-    """FLOP/s of a square matmul at the training precision on this device: the denominator of MFU.
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.1,
+                       inner_dims: tuple[int, ...] = ()) -> float:
+    """FLOP/s of this device at the training precision: the denominator of MFU. The best of a square matmul and,
+    for each of `inner_dims` (the model's: `matmul_dims`), a matmul with that inner dimension, each the fastest of
+    repeated products: a training step's matmuls (a 512-wide model's 151,936 x 512 head) can run faster than any
+    one square size, and MFU against a peak below them would exceed 1.
 
-    Bounded in time whatever the hardware does (the main process measures while the other ranks wait in their
-    first collective, and an emulated bf16 matmul runs at under 1 GFLOP/s on CPUs without native bf16): the size
-    doubles from 256 only while one product (after a warm-up one) takes under a thirty-second of `seconds` (the
-    next takes 8 times longer), up to where the peak is reached (CPU bf16: 0.9 TFLOP/s at 1024, 1.9 at 2048).
-    Its own generator: no rank's random stream moves. 0.1 s gives the peak 0.3 s gave (within 4% on an EPYC CPU,
-    1 and 2 threads, bf16 and fp32) in 0.15 s instead of 0.35; the benchmark takes 1 s."""
+    Bounded in time whatever the hardware does (an emulated bf16 matmul runs at under 1 GFLOP/s on CPUs without
+    native bf16): the outer size doubles from 256 only while one product (after a warm-up one) takes under a
+    thirty-second of `seconds` (the next takes 4 to 8 times longer), up to where the peak is reached (CPU bf16:
+    0.9 TFLOP/s at 1024, 1.9 at 2048); then `seconds` of products per shape. Its own generator: no rank's random
+    stream moves. 0.1 s gives the peak 0.3 s gave (within 4% on an EPYC CPU, 1 and 2 threads, bf16 and fp32);
+    the benchmark takes 1 s. Every rank measures at once (recipe.prepare): on a CPU each gets its share of the
+    cores, as in training."""
     import torch
 
     generator = torch.Generator(device=device).manual_seed(0)
+    return max(_fastest_matmul(device, dtype, seconds, k, generator) for k in (None, *inner_dims))
+
+
+def _fastest_matmul(device, dtype, seconds: float, inner: int | None, generator) -> float:
+    """FLOP/s of the fastest (n x inner) @ (inner x n) product (square: inner None) at the n the time allows."""
+    import torch
+
     limit, n = (8192 if device.type == "cuda" else 2048), 256
     while True:
-        a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=generator) for _ in range(2))
+        k = inner or n
+        a = torch.randn(n, k, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(k, n, device=device, dtype=dtype, generator=generator)
         for _ in range(2):  # the first product at a size also creates its kernel: time the second
             start = time.perf_counter()
             a @ b
@@ -152,7 +166,22 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
         if device.type == "cuda":
             torch.cuda.synchronize()
         fastest = min(fastest, time.perf_counter() - t0)
-    return 2 * n**3 / fastest
+    return 2 * n * n * k / fastest
+
+
+def matmul_dims(shapes: list[tuple[int, ...]], most: int = 8192) -> tuple[int, ...]:
+    """The inner dimensions of a model's matmuls, from its 2-D weights' shapes (out x in): `in` forward, `out` in
+    the backward through the activations. LoRA's rank (under 64) and dimensions over `most` (a vocabulary, as an
+    inner dimension only in the head's backward; the square probe stands for it) are left out."""
+    return tuple(sorted({d for shape in shapes if len(shape) == 2 for d in shape if 64 <= d <= most}))
+
+
+def mfu(achieved_flops: float, peak_flops: float) -> float | None:
+    """Achieved over peak FLOP/s; None (unknown) without a peak or above 1: the probe then measured low (a busy
+    CPU, a shape it missed), and the figure would flatter, not measure."""
+    if not peak_flops or achieved_flops > peak_flops:
+        return None
+    return achieved_flops / peak_flops
 
 
 def current_memory_mb(device: torch.device) -> float:
@@ -164,18 +193,37 @@ def current_memory_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+PROC_STATUS = Path("/proc/self/status")  # Linux: VmHWM, the peak resident set that reset_peak_memory starts over
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """The most memory in use at once: allocated tensors on a GPU, the process's peak resident set on a CPU."""
+    """The most memory in use at once since the process started or since reset_peak_memory: allocated tensors on
+    a GPU, the peak resident set on a CPU."""
     if device.type == "cuda":
         import torch
 
         return torch.cuda.max_memory_allocated(device) / 2**20
     if sys.platform == "win32":  # no getrusage there
         return psutil.Process().memory_info().peak_wset / 2**20
+    if PROC_STATUS.exists():  # ru_maxrss cannot be reset, and it keeps the peak an exiting thread saw
+        return next(int(line.split()[1]) for line in PROC_STATUS.read_text().splitlines()
+                    if line.startswith("VmHWM:")) / 2**10
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # macOS reports bytes, Linux (and BSDs) KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over from the memory in use now, once the model and the data are set up and before the
+    first step: every contender of the benchmark resets here, so that the peak it reports is training's and not
+    the MFU probe's (ours) or a set-up spike. Where the platform cannot (macOS, Windows), the peak since start."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    elif PROC_STATUS.exists():
+        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: VmHWM := the current resident set
 
 
 class RunLog:
@@ -183,10 +231,11 @@ class RunLog:
     survives a crash) and the trackers. On other ranks every method does nothing."""
 
     def __init__(self, accelerator, cfg: Config, total_steps: int, start_step: int,
-                 model_flops: tuple[int, int, int] = (0, 0, 0), peak_flops: float = 0.0):
+                 model_flops: tuple[int, int, int] = (0, 0, 0), peak_flops: list[float] = ()):
         self.accelerator, self.main = accelerator, accelerator.is_main_process
-        # (matmul weights, trainable ones, attention size): flops_per_token's first three arguments
-        self.model_flops, self.peak_flops = model_flops, peak_flops
+        # (matmul weights, trainable ones, attention size): flops_per_token's first three arguments; every rank's
+        # measured peak FLOP/s (measure_peak_flops): MFU divides all ranks' tokens by their sum
+        self.model_flops, self.peak_flops = model_flops, list(peak_flops)
         self.file = open(Path(cfg.output_dir) / "metrics.jsonl", "a") if self.main else None
         # A bar only on a terminal or in Jupyter; in CI logs and files the log lines are the progress (one per log
         # step). Text, not tqdm.auto's widget: notebook_launcher's processes cannot draw one.
@@ -207,12 +256,9 @@ class RunLog:
         self.n_logged = 0  # steps up to the last throughput()
 
     def mfu(self, tokens_per_sec: float, width: float) -> float | None:
-        """Model FLOPs utilisation: achieved matmul FLOP/s over the measured peak (main process only), for real
-        tokens in rows `width` tokens wide on average."""
-        if not self.peak_flops:
-            return None
-        mfu = flops_per_token(*self.model_flops, width) * tokens_per_sec / self.peak_flops
-        return mfu if mfu <= 1 else None  # above 1: the peak was measured low (a busy CPU), not a real utilisation
+        """Model FLOPs utilisation: achieved matmul FLOP/s over the peak of every rank that did the work, for real
+        tokens (all ranks') in rows `width` tokens wide on average."""
+        return mfu(flops_per_token(*self.model_flops, width) * tokens_per_sec, sum(self.peak_flops))
 
     def step(self, real_tokens: int, computed_tokens: int, rows: int) -> None:
         """One optimizer step ended: its duration, tokens and rows (over all ranks) go to steps.json at the end."""
@@ -236,7 +282,8 @@ class RunLog:
             return {"train_tokens": 0}
         seconds, real, computed, _ = zip(*self.steps)
         return {"train_tokens": sum(real), "step_seconds_median": round(statistics.median(seconds), 5),
-                "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4)}
+                "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4),
+                "peak_flops": [round(p) for p in self.peak_flops]}
 
     def log(self, record: dict) -> None:
         if not self.main:
@@ -303,6 +350,7 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
         "step_seconds_median": results.get("step_seconds_median"),
         "padding_efficiency": results.get("padding_efficiency"),
+        "peak_flops": results.get("peak_flops"),  # per process, measured at start: MFU's denominator is their sum
         "peak_memory_mb": round(peak_memory_mb(device), 1),
         "saved": str(target), "plot": str(out / "loss.png"), "metrics": str(out / "metrics.jsonl"),
     }

@@ -16,8 +16,10 @@ MB = 2**20
 
 
 @pytest.mark.parametrize("platform, ru_maxrss", [("linux", 300 * 1024), ("darwin", 300 * MB)])
-def test_peak_memory_units_per_platform(monkeypatch, platform, ru_maxrss):
+def test_peak_memory_units_per_platform(monkeypatch, tmp_path, platform, ru_maxrss):
+    """Without /proc (macOS, BSDs, a Linux without procfs): ru_maxrss."""
     monkeypatch.setattr(tracking.sys, "platform", platform)
+    monkeypatch.setattr(tracking, "PROC_STATUS", tmp_path / "no-proc")
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=ru_maxrss))
     assert tracking.peak_memory_mb(CPU) == pytest.approx(300.0)
 
@@ -27,6 +29,21 @@ def test_peak_memory_on_windows_reads_the_peak_working_set(monkeypatch):
     fake = SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=100 * MB, peak_wset=300 * MB))
     monkeypatch.setattr(tracking.psutil, "Process", lambda: fake)
     assert tracking.peak_memory_mb(CPU) == pytest.approx(300.0)
+
+
+def test_reset_peak_memory_forgets_what_was_freed_before():
+    """What recipe.prepare's MFU probe (and a set-up spike) allocated and freed before training does not count in
+    the run's peak memory, as in the benchmark's other contenders, which reset at the same point."""
+    spike = bytearray(b"\x01") * (200 * MB)  # written, so resident
+    del spike
+    assert tracking.peak_memory_mb(CPU) > tracking.current_memory_mb(CPU) + 150
+    tracking.reset_peak_memory(CPU)
+    assert tracking.peak_memory_mb(CPU) < tracking.current_memory_mb(CPU) + 50
+
+
+def test_mfu_above_the_measured_peak_is_unknown():
+    assert tracking.mfu(5e9, 1e10) == 0.5
+    assert tracking.mfu(1.1e10, 1e10) is None and tracking.mfu(5e9, 0.0) is None
 
 
 def test_current_memory_is_this_process_resident_set():
