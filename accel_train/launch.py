@@ -75,8 +75,9 @@ def main(argv: list[str], check) -> int:
     starts, and the start line follows (each rank runs the checks again, under the launcher's environment)."""
     checked = None
     if not {"-h", "--help"} & set(argv):
+        early = early_args(argv)
         try:
-            cfg, checked = check(early_args(argv)), early_args(argv)
+            cfg, checked = check(early), early
             announce(cfg)
         except ConfigError:
             pass  # decided on accelerate's split below
