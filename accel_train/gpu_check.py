@@ -11,6 +11,8 @@ DIR/gpu_check.md report what passed, what failed and what could not run (a packa
                          peak memory (torch.cuda.max_memory_allocated)
     fp16_broken_loss     an fp16 run whose loss stays NaN stops (exit 3) instead of skipping steps forever
     deepspeed_zero2/3    1 process, accumulation 2: the per-step losses of the plain 1-GPU run (bf16: within 2%)
+    deepspeed_fp16       the same ZeRO-2 run in fp16: the engine's loss scale calibrates (steps skipped with a
+                         warning naming the scale, which never rises), every other step's loss is finite, it learns
     fsdp2                1 process: the same comparison
     qlora_4bit           LoRA on a 4-bit base trains; its adapter loads on the bf16 base
     bench_0.5b           python -m accel_train.bench --size 0.5b: ours vs transformers.Trainer vs a bare loop
@@ -26,6 +28,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,7 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 ACCEL = REPO / "configs" / "accelerate"
 BF16_RTOL = 0.02  # bf16 autocast: a few ulps of 2^-8 per op, summed over a short run
 ORDER = ["quickstart_1gpu", "quickstart_cpu", "lora_bf16", "lora_fp16", "fp16_broken_loss", "deepspeed_zero2",
-         "deepspeed_zero3", "fsdp2", "qlora_4bit", "bench_0.5b"]
+         "deepspeed_zero3", "deepspeed_fp16", "fsdp2", "qlora_4bit", "bench_0.5b"]
+# loop.step_or_skip's warning for a step skipped while the fp16 loss scale calibrates
+SKIPPED = re.compile(r"step (\d+): non-finite gradient norm, step skipped \(fp16 loss scale ([0-9.e+]+)\)")
 
 
 @dataclass
@@ -52,6 +57,10 @@ class Check:
         starts = [i for i, part in enumerate(self.cmd)
                   if part == "accel_train" or part.endswith("accel_train/train.py")]
         return self.cmd[starts[0] + 1:] if starts else []
+
+    def arg(self, key: str) -> str:
+        """The value of an accel_train `key=value` argument of the command."""
+        return next(a.split("=", 1)[1] for a in self.args() if a.startswith(f"{key}="))
 
 
 def launch(config: str, *args, procs: int | None = None) -> list[str]:
@@ -74,6 +83,7 @@ def plan(out: Path) -> list[Check]:
              "data.eval_fraction=0", "data.max_length=512", "train.per_device_batch_size=4", "train.grad_accum_steps=2",
              "train.max_steps=20", "train.warmup_steps=2", "train.lr=1e-3", "train.log_every=1",
              "train.mixed_precision=bf16", *quiet]
+    fp16 = [*(a for a in small if not a.startswith("train.mixed_precision")), "train.mixed_precision=fp16"]
     qlora = [f"model.name_or_path={out / 'pretrained-25m'}", "model.quantization=4bit", "model.dtype=bfloat16",
              *[a for a in small if not a.startswith(("model.name_or_path", "model.random_init"))]]
 
@@ -90,6 +100,7 @@ def plan(out: Path) -> list[Check]:
         run("reference_1gpu", lambda *a: launch("1gpu.yaml", *a), *small),
         run("deepspeed_zero2", lambda *a: launch("deepspeed_zero2.yaml", *a, procs=1), *small, needs=["deepspeed"]),
         run("deepspeed_zero3", lambda *a: launch("deepspeed_zero3.yaml", *a, procs=1), *small, needs=["deepspeed"]),
+        run("deepspeed_fp16", lambda *a: launch("deepspeed_zero2.yaml", *a, procs=1), *fp16, needs=["deepspeed"]),
         run("fsdp2", lambda *a: launch("fsdp2.yaml", *a, procs=1), *small),
         run("qlora_4bit", python_m, *qlora, needs=["bitsandbytes"]),
         Check("bench_0.5b", [sys.executable, "-m", "accel_train.bench", "--size", "0.5b", "--no-scaling",
@@ -161,6 +172,8 @@ def judge(check: Check, proc: subprocess.CompletedProcess, results: dict) -> dic
         diff = max_relative_difference(losses(check.out), reference.get("losses", []))
         figures["max_rel_loss_diff_vs_1gpu"] = diff
         ok = diff <= BF16_RTOL
+    elif name == "deepspeed_fp16":
+        ok, figures = fp16_policy(check, log, figures)
     elif name == "qlora_4bit":
         ok, figures["adapter_on_bf16_base"] = adapter_loads_on_bf16_base(check.out)
     elif name == "bench_0.5b":
@@ -172,6 +185,23 @@ def judge(check: Check, proc: subprocess.CompletedProcess, results: dict) -> dic
     if name == "reference_1gpu":
         result["losses"] = losses(check.out)
     return result
+
+
+def fp16_policy(check: Check, log: str, figures: dict) -> tuple[bool, dict]:
+    """fp16 under DeepSpeed, every step logged: the steps whose loss is not finite are exactly those skipped with
+    loop.step_or_skip's warning, each naming the engine's loss scale (never rising: it halves on overflows while it
+    calibrates), most steps trained, and the last loss below the first."""
+    records = [json.loads(line) for line in (check.out / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r["loss"] for r in records if "loss" in r}
+    skips = {int(step): float(scale) for step, scale in SKIPPED.findall(log)}
+    trained = [loss for loss in steps.values() if math.isfinite(loss)]
+    scales = [skips[step] for step in sorted(skips)]
+    ok = (sorted(steps) == list(range(1, int(check.arg("train.max_steps")) + 1))
+          and {step for step, loss in steps.items() if not math.isfinite(loss)} == set(skips)
+          and all(a >= b for a, b in zip(scales, scales[1:])) and len(trained) >= len(steps) / 2
+          and trained[-1] < trained[0])
+    return ok, {**figures, "skipped_steps": len(skips), "loss_scales_at_skips": scales,
+                "first_loss": trained[0] if trained else None, "last_loss": trained[-1] if trained else None}
 
 
 def adapter_loads_on_bf16_base(run_dir: Path) -> tuple[bool, str]:

@@ -9,6 +9,13 @@ accelerate's autocast applies to it, DDP's forward and FSDP's hooks run as for a
 conversion of the outputs converts a scalar instead of the logits (accelerate 1.15 has no option to skip it). The
 head itself is called, not its weight read: under LoRA it may be a peft layer. A model whose logits are more than
 its head's output (Gemma 2's soft-capping, Cohere's logit scale) fails `loss_head`'s check and keeps full logits.
+
+Under DeepSpeed ZeRO-3 the head's weight is whole only while the head module runs: its hooks gather it for the
+module's forward and again for the module's backward (DeepSpeed's pre-backward hook on the module's output), and
+release it after each. A checkpointed chunk, recomputed by a second call of the module, would have its weight
+released under it; `HeadLoss` instead computes every chunk in the head's forward and recomputes them in the head's
+backward, calling the head's own forward (no module call, no hooks). That needs a head without trainable weights
+(LoRA's usual case); a trained one keeps full logits (recipe.choose_loss_head).
 """
 
 from __future__ import annotations
@@ -50,6 +57,37 @@ def summed_target_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor,
     return total
 
 
+class HeadLoss(torch.autograd.Function):
+    """summed_target_loss of a frozen head whose weight is whole only in its module's forward and backward (ZeRO-3):
+    the forward keeps no graph, only the target rows (N, H) and their targets; the backward recomputes each chunk's
+    logits to return the rows' gradient. Nothing in either is a collective: the weight is gathered by DeepSpeed's
+    hooks around the head module, once per forward and once per backward on every rank, whatever the rank's number
+    of targets (none included)."""
+
+    @staticmethod
+    def forward(ctx, head_forward, rows: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        device = rows.device.type
+        ctx.head_forward, ctx.chunk = head_forward, chunk
+        # the backward pass runs outside the model call: under the forward's autocast again (as torch.amp.custom_bwd)
+        ctx.autocast = device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+        ctx.save_for_backward(rows, targets)
+        total = rows.new_zeros((), dtype=torch.float32)
+        for i in range(0, len(targets), chunk):  # autograd.Function runs its forward without a graph
+            total = total + _chunk_sum(head_forward, rows[i:i + chunk], targets[i:i + chunk])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, targets = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        grads = [rows.new_zeros((0, *rows.shape[1:]))]
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            for i in range(0, len(targets), ctx.chunk):
+                part = rows[i:i + ctx.chunk].detach().requires_grad_()
+                grads += torch.autograd.grad(_chunk_sum(ctx.head_forward, part, targets[i:i + ctx.chunk]), part, grad)
+        return None, torch.cat(grads), None, None
+
+
 @torch.no_grad()
 def target_losses_and_preds(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +109,12 @@ def target_losses_and_preds(head_forward, hidden: torch.Tensor, labels: torch.Te
 class LossHead:
     """A causal LM's output head, made to return the loss instead of the logits during one model call."""
 
-    def __init__(self, head: torch.nn.Module, vocab_size: int, chunk: int | None = None):
+    def __init__(self, head: torch.nn.Module, vocab_size: int, chunk: int | None = None, sharded: bool = False):
         self.head = head
         self.chunk = chunk or max(1, CHUNK_BYTES // (4 * vocab_size))
         """Target tokens per chunk."""
+        self.sharded = sharded
+        """ZeRO-3 (a frozen head): the training loss is HeadLoss, recomputed in the head's backward."""
 
     @contextmanager
     def computing(self, labels: torch.Tensor, evaluation: bool = False):
@@ -88,6 +128,9 @@ class LossHead:
             return original(hidden) if inside[0] else self.head(hidden)
 
         def forward(hidden):
+            if not evaluation and self.sharded:
+                _, rows, targets = _targets(hidden, labels)
+                return HeadLoss.apply(original, rows, targets, self.chunk)
             if not evaluation:
                 return summed_target_loss(call_head, hidden, labels, self.chunk)
             token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)
@@ -105,9 +148,10 @@ class LossHead:
 
 
 @torch.no_grad()
-def loss_head(model: torch.nn.Module) -> LossHead | None:
-    """The model's output head as a LossHead, or None (full logits) when the model's loss is not its head's
-    cross-entropy alone: one forward of 8 tokens, chunked (3 targets per chunk) against full logits."""
+def loss_head(model: torch.nn.Module, sharded: bool = False) -> LossHead | None:
+    """The model's output head as a LossHead (`sharded`: for ZeRO-3, the head frozen), or None (full logits) when
+    the model's loss is not its head's cross-entropy alone: one forward of 8 tokens, chunked (3 targets per chunk)
+    against full logits."""
     head = model.get_output_embeddings()
     if head is None:
         return None
@@ -121,10 +165,10 @@ def loss_head(model: torch.nn.Module) -> LossHead | None:
     logits = model(input_ids=ids, use_cache=False).logits
     full = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
     try:
-        with LossHead(head, vocab, chunk=3).computing(labels):
+        with LossHead(head, vocab, chunk=3, sharded=sharded).computing(labels):
             chunked = model(input_ids=ids, use_cache=False).logits
         same = chunked.shape == () and torch.allclose(chunked.float(), full, rtol=1e-4, atol=1e-4)
     except (RuntimeError, ValueError, TypeError, AttributeError):  # the model did more with the head's output
         same = False
     model.train(was_training)
-    return LossHead(head, vocab) if same else None
+    return LossHead(head, vocab, sharded=sharded) if same else None

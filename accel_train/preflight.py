@@ -55,12 +55,18 @@ def launcher_asks(variable: str) -> bool:
 def check_sharded(cfg: Config) -> None:
     """Sharded parameters (an FSDP or DeepSpeed launch): generate() would need every rank in lock-step
     (synced_gpus), and a checkpoint's weights are accelerate's sharded files. Neither is done here: say so before
-    any rank loads anything, rather than hang or fail at the end."""
+    any rank loads anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's
+    zero3_init_flag)."""
     for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
         for key, on in (("eval.generate=true", cfg.eval.generate), ("save.final=best", cfg.save.final == "best")):
             if on and launcher_asks(variable):
                 raise ConfigError(f"{key} is not supported under {kind} (sharded parameters); use DDP "
                                   "(configs/accelerate/2gpu.yaml) or turn it off")
+    if launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        # transformers would build the model sharded (deepspeed.zero.Init), where the forwards before prepare fail
+        raise ConfigError("zero3_init_flag: true is not supported: the model is built whole on each process and "
+                          "sharded by accelerator.prepare, after forwards of the whole model (model.check_packing, "
+                          "loss.loss_head); set zero3_init_flag: false in the accelerate config")
 
 
 # Files that hold a model's weights (transformers' names, sharded or not): a folder without any is a config only.

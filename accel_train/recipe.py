@@ -213,13 +213,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
-    head = loss_head(model) if cfg.task == "causal_lm" and not zero3(accelerator) else None
-    if cfg.task == "causal_lm" and zero3(accelerator):
-        # The chunked loss recomputes the head chunk by chunk in the backward pass (checkpointed), where ZeRO-3's
-        # hooks have released its weight, and gathering it there (deepspeed.zero.GatheredParameters) does not
-        # hold it until the recompute is checked: full logits, a batch x length x vocabulary tensor.
-        main_logger().info("ZeRO-3: the loss is computed from full logits (the chunked loss head needs the "
-                           "head's weight in the backward pass, where ZeRO-3 has released it)")
+    head = choose_loss_head(model, zero3(accelerator)) if cfg.task == "causal_lm" else None
     # dpo: the reference is this model (its adapter disabled) or a frozen copy of its initial weights
     preference = dpo.PreferenceLoss(cfg, model, accelerator) if cfg.task == "dpo" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -254,6 +248,18 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peaks)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
                        run_log, Preemption(), head, preference=preference)
+
+
+def choose_loss_head(model, sharded: bool):
+    """The causal-LM loss in chunks from the hidden states (loss.loss_head), or None: full logits. Under ZeRO-3
+    (`sharded`) the chunks are recomputed in the head's backward (loss.HeadLoss), which gives no gradient to the
+    head's own weights: a trained head (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits."""
+    head = model.get_output_embeddings()
+    if sharded and head is not None and any(p.requires_grad for p in head.parameters()):
+        main_logger().info("ZeRO-3 with a trained output head: the loss is computed from full logits (batch x "
+                           "length x vocabulary); the chunked loss needs a frozen head under ZeRO-3")
+        return None
+    return loss_head(model, sharded=sharded)
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:

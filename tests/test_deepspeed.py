@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (configs/accelerate/cpu_deepspeed_zero*.yaml) train the tiny LoRA run as DDP does,
-step for step, on 2 CPU processes (DeepSpeed's CPU accelerator, gloo); ZeRO-3 saves the adapter gathered on rank 0
-(rank 1 gets no state dict), and resumes exactly from a checkpoint after a crash in the middle of a window.
+step for step, on 2 CPU processes (DeepSpeed's CPU accelerator, gloo), both with the chunked loss (under ZeRO-3
+loss.HeadLoss, recomputed in the head's backward); ZeRO-3 saves the adapter gathered on rank 0 (rank 1 gets no state
+dict), and resumes exactly from a checkpoint after a crash in the middle of a window.
 
 As in test_fsdp.py, the DeepSpeed runs use 1 sample x 2 micro-batches per rank where the DDP reference uses 2 x 1:
 DeepSpeed's own accumulation (its boundary is accelerate's sync_gradients) is exercised too.
@@ -36,6 +37,8 @@ def ds_runs(tmp_path_factory, ddp_reference) -> dict:
         assert "2 process(es) on cpu (DEEPSPEED)" in log
         assert "0 of 0 parameters" not in log and "Traceback" not in log
         assert "shm_comm" not in log  # not built: dist.skip_deepspeed_shm_op (minutes of C++ on a fresh machine)
+        # the chunked loss under ZeRO-3 too (loss.HeadLoss: the LoRA run's head is frozen), not full logits
+        assert "full logits" not in log
         runs[stage] = out
     return runs
 

@@ -75,3 +75,22 @@ def test_deepspeed_gets_our_batch_accumulation_and_clipping(name):
         configure_deepspeed(plugin.deepspeed_config, load_config(None, ["train.max_grad_norm=0.5"]))
     assert str(refused.value) == ("the DeepSpeed config sets gradient_clipping=1.0 but train.max_grad_norm=0.5: set "
                                   "one to the other, or gradient_clipping to auto")
+
+
+def test_zero3_init_flag_is_refused_in_one_line(tmp_path):
+    """zero3_init_flag: true would build the model sharded, before the forwards of the whole model that precede
+    accelerator.prepare: refused before any rank loads anything, with what to set instead."""
+    from accel_train.config import ConfigError
+    from accel_train.preflight import check_sharded
+
+    path = tmp_path / "zero3_init.yaml"
+    path.write_text((ACCEL_CONFIGS / "deepspeed_zero3.yaml").read_text().replace("zero3_init_flag: false",
+                                                                                 "zero3_init_flag: true"))
+    env = launch_environment(path)
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+    with patch_environment(**env), pytest.raises(ConfigError) as refused:
+        check_sharded(Config())
+    assert str(refused.value).startswith("zero3_init_flag: true is not supported: the model is built whole")
+    assert str(refused.value).endswith("set zero3_init_flag: false in the accelerate config")
+    with patch_environment(**launch_environment(ACCEL_CONFIGS / "deepspeed_zero3.yaml")):
+        check_sharded(Config())  # the shipped config: the flag off

@@ -58,12 +58,14 @@ def loss_and_grads(model, batch: dict, head) -> tuple[torch.Tensor, dict]:
 
 
 @pytest.mark.parametrize("layout", list(BATCHES))
-@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "lm_head"]])  # the head a peft layer too
-def test_chunked_loss_and_lora_gradients_equal_full_logits(layout, targets):
+@pytest.mark.parametrize("targets, sharded", [("all-linear", False),
+                                              (["q_proj", "v_proj", "lm_head"], False),  # the head a peft layer too
+                                              ("all-linear", True)])  # ZeRO-3's HeadLoss (frozen head)
+def test_chunked_loss_and_lora_gradients_equal_full_logits(layout, targets, sharded):
     rng = random.Random(0)
     batch = BATCHES[layout]([sample(n, rng) for n in [30, 4, 11, 19, 2, 25]])
     model = lora_model(targets)
-    head = loss_head(model)
+    head = loss_head(model, sharded=sharded)
     assert head is not None and head.chunk > 100  # the model is accepted; its chunks hold every target here
     head.chunk = 7  # many chunks, the last one short
     full_loss, full_grads = loss_and_grads(model, batch, None)
@@ -100,11 +102,53 @@ def test_no_full_vocabulary_logits_are_kept_for_backward():
     batch = padded([sample(n, rng) for n in [60, 50, 40, 64]])
     targets = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     model = lora_model("all-linear")
-    head = loss_head(model)
-    head.chunk = 16
+    head, sharded = loss_head(model), loss_head(model, sharded=True)
+    head.chunk = sharded.chunk = 16
     assert logits_kept_for_backward(model, batch, None) >= targets * VOCAB  # the full path keeps softmaxed logits
     # the last chunk's kept, the others recomputed chunk by chunk
     assert 0 < logits_kept_for_backward(model, batch, head) <= head.chunk * VOCAB
+    assert logits_kept_for_backward(model, batch, sharded) == 0  # ZeRO-3's HeadLoss: every chunk recomputed
+
+
+def test_zero3_head_loss_needs_no_module_call_in_backward_and_a_trained_head_keeps_full_logits(caplog):
+    """ZeRO-3 as its hooks treat a frozen head: the weight whole only in the module's forward and in its backward
+    (gathered by a hook on the module's output, released by one on its input's gradient). HeadLoss gives the
+    gradients of full logits there; a trained head under ZeRO-3 gets full logits, with the line that says so."""
+    from accelerate import PartialState
+
+    from accel_train.recipe import choose_loss_head
+
+    PartialState(cpu=True)
+    rng = random.Random(2)
+    batch = padded([sample(n, rng) for n in [30, 4, 11, 19]])
+    model = lora_model("all-linear")
+    full_loss, full_grads = loss_and_grads(model, batch, None)
+    lm_head = model.get_output_embeddings()
+    whole = lm_head.weight.data
+    gather, release = (lambda *_: setattr(lm_head.weight, "data", whole),
+                       lambda *_: setattr(lm_head.weight, "data", whole.new_empty(0)))
+
+    def gather_for_backward(module, inputs, output):
+        if output.requires_grad:
+            output.register_hook(gather)
+            inputs[0].register_hook(release)
+
+    lm_head.register_forward_pre_hook(gather)
+    lm_head.register_forward_hook(gather_for_backward)
+    lm_head.register_forward_hook(release)
+    with caplog.at_level("INFO"):
+        head = choose_loss_head(model, sharded=True)
+    head.chunk = 7
+    assert head.sharded and "full logits" not in caplog.text
+    loss, grads = loss_and_grads(model, batch, head)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=0)
+    for name, grad in full_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-5 * grad.norm(), name
+    assert lm_head.weight.numel() == 0  # released after the backward, as ZeRO-3 leaves it
+
+    with caplog.at_level("INFO"):
+        assert choose_loss_head(lora_model(["q_proj", "v_proj", "lm_head"]), sharded=True) is None
+    assert "ZeRO-3 with a trained output head: the loss is computed from full logits" in caplog.text
 
 
 def test_a_model_whose_logits_are_more_than_its_head_keeps_full_logits():

@@ -6,6 +6,7 @@ verdicts)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -197,7 +198,8 @@ def test_gpu_check_plan_is_complete_and_every_run_is_a_valid_configuration(tmp_p
     configs = {c.name: c.cmd[c.cmd.index("--config_file") + 1] for c in checks if "--config_file" in c.cmd}
     assert {k: v.rsplit("/", 1)[-1] for k, v in configs.items()} == {
         "quickstart_1gpu": "1gpu.yaml", "quickstart_cpu": "cpu_2proc.yaml", "reference_1gpu": "1gpu.yaml",
-        "deepspeed_zero2": "deepspeed_zero2.yaml", "deepspeed_zero3": "deepspeed_zero3.yaml", "fsdp2": "fsdp2.yaml"}
+        "deepspeed_zero2": "deepspeed_zero2.yaml", "deepspeed_zero3": "deepspeed_zero3.yaml",
+        "deepspeed_fp16": "deepspeed_zero2.yaml", "fsdp2": "fsdp2.yaml"}
     proc = python_m("--out", tmp_path, "--dry-run", "--only", "fsdp2", module="accel_train.gpu_check")
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2  # the comparison brings its reference
 
@@ -213,7 +215,7 @@ def test_gpu_check_verdicts(tmp_path):
         out = checks[name].out
         out.mkdir(parents=True)
         (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": x, "mfu": 0.3}) + "\n"
-                                                   for i, x in enumerate(losses)))
+                                                   for i, x in enumerate(losses, 1)))
         return subprocess.CompletedProcess([], 0, "", "")
 
     results = {"reference_1gpu": judge(checks["reference_1gpu"], fake_run("reference_1gpu", [2.0, 1.5]), {})}
@@ -226,3 +228,13 @@ def test_gpu_check_verdicts(tmp_path):
     assert "boom" in results["qlora_4bit"]["log_tail"]
     table = report(results, tmp_path, 12.0)
     assert "| fsdp2 | pass |" in table and json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+
+    # DeepSpeed fp16: steps skipped while the engine's loss scale calibrates, each with loop.step_or_skip's warning
+    fp16 = checks["deepspeed_fp16"]
+    losses = [math.nan, math.nan, *(3.0 - 0.1 * i for i in range(18))]
+    fake_run("deepspeed_fp16", losses)
+    warned = "".join(f"step {s}: non-finite gradient norm, step skipped (fp16 loss scale {x:g}) (0 in a row, {s} "
+                     f"in all)\n" for s, x in ((1, 65536), (2, 32768)))
+    verdict = judge(fp16, subprocess.CompletedProcess([], 0, "", warned), {})
+    assert verdict["status"] == "pass" and verdict["loss_scales_at_skips"] == [65536.0, 32768.0]
+    assert judge(fp16, subprocess.CompletedProcess([], 0, "", warned.split("\n")[0]), {})["status"] == "fail"
