@@ -86,19 +86,12 @@ def crashed(tmp_path_factory):
     return copy
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt2") / "A2"
-    proc = launch(2, *BASE, *TWO, f"output_dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 @pytest.mark.xdist_group("crashed")
 @pytest.mark.parametrize("procs, topo, resume_arg", [pytest.param(1, ONE, "path", id="1proc"),
                                                      pytest.param(2, TWO, "latest", id="2proc", marks=pytest.mark.long)])
-def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, request, crashed, procs, topo, resume_arg):
-    reference = request.getfixturevalue("uninterrupted" if procs == 1 else "uninterrupted_two")
+def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, uninterrupted, crashed, procs, topo, resume_arg):
+    """Against the uninterrupted 1-process run: to 1e-6 on 1 process, to 1e-5 on 2 (the reduction of 2 ranks'
+    gradients rounds otherwise: test_topology.py), as the resumes on another number of processes below."""
     out = crashed(procs, topo, tmp_path / "B")
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-3", "step-6"]
     saved = load_file(out / "checkpoints" / "step-6" / "model.safetensors")
@@ -108,7 +101,7 @@ def test_crash_mid_accumulation_then_resume_is_exact(tmp_path, request, crashed,
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr and "step 6, epoch 0, 6 steps into the epoch" in (
         resumed.stdout + resumed.stderr)
-    assert_same_run(out, reference, rel=1e-6)
+    assert_same_run(out, uninterrupted, rel=1e-6 if procs == 1 else 1e-5)
 
 
 def test_full_fine_tuning_saves_a_model_and_resumes_exactly(tmp_path):
@@ -158,7 +151,8 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint(tmp_path, uninterrupted)
     # rank 1 was signalled during step 5; both ranks stop after it, together, at the next step's collective
     assert log.count("accel_train: stopped by SIGTERM; checkpoint saved:") == 1  # one rank says it
     assert (out / "checkpoints" / "step-5" / "COMPLETE").is_file()
-    resumed = launch(2, *BASE, *TWO, f"output_dir={out}", "resume_from=latest")
+    # resumed on 1 process, the same effective batch: the 2 ranks' checkpoint is whole (to 1e-5, as on 2)
+    resumed = launch(1, *BASE, *TWO_AS_ONE, f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(out, uninterrupted, rel=1e-5)
 

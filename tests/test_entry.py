@@ -115,19 +115,18 @@ def test_notebook_launcher_reports_the_exit_status(tmp_out):
     assert BAD_KEY_ERROR in proc.stderr and "exit code 2" in proc.stderr
 
 
-@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_module_entry_under_launchers(tmp_out, launcher):
-    """`accelerate launch -m accel_train` and `torchrun -m accel_train`: one 2-rank group, the same loop."""
-    port = str(free_port())
-    if launcher == "accelerate":
-        head = [BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml",
-                "--main_process_port", port]
-    else:
-        head = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", port]
-    proc = run([*head, "-m", "accel_train", f"output_dir={tmp_out}", "train.max_steps=3", "train.log_every=1",
-                "train.dist_timeout_s=60"])
+def test_module_entry_under_accelerate_launch_with_the_gpu_config_on_a_cpu_machine(tmp_out):
+    """`accelerate launch -m accel_train` (torchrun -m: test_launch.py), here with the 2-GPU config: on a machine
+    without GPUs it forms one 2-rank CPU (gloo) group, never two separate trainings."""
+    import torch
+
+    config = "cpu_2proc.yaml" if torch.cuda.is_available() else "2gpu.yaml"  # with GPUs, 2gpu.yaml runs on them
+    proc = run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / config, "--main_process_port",
+                str(free_port()), "-m", "accel_train", f"output_dir={tmp_out}", "train.max_steps=3",
+                "train.log_every=1", "train.debug_collectives=true", "train.dist_timeout_s=60"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es) on cpu" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
     train, evals = read_metrics(tmp_out)
     assert [r["step"] for r in train] == [1, 2, 3] and evals[-1]["eval_samples"] == 300
     assert (tmp_out / "adapter" / "adapter_model.safetensors").is_file()

@@ -11,14 +11,17 @@ import time
 
 import psutil
 import pytest
-from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, free_port, read_metrics,
-                      said)
+from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, free_port, python_m,
+                      read_metrics, said)
 
 pytestmark = pytest.mark.faults
 
 RUN = ["data.builtin_size=200", "train.per_device_batch_size=8", "train.max_steps=12", "train.log_every=1",
        "checkpoint.save_every=3", "track.log_with=[]", "train.dist_timeout_s=30"]
 BOUND_S = 60  # the guarantee: never the ten-minute collective timeout
+# A resume of RUN's checkpoints on 1 process, the same effective batch (2 x 8): what is tested is that the
+# checkpoint the fault left is whole (resuming on another number of processes: test_checkpoint.py).
+ON_ONE = ["train.per_device_batch_size=8", "train.grad_accum_steps=2"]
 
 
 def timed(fn, *args, **kw):
@@ -134,7 +137,7 @@ def test_one_rank_killed_mid_step(tmp_path):
                                  "continue from its latest complete checkpoint with resume_from=latest"]
     assert "Traceback" not in proc.stderr
     assert complete(out) == [3, 6]
-    resumed = accelerate_launch("cpu_2proc.yaml", *RUN, f"output_dir={out}", "resume_from=latest")
+    resumed = python_m(*RUN, *ON_ONE, f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_metrics(out)[0][-1]["step"] == 12
 
@@ -148,7 +151,7 @@ def test_checkpoint_write_failure_keeps_the_previous_one(tmp_path):
     assert "No space left on device (injected while writing the checkpoint of step 6)" in proc.stderr
     assert complete(out) == [3]  # step-6 exists, half written, without its marker
     assert (out / "checkpoints" / "step-6").is_dir()
-    resumed = accelerate_launch("cpu_2proc.yaml", *RUN, f"output_dir={out}", "resume_from=latest")
+    resumed = python_m(*RUN, *ON_ONE, f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step-3" in resumed.stderr
     assert complete(out) == [9, 12]

@@ -2,9 +2,10 @@
 "machine", rendezvous over TCP at machine 0's address and train as one 2-rank group, with the same per-step
 losses as 2 processes on one machine (configs/accelerate/2node.yaml, as the README tells users to launch it).
 
-The machines are the launchers on one host over loopback (always run), and the same launchers in two network
-namespaces joined by a veth pair, so that the group can only form over a network link between "hosts"
-(needs the rights to create namespaces: root; skipped otherwise).
+The machines are the launchers in two network namespaces joined by a veth pair, so that the group can only form
+over a network link between "hosts" (needs the rights to create namespaces: root); where namespaces cannot be
+created, the same launchers on one host over loopback. One launch either way: the second would prove nothing the
+first does not.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from test_topology import TOPOLOGIES, overrides
 # The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
 pytestmark = pytest.mark.xdist_group("topology")
 
-TIMEOUT_S = 60  # a passing run takes 10-20 s on 2 shared cores
+TIMEOUT_S = 240  # a hang guard, not a speed bound: a passing run takes 10-20 s on 2 idle cores, over 60 s beside other runs
 
 
 def launch_two_machines(tmp_path, args, address: str, namespaces=(None, None), env=None) -> list[str]:
@@ -75,21 +76,18 @@ def check_same_as_one_machine(out, reference, logs):
         assert (mine[key] - ref[key]).norm() <= 1e-5 * ref[key].norm(), key
 
 
-def test_two_machines_over_loopback(tmp_path, ddp_reference):
-    out = tmp_path / "run"
-    args = overrides(ddp_reference["data"], out) + TOPOLOGIES["C"][1]
-    logs = launch_two_machines(tmp_path, args, "127.0.0.1")
-    check_same_as_one_machine(out, ddp_reference, logs)
-
-
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces, each with one end of a veth pair named `veth8` (as two hosts each have an
-    eth0) and an address in 10.213.8.0/24; removed afterwards. Skips where namespaces cannot be created."""
+    """(namespaces, machine 0's address, environment): two network namespaces, each with one end of a veth pair
+    named `veth8` (as two hosts each have an eth0) and an address in 10.213.8.0/24, removed afterwards; where
+    namespaces cannot be created, no namespaces and loopback (said in the test's output)."""
     names = [f"at8-{uuid.uuid4().hex[:8]}-{i}" for i in (0, 1)]
     made = subprocess.run(["ip", "netns", "add", names[0]], capture_output=True, text=True) if shutil.which("ip") else None
     if made is None or made.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {made.stderr.strip() if made else 'no ip command'}")
+        print(f"cannot create network namespaces here ({made.stderr.strip() if made else 'no ip command'}): "
+              "the two machines run over loopback")
+        yield (None, None), "127.0.0.1", {}
+        return
     try:
         for cmd in (["ip", "netns", "add", names[1]],
                     ["ip", "link", "add", "veth8", "netns", names[0], "type", "veth", "peer", "veth8", "netns", names[1]],
@@ -98,17 +96,18 @@ def two_hosts():
                         ["ip", "-n", ns, "link", "set", "veth8", "up"],
                         ["ip", "-n", ns, "link", "set", "lo", "up"]))):
             subprocess.run(cmd, check=True, capture_output=True)
-        yield names, "10.213.8.1"
+        yield names, "10.213.8.1", {"GLOO_SOCKET_IFNAME": "veth8"}
     finally:
         for ns in names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth pair along
 
 
-def test_two_machines_in_network_namespaces(tmp_path, ddp_reference, two_hosts):
-    namespaces, address = two_hosts
+def test_two_machines(tmp_path, ddp_reference, two_hosts):
+    namespaces, address, env = two_hosts
     out = tmp_path / "run"
     args = overrides(ddp_reference["data"], out) + TOPOLOGIES["C"][1]
-    # gloo picks its interface from the host name, which resolves to nothing inside the namespaces; on real
-    # machines with several networks the same variable chooses the one the ranks share (README).
-    logs = launch_two_machines(tmp_path, args, address, namespaces, env={"GLOO_SOCKET_IFNAME": "veth8"})
+    # In the namespaces gloo picks its interface from the host name, which resolves to nothing there
+    # (GLOO_SOCKET_IFNAME); on real machines with several networks the same variable chooses the one the ranks
+    # share (README).
+    logs = launch_two_machines(tmp_path, args, address, namespaces, env=env)
     check_same_as_one_machine(out, ddp_reference, logs)
