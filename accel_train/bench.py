@@ -1,6 +1,6 @@
-"""Throughput benchmark: this toolkit's real entry vs transformers.Trainer vs a bare PyTorch loop, same job.
+"""Throughput benchmark: this toolkit's real entry vs transformers.Trainer, TRL's SFTTrainer and a bare PyTorch loop.
 
-    python -m accel_train.bench --quick                 # < 3 min on 2 CPU cores
+    python -m accel_train.bench --quick                 # ~4 min on 2 CPU cores
     python -m accel_train.bench --out bench.json        # the 25M-parameter default, both workloads
     python -m accel_train.bench --size 0.5b             # on a GPU
     python -m accel_train.bench --size large-vocab --batch 4 --steps 4 --warmup 1 --workloads fixed --no-scaling
@@ -17,17 +17,30 @@ tokenized samples:
   trainer  `transformers.Trainer` as its docs set up this job: dynamic padding, bf16 where the hardware has it;
            on `cls` also with train_sampling_strategy="group_by_length" (transformers 4's group_by_length=True),
            the anchor of cls' target (ours_vs_trainer_grouped_cls);
+  trl      TRL's `SFTTrainer` (when trl is installed; causal LM only), on ours' tokenized rows as they are (TRL
+           then skips its own tokenization and keeps their labels: the loss on the response tokens only, as ours),
+           its default chunked loss, gradient checkpointing off and bf16 as ours (SFTConfig defaults both on); on
+           `skewed`, where ours packs each batch's samples into rows, with padding_free=True (TRL's way to compute
+           no padding: the whole batch in one row; ours picks its rows' width by cost), on `fixed` padded (nothing
+           to pad). Its shuffle is accelerate's seeded one, as ours': the same batches (checked step by step);
   bare     a plain PyTorch loop, no Accelerate, on the same batches as `ours` (checked step by step), with the loss
            from full logits; causal LM only (not run on `cls`).
-Warm-up steps are excluded; step times are medians; tokens are real (non-padding) tokens. MFU divides model
-FLOPs per token x tokens/s by the peak of the devices that did the work: the best of repeated matmuls at the same
-precision, square and with the model's inner dimensions, measured here before any contender starts (on GPUs
-times the processes); n/a where the figure would exceed 1 (the probe measured low). Peak memory is measured alike
-in every contender's process, from just before its first step (tracking.reset_peak_memory; ours' own MFU probe
-runs before that): its peak resident set on a CPU, torch.cuda.max_memory_allocated on a GPU
-(tracking.peak_memory_mb). Scaling: 2 processes' tokens/s over 1 process's, and per device (over 2): the target is
-on the first on a CPU (both use the same cores), on the second on GPUs. With --repeat N each contender runs N times, interleaved, and the table and ratios
-give medians (each run's figures are in the JSON). Results: a Markdown table on stdout and a JSON file (--out).
+Warm-up steps are excluded; step times are medians; tokens are real (non-padding) tokens. Measured: --steps steps
+after the warm-up, except where the batches are grouped by length (ours and Trainer +group_by_length on `cls`):
+there one epoch of steps after the warm-up. A grouped order is not a random sample of the data: Trainer's sampler
+(transformers' get_length_grouped_indices) sorts each group of 50 batches longest first and swaps the epoch's
+longest sample into the first batch, so its first steps are its longest rows (more tokens per second), while ours
+puts each group's steps in a random order. Over an epoch both train on the same samples, but for the epoch's first warm-up
+steps, which the next epoch's first steps replace (the ratio measured_tokens_ours_vs_trainer_grouped_cls shows how
+close). MFU divides model FLOPs per token x tokens/s by the peak of the devices that did the work: the best of
+repeated matmuls at the same precision, square and with the model's inner dimensions, measured here before any
+contender starts (on GPUs times the processes); n/a where the figure would exceed 1 (the probe measured low). Peak
+memory is measured alike in every contender's process, from just before its first step
+(tracking.reset_peak_memory; ours' own MFU probe runs before that): its peak resident set on a CPU,
+torch.cuda.max_memory_allocated on a GPU (tracking.peak_memory_mb). Scaling: 2 processes' tokens/s over 1
+process's, and per device (over 2): the target is on the first on a CPU (both use the same cores), on the second
+on GPUs. With --repeat N each contender runs N times, interleaved, and the table and ratios give medians (each
+run's figures are in the JSON). Results: a Markdown table on stdout and a JSON file (--out).
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
                         num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True),
 }
 WORKLOADS = ("skewed", "fixed", "cls")
+CONTENDERS = ("ours", "trainer", "bare", "trl")
+TRL_OPTIONS = {"skewed": ["padding_free"], "fixed": []}  # where ours packs rows of varied samples: no padding
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
 TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
@@ -80,15 +95,17 @@ def targets(cuda: bool) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accel_train.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small model, short sequences, few steps (< 3 min on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true", help="small model, short sequences, few steps (~4 min on 2 CPU cores)")
     p.add_argument("--size", choices=SIZES, help="model size (default 25m; small with --quick)")
     p.add_argument("--workloads", default="skewed,fixed,cls", help="comma-separated: skewed, fixed, cls")
-    p.add_argument("--contenders", default="ours,trainer,bare", help="comma-separated: ours, trainer, bare")
+    p.add_argument("--contenders", default=",".join(CONTENDERS[:3] + (("trl",) if _has_trl() else ())),
+                   help="comma-separated: ours, trainer, bare, trl (default: all, trl where it is installed)")
     p.add_argument("--batch", type=int, help="samples per optimizer step (default 16; 8 with --quick)")
     p.add_argument("--max-len", type=int, help="longest sequence in tokens (default 1024; 256 with --quick)")
     p.add_argument("--fixed-len", type=int, help="tokens per `fixed` sample (default max_len/4; max_len with "
                                                  "--size large-vocab)")
-    p.add_argument("--steps", type=int, help="measured steps (default 12; 16 with --quick)")
+    p.add_argument("--steps", type=int, help="measured steps (default 12; 16 with --quick); one epoch where the "
+                                             "batches are grouped by length (cls)")
     p.add_argument("--warmup", type=int, help="steps run before measuring (default 3)")
     p.add_argument("--repeat", type=int, default=1, help="runs per contender, interleaved; medians are reported")
     p.add_argument("--precision", choices=["auto", "bf16", "no"], default="auto",
@@ -99,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench.json", help="JSON results file")
     p.add_argument("--workdir", help="keep models, data and runs here (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child", choices=["trainer", "bare"], help=argparse.SUPPRESS)  # internal: run one contender
+    p.add_argument("--child", choices=CONTENDERS[1:], help=argparse.SUPPRESS)  # internal: run one contender
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
@@ -110,10 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workloads, args.contenders = args.workloads.split(","), args.contenders.split(",")
     if args.fixed_len is None:
         args.fixed_len = args.max_len if args.size == "large-vocab" else args.max_len // 4
-    bad = [w for w in args.workloads if w not in WORKLOADS] + [
-        c for c in args.contenders if c not in ("ours", "trainer", "bare")]
+    bad = [w for w in args.workloads if w not in WORKLOADS] + [c for c in args.contenders if c not in CONTENDERS]
     if bad:
         p.error(f"unknown workload/contender: {', '.join(bad)}")
+    if "trl" in args.contenders and not args.child and not _has_trl():
+        p.error("the trl contender needs TRL: pip install trl")
     if args.max_len < 16 or not 16 <= args.fixed_len <= args.max_len:
         p.error("--max-len must be >= 16, and --fixed-len between 16 and --max-len")
     if args.repeat < 1:
@@ -144,11 +162,8 @@ def write_workload(args, wd: Path) -> None:
                 **SIZES[args.size]).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(model_dir)
     rng = random.Random(args.seed)
-    n = args.batch * (args.warmup + args.steps + 1)
     for workload in args.workloads:
-        # cls: enough samples for length grouping to work as it does on real data. Trainer's sampler sorts groups
-        # of min(50, samples / (4 x batch)) batches, ours groups of 50 steps: both 50 from 200 batches on.
-        count = max(n, 200 * args.batch) if workload == "cls" else n
+        count = cls_samples(args) if workload == "cls" else args.batch * (args.warmup + args.steps + 1)
         with open(wd / f"{workload}.jsonl", "w") as f:
             for length in sample_lengths(workload, count, args.max_len, rng, args.fixed_len):
                 if workload == "cls":
@@ -161,9 +176,21 @@ def write_workload(args, wd: Path) -> None:
                 f.write(json.dumps({"prompt": text[:prompt], "response": text[prompt:]}) + "\n")
 
 
-def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: str) -> list[str]:
+def cls_samples(args) -> int:
+    """cls: enough samples for length grouping to work as it does on real data. Trainer's sampler sorts groups of
+    min(50, samples / (4 x batch)) batches, ours groups of 50 steps: both 50 from 200 batches on."""
+    return max(args.batch * (args.warmup + args.steps + 1), 200 * args.batch)
+
+
+def measured_steps(args, workload: str, grouped: bool) -> int:
+    """--steps, or one epoch where the batches are grouped by length (module docstring): the measured window then
+    holds the same samples for every grouped contender, whatever order each puts its groups' batches in."""
+    return math.ceil(cls_samples(args) / args.batch) if grouped and workload == "cls" else args.steps
+
+
+def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: str, steps: int) -> list[str]:
     """The training config every contender follows (ours takes it as its command line)."""
-    total = args.warmup + args.steps
+    total = args.warmup + steps
     task = "seq_cls" if workload == "cls" else "causal_lm"
     return [f"task={task}", f"model.name_or_path={wd / 'model'}", "model.random_init=true",
             f"data.path={wd / f'{workload}.jsonl'}",
@@ -182,7 +209,9 @@ def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()
 
     tag = f"ours-{workload}-{procs}p" + "".join(f"-{e.split('=')[0].split('.')[-1]}" for e in extra)
     out = wd / "runs" / tag
-    cfg = overrides(args, wd, workload, out, args.batch // procs, precision) + list(extra)
+    # ours groups classification batches by length (data.group_by_length defaults to true for seq_cls)
+    cfg = overrides(args, wd, workload, out, args.batch // procs, precision, measured_steps(args, workload, True))
+    cfg += list(extra)
     if procs == 1:
         cmd = [sys.executable, "-m", "accel_train", *cfg]
     else:
@@ -201,11 +230,13 @@ def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()
 
 
 def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=()) -> dict:
-    """Trainer (options: "group_by_length") or the bare loop, in a process of its own."""
+    """Trainer (options: "group_by_length"), TRL (options: "padding_free") or the bare loop, in a process of its
+    own."""
     tag = f"{kind}-{workload}" + "".join(f"-{o}" for o in options)
     out = wd / "runs" / tag
-    spec = {"overrides": overrides(args, wd, workload, out, args.batch, precision), "warmup": args.warmup,
-            "steps": args.steps, "result": str(out / "result.json"), "group_by_length": "group_by_length" in options}
+    steps = measured_steps(args, workload, "group_by_length" in options)
+    spec = {"overrides": overrides(args, wd, workload, out, args.batch, precision, steps),
+            "result": str(out / "result.json"), **{o: o in options for o in ("group_by_length", "padding_free")}}
     out.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "accel_train.bench", "--child", kind, "--spec", json.dumps(spec)], tag)
     return {"contender": kind, "workload": workload, "processes": 1, "options": list(options),
@@ -235,14 +266,53 @@ def child_trainer(spec: dict) -> dict:
     """transformers.Trainer on the same samples: dynamic padding (DataCollatorForSeq2Seq for causal LM,
     DataCollatorWithPadding for classification), bf16 as ours; with spec["group_by_length"] its length-grouped
     sampler (train_sampling_strategy="group_by_length", the name of group_by_length=True in transformers 5)."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, Trainer, TrainingArguments
+
+    cfg, tokenizer, ds, model = _setup(spec)
+    collator = (DataCollatorWithPadding(tokenizer, return_tensors="pt") if cfg.task == "seq_cls" else
+                DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt"))
+    targs = TrainingArguments(**_trainer_args(spec, cfg), remove_unused_columns=False,
+                              train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random")
+    return _train(Trainer, spec, model, targs, dict(train_dataset=ds, data_collator=collator))
+
+
+def child_trl(spec: dict) -> dict:
+    """TRL's SFTTrainer on ours' tokenized rows (input_ids, and labels with everything but the response masked):
+    TRL skips its own tokenization for rows that have input_ids and keeps labels it is given, so the samples and
+    the trained tokens are ours. Its defaults otherwise (its collator, loss_type="chunked_nll", the per-step token
+    accuracy and entropy it logs), but gradient checkpointing off and bf16 only where ours has it (SFTConfig turns
+    both on by default). spec["padding_free"]: each batch flattened into one row whose position_ids restart per
+    sample (transformers' sdpa masks see the restarts, as for ours' packed rows); TRL then asks for
+    max_length=None (the rows are cut to data.max_length already)."""
+    from trl import SFTConfig, SFTTrainer
+
+    cfg, tokenizer, ds, model = _setup(spec)
+    targs = SFTConfig(**_trainer_args(spec, cfg), gradient_checkpointing=False, padding_free=spec["padding_free"],
+                      max_length=None if spec["padding_free"] else cfg.data.max_length, completion_only_loss=True)
+    return _train(SFTTrainer, spec, model, targs, dict(train_dataset=ds, processing_class=tokenizer))
+
+
+def _trainer_args(spec: dict, cfg) -> dict:
+    """TrainingArguments (or SFTConfig) fields for ours' config: the same steps, schedule, clipping, precision, seed
+    (data_seed: accelerate's seeded shuffle, the same batches as ours where not grouped by length)."""
     import torch
-    from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, Trainer, TrainerCallback
-    from transformers import TrainingArguments
+
+    t = cfg.train
+    return dict(
+        output_dir=str(Path(spec["result"]).parent / "trainer"), per_device_train_batch_size=t.per_device_batch_size,
+        max_steps=t.max_steps, learning_rate=t.lr, lr_scheduler_type="linear", warmup_steps=t.warmup_steps,
+        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, bf16=t.mixed_precision == "bf16",
+        use_cpu=not torch.cuda.is_available(), seed=cfg.seed, data_seed=cfg.seed, logging_steps=t.max_steps,
+        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=cfg.data.num_workers)
+
+
+def _train(trainer_class, spec: dict, model, targs, kwargs: dict) -> dict:
+    """trainer_class(...).train(), timed step to step and counting the real and computed tokens of its batches."""
+    import torch
+    from transformers import TrainerCallback
 
     from accel_train.tracking import reset_peak_memory
 
-    cfg, tokenizer, ds, model = _setup(spec)
-    t = cfg.train
     steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0, "rows": 0}
 
     class Timer(TrainerCallback):  # step to step, data loading included, as ours and bare are timed
@@ -256,26 +326,17 @@ def child_trainer(spec: dict) -> dict:
             totals["computed"] = totals["rows"] = 0
             self.t_last = time.perf_counter()
 
-    class CountingTrainer(Trainer):  # counts the tokens of the batches it trains on; computes nothing else
+    class Counting(trainer_class):  # counts the tokens of the batches it trains on; computes nothing else
         def training_step(self, model, inputs, num_items_in_batch=None):
-            totals["real"] += inputs["attention_mask"].sum().cpu()
+            # a padding-free row (no attention mask) holds no padding: every token is real
+            mask = inputs.get("attention_mask")
+            totals["real"] += mask.sum().cpu() if mask is not None else inputs["input_ids"].numel()
             totals["computed"] += inputs["input_ids"].numel()
-            totals["rows"] += inputs["input_ids"].shape[0]
+            totals["rows"] += inputs["input_ids"].shape[0]  # rows as computed (MFU's width), as ours counts them
             return super().training_step(model, inputs, num_items_in_batch)
 
-    targs = TrainingArguments(
-        output_dir=str(Path(spec["result"]).parent / "trainer"), per_device_train_batch_size=t.per_device_batch_size,
-        max_steps=t.max_steps, learning_rate=t.lr, lr_scheduler_type="linear", warmup_steps=t.warmup_steps,
-        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, bf16=t.mixed_precision == "bf16",
-        use_cpu=not torch.cuda.is_available(), seed=cfg.seed, data_seed=cfg.seed, logging_steps=t.max_steps,
-        save_strategy="no", report_to="none", disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=cfg.data.num_workers,
-        train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random")
-    collator = (DataCollatorWithPadding(tokenizer, return_tensors="pt") if cfg.task == "seq_cls" else
-                DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt"))
-    trainer = CountingTrainer(model=model, args=targs, train_dataset=ds, data_collator=collator, callbacks=[Timer()])
-    result = trainer.train()
-    return _child_result(steps, result.training_loss)
+    trainer = Counting(model=model, args=targs, callbacks=[Timer()], **kwargs)
+    return _child_result(steps, trainer.train().training_loss)
 
 
 def child_bare(spec: dict) -> dict:
@@ -359,7 +420,7 @@ def figures(record: dict, warmup: int, flops: tuple[int, int, int], peak_flops: 
                    "padding_efficiency": round(sum(real) / sum(computed), 4),
                    "flops_per_token": round(fpt),
                    "mfu": _round(mfu(fpt * tps, peak_flops * (record["processes"] if cuda else 1)), 4),
-                   "real_tokens_per_step": list(real)})
+                   "real_tokens_measured": sum(real), "real_tokens_per_step": list(real)})
     return record
 
 
@@ -429,7 +490,7 @@ def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.child:
         spec = json.loads(args.spec)
-        result = (child_trainer if args.child == "trainer" else child_bare)(spec)
+        result = {"trainer": child_trainer, "bare": child_bare, "trl": child_trl}[args.child](spec)
         Path(spec["result"]).write_text(json.dumps(result))
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally
@@ -445,7 +506,9 @@ def main(argv=None) -> dict | None:
     wd.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(f"bench: {args.size} model, precision {precision}, batch {args.batch}, max_len {args.max_len}, "
-          f"fixed_len {args.fixed_len}, {args.warmup} warm-up + {args.steps} measured steps, "
+          f"fixed_len {args.fixed_len}, {args.warmup} warm-up + {args.steps} measured steps"
+          + (f" ({measured_steps(args, 'cls', True)}, one epoch, where cls is grouped by length)"
+             if "cls" in args.workloads else "") + ", "
           f"{args.repeat} run(s) each; work folder {wd}", flush=True)
     write_workload(args, wd)
     tasks = {w: "seq_cls" if w == "cls" else "causal_lm" for w in args.workloads}
@@ -471,8 +534,9 @@ def main(argv=None) -> dict | None:
                 jobs.append(lambda w=workload: run_child("trainer", args, wd, w, precision))
                 if workload == "cls":
                     jobs.append(lambda w=workload: run_child("trainer", args, wd, w, precision, ["group_by_length"]))
-            elif workload != "cls":  # the bare loop is a causal-LM loop
-                jobs.append(lambda w=workload: run_child("bare", args, wd, w, precision))
+            elif workload != "cls":  # the bare loop and TRL's SFTTrainer: causal LM
+                jobs.append(lambda w=workload, c=contender: run_child(c, args, wd, w, precision,
+                                                                      TRL_OPTIONS[w] if c == "trl" else []))
         for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
             if flag and "ours" in args.contenders:
                 jobs.append(lambda w=workload, o=option: run_ours(args, wd, w, precision, 1, [o]))
@@ -496,11 +560,17 @@ def main(argv=None) -> dict | None:
         ours, trainer, bare = find("ours", w), find("trainer", w), find("bare", w)
         ratios[f"ours_vs_trainer_{w}"] = ratio(ours, trainer)
         if w == "cls":
-            ratios["ours_vs_trainer_grouped_cls"] = ratio(ours, find("trainer", w, 1, ["group_by_length"]))
+            grouped = find("trainer", w, 1, ["group_by_length"])
+            ratios["ours_vs_trainer_grouped_cls"] = ratio(ours, grouped)
+            # the two measured epochs' real tokens: 1 where they hold the same samples (module docstring)
+            ratios["measured_tokens_ours_vs_trainer_grouped_cls"] = ratio(ours, grouped, "real_tokens_measured")
         else:
+            trl = find("trl", w, 1, TRL_OPTIONS[w])
             ratios[f"ours_vs_bare_{w}"] = ratio(ours, bare)
-        if ours and bare:  # the bare loop must have trained on exactly the batches ours did
-            ratios[f"same_batches_{w}"] = float(ours["real_tokens_per_step"] == bare["real_tokens_per_step"])
+            ratios[f"ours_vs_trl_{w}"] = ratio(ours, trl)
+            for name, other in ((f"same_batches_{w}", bare), (f"same_batches_trl_{w}", trl)):
+                if ours and other:  # the bare loop and TRL must have trained on exactly the batches ours did
+                    ratios[name] = float(ours["real_tokens_per_step"] == other["real_tokens_per_step"])
         ratios[f"padding_efficiency_{w}"] = ours["padding_efficiency"] if ours else None
         ratios[f"memory_ours_vs_trainer_{w}"] = ratio(ours, trainer, "peak_memory_mb")
     if find("ours", args.workloads[0]):
@@ -544,6 +614,12 @@ def _free_port() -> int:
 
 def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
+
+
+def _has_trl() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
 
 
 def _cuda() -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import python_m
@@ -16,51 +18,134 @@ from accel_train import bench, dist
 
 
 @pytest.mark.long
-def test_bench_quick_writes_every_figure(tmp_path):
+def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
+    """--quick end to end, every contender's real process: the causal-LM contenders on `skewed` (`fixed` runs the
+    same code on other lengths: its rows and ratios are test_bench_rows_and_ratios_of_every_workload's), the
+    2-process run, and `cls` with its epoch-long window. The benchmark's main runs here; each contender it starts
+    as `python -m ...` is forked as python_m forks the CLI (the same entry, without ~5 s of imports each), the
+    2-process run is a real `accelerate launch`. Small batches and rows, and 32 batches of classification texts
+    (not 200: test_bench_rows_and_ratios_of_every_workload checks that count): this checks the figures are there
+    and agree with each other, not their values."""
+    launch = bench._run
+
+    def run(cmd, tag):
+        if cmd[:2] != [sys.executable, "-m"]:
+            return launch(cmd, tag)
+        proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
+        assert proc.returncode == 0, (tag, proc.stderr[-3000:])
+
+    monkeypatch.setattr(bench, "_run", run)
+    monkeypatch.setattr(bench, "cls_samples", lambda args: 32 * args.batch)
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        monkeypatch.setenv(key, value)  # what main sets, undone after the test
     out = tmp_path / "bench.json"
-    # --quick, with the fewest steps that give a median: this checks the figures are there, not their values.
-    proc = python_m("--quick", "--steps", "3", "--warmup", "1", "--out", out, module="accel_train.bench", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = bench.main(["--quick", "--workloads", "skewed,cls", "--contenders", "ours,trainer,bare,trl",
+                         "--batch", "4", "--max-len", "64", "--steps", "3", "--warmup", "1", "--out", str(out),
+                         "--workdir", str(tmp_path / "work")])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["precision"] in ("bf16", "no") and report["peak_flops"] > 0
     assert report["model"]["parameters"] > report["model"]["lora_parameters"] > 0
-    rows = {(r["contender"], r["workload"], r["processes"], *r["options"]) for r in report["results"]}
-    # Classification: no bare loop, and Trainer also with its length-grouped sampler.
-    assert rows == ({(c, w, 1) for c in ("ours", "trainer", "bare") for w in ("skewed", "fixed")}
-                    | {("ours", "skewed", 2), ("ours", "cls", 1), ("trainer", "cls", 1),
-                       ("trainer", "cls", 1, "group_by_length")})
-    for r in report["results"]:
-        assert r["steps_measured"] == report["settings"]["steps"]
+    by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
+    # Classification: no bare loop nor TRL, and Trainer also with its length-grouped sampler.
+    assert set(by) == {("ours", "skewed", 1), ("trainer", "skewed", 1), ("bare", "skewed", 1),
+                       ("trl", "skewed", 1, "padding_free"), ("ours", "skewed", 2), ("ours", "cls", 1),
+                       ("trainer", "cls", 1), ("trainer", "cls", 1, "group_by_length")}
+    epoch = 32  # cls' batches (bench.cls_samples, as patched)
+    for key, r in by.items():
+        grouped = key in {("ours", "cls", 1), ("trainer", "cls", 1, "group_by_length")}
+        assert r["steps_measured"] == (epoch if grouped else 3), key
         assert r["tokens_per_sec"] > 0 and r["step_time_median_s"] > 0 and r["peak_memory_mb"] > 0
         assert 0 < r["padding_efficiency"] <= 1 and (r["mfu"] is None or 0 < r["mfu"] <= 1)  # None: n/a
         assert [run["tokens_per_sec"] for run in r["runs"]] == [r["tokens_per_sec"]]  # one run each
     ratios = report["ratios"]
-    for key in ("ours_vs_trainer_skewed", "ours_vs_trainer_fixed", "ours_vs_bare_skewed", "ours_vs_bare_fixed",
-                "padding_efficiency_skewed", "scaling_efficiency", "ours_vs_trainer_cls",
-                "ours_vs_trainer_grouped_cls", "padding_efficiency_cls", "memory_ours_vs_trainer_skewed",
-                "memory_ours_vs_trainer_fixed", "memory_ours_vs_trainer_cls"):
+    for key in ("ours_vs_trainer_skewed", "ours_vs_bare_skewed", "ours_vs_trl_skewed", "padding_efficiency_skewed",
+                "scaling_efficiency", "ours_vs_trainer_cls", "ours_vs_trainer_grouped_cls", "padding_efficiency_cls",
+                "memory_ours_vs_trainer_skewed", "memory_ours_vs_trainer_cls"):
         assert ratios[key] > 0, key
-    # Scaling per device: 2 processes' tokens/s per process over 1 process's; on a CPU the target is on the ratio
-    # of the totals (the processes share the cores), on GPUs on this one.
-    assert ratios["scaling_efficiency_per_device"] == pytest.approx(ratios["scaling_efficiency"] / 2, abs=1e-4)
-    assert "scaling_efficiency" in report["targets"] and "scaling_efficiency_per_device" not in report["targets"]
-    # Classification's target is against Trainer's own length grouping, its best setup for the job.
-    assert report["targets"]["ours_vs_trainer_grouped_cls"] and "ours_vs_trainer_cls" not in report["targets"]
-    # The bare loop trained on exactly the batches ours did (same real tokens at every step).
-    assert ratios["same_batches_skewed"] == ratios["same_batches_fixed"] == 1.0
+    # The grouped contenders' measured epochs hold every sample but those of the epoch's first (warm-up) step,
+    # which the next epoch's first step replaces: at most a batch of the longest rows either way.
+    texts = (tmp_path / "work" / "cls.jsonl").read_text().splitlines()  # the char tokenizer: a token a character
+    epoch_tokens = sum(min(64, len(json.loads(line)["text"])) for line in texts)
+    for key in (("ours", "cls", 1), ("trainer", "cls", 1, "group_by_length")):
+        assert abs(by[key]["real_tokens_measured"] - epoch_tokens) <= 4 * 64, key
+    assert ratios["measured_tokens_ours_vs_trainer_grouped_cls"] > 0
+    # The bare loop and TRL trained on exactly the batches ours did (same real tokens at every step), TRL's
+    # padding-free rows computing no padding.
+    assert ratios["same_batches_skewed"] == ratios["same_batches_trl_skewed"] == 1.0
+    assert by["trl", "skewed", 1, "padding_free"]["padding_efficiency"] == 1.0
     # Trainer pads each batch to its longest sample; ours packs: more real tokens per computed token.
-    by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
     assert by["ours", "skewed", 1]["padding_efficiency"] > by["trainer", "skewed", 1]["padding_efficiency"]
-    # The memory ratio is the two peaks' quotient.
-    assert ratios["memory_ours_vs_trainer_skewed"] == pytest.approx(
-        by["ours", "skewed", 1]["peak_memory_mb"] / by["trainer", "skewed", 1]["peak_memory_mb"], abs=1e-4)
     # Classification: ours groups batches by length, Trainer by default does not: less padding computed.
     assert by["ours", "cls", 1]["padding_efficiency"] > by["trainer", "cls", 1]["padding_efficiency"]
-    # Same seed, same samples, same loss normalisation: the bare loop's mean loss is ours.
-    assert by["bare", "skewed", 1]["mean_loss"] == pytest.approx(by["ours", "skewed", 1]["mean_loss"], rel=2e-2)
-    table = proc.stdout
-    assert "| skewed | ours | 1 x" in table and "ours_vs_trainer_skewed" in table
-    assert "| cls | trainer +group_by_length | 1 x" in table and "| memory_ours_vs_trainer_skewed |" in table
+    # Same seed, same samples, same loss normalisation: the bare loop's and TRL's mean losses are ours.
+    for other in (("bare", "skewed", 1), ("trl", "skewed", 1, "padding_free")):
+        assert by[other]["mean_loss"] == pytest.approx(by["ours", "skewed", 1]["mean_loss"], rel=2e-2), other
+    table = capsys.readouterr().out
+    assert "| skewed | ours | 1 x" in table and "| skewed | trl +padding_free | 1 x" in table
+    assert "| cls | trainer +group_by_length | 1 x" in table and "| ours_vs_trl_skewed |" in table
+
+
+def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch):
+    """The default bench's bookkeeping, every workload and contender, with each process replaced by the files it
+    would leave (ours: steps.json and summary.json; the others: result.json) for the steps its command line asks
+    for: which contenders run where and with what options, the measured windows (one epoch for the batches grouped
+    by length), and every ratio from its two rows."""
+    speed = {"ours": 4.0, "trainer": 2.0, "bare": 5.0, "trl": 3.2}  # real tokens per second
+    commands = {}
+
+    def run(cmd, tag):
+        commands[tag] = cmd
+        if "--spec" in cmd:
+            spec = json.loads(cmd[cmd.index("--spec") + 1])
+            kind, config, result = cmd[cmd.index("--child") + 1], spec["overrides"], Path(spec["result"])
+        else:
+            kind, config = "ours", cmd
+            result = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("output_dir=")))
+        steps = int(next(a.split("=")[1] for a in config if a.startswith("train.max_steps=")))
+        tokens = [10 + i for i in range(steps)]  # the same batches for everyone
+        record = {"seconds": [t / speed[kind] for t in tokens], "real_tokens": tokens,
+                  "computed_tokens": [t + (kind == "trainer") for t in tokens], "rows": [1] * steps}
+        summary = {"peak_memory_mb": 100.0 * speed[kind], "mean_loss": 2.0}
+        (result if kind == "ours" else result.parent).mkdir(parents=True, exist_ok=True)
+        if kind == "ours":
+            (result / "steps.json").write_text(json.dumps(record))
+            (result / "summary.json").write_text(json.dumps({"peak_memory_mb": summary["peak_memory_mb"],
+                                                             "final": {"loss": 2.0}}))
+        else:
+            result.write_text(json.dumps({**record, **summary}))
+
+    monkeypatch.setattr(bench, "_run", run)
+    monkeypatch.setattr(bench, "_has_trl", lambda: True)
+    report = bench.main(["--quick", "--batch", "2", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "b.json"),
+                         "--workdir", str(tmp_path / "work")])
+    assert list(commands) == [  # ours, then the others in --contenders' order, the 2-process run last
+        "ours-skewed-1p", "trainer-skewed", "bare-skewed", "trl-skewed-padding_free", "ours-skewed-2p",
+        "ours-fixed-1p", "trainer-fixed", "bare-fixed", "trl-fixed",
+        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length"]
+    assert commands["ours-skewed-2p"][1] == "launch" and "train.per_device_batch_size=1" in commands["ours-skewed-2p"]
+    epoch = 400 // 2  # cls: 200 batches of samples
+    by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
+    for key, r in by.items():
+        grouped = key in {("ours", "cls", 1), ("trainer", "cls", 1, "group_by_length")}
+        assert r["steps_measured"] == (epoch if grouped else 3), key
+        assert r["tokens_per_sec"] == pytest.approx(speed[key[0]], rel=1e-3), key
+    ratios = report["ratios"]
+    for w in ("skewed", "fixed"):
+        assert ratios[f"ours_vs_trainer_{w}"] == 2.0 and ratios[f"ours_vs_bare_{w}"] == 0.8
+        assert ratios[f"ours_vs_trl_{w}"] == 1.25 and ratios[f"memory_ours_vs_trainer_{w}"] == 2.0
+        assert ratios[f"same_batches_{w}"] == ratios[f"same_batches_trl_{w}"] == 1.0
+    assert ratios["ours_vs_trainer_cls"] == ratios["ours_vs_trainer_grouped_cls"] == 2.0
+    assert ratios["measured_tokens_ours_vs_trainer_grouped_cls"] == 1.0
+    assert ratios["scaling_efficiency"] == 1.0 and ratios["scaling_efficiency_per_device"] == 0.5
+    assert "ours_vs_trl_skewed" not in report["targets"]
+
+
+def test_bench_trl_contender_needs_trl(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_has_trl", lambda: False)
+    assert bench.parse_args([]).contenders == ["ours", "trainer", "bare"]  # by default: where it is installed
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--contenders", "ours,trl"])
+    assert capsys.readouterr().err.strip().endswith("the trl contender needs TRL: pip install trl")
 
 
 @pytest.mark.xdist_group("topology")  # the session's topology runs (conftest.runs): no launch of its own
