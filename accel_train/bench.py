@@ -1,6 +1,6 @@
 """Throughput benchmark: this toolkit's real entry vs transformers.Trainer, TRL's SFTTrainer and a bare PyTorch loop.
 
-    python -m accel_train.bench --quick                 # ~4 min on 2 CPU cores
+    python -m accel_train.bench --quick                 # ~5.5 min on 2 CPU cores (with trl installed)
     python -m accel_train.bench --out bench.json        # the 25M-parameter default, both workloads
     python -m accel_train.bench --size 0.5b             # on a GPU
     python -m accel_train.bench --size large-vocab --batch 4 --steps 4 --warmup 1 --workloads fixed --no-scaling
@@ -95,7 +95,7 @@ def targets(cuda: bool) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accel_train.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small model, short sequences, few steps (~4 min on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true", help="small model, short sequences, few steps (~5.5 min on 2 CPU cores)")
     p.add_argument("--size", choices=SIZES, help="model size (default 25m; small with --quick)")
     p.add_argument("--workloads", default="skewed,fixed,cls", help="comma-separated: skewed, fixed, cls")
     p.add_argument("--contenders", default=",".join(CONTENDERS[:3] + (("trl",) if _has_trl() else ())),
