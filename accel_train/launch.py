@@ -102,6 +102,13 @@ def main(argv: list[str], check) -> int:
         sys.stderr.write(f"accel_train: error: {e}\n")
         return 2
     os.environ[ANNOUNCED] = "1"  # the ranks inherit it: the start line is printed once
+    import torch  # imported by accelerate's launcher already
+
+    if not torch.accelerator.is_available():
+        # what DeepSpeed's probe would find, said without its warning line ("Setting accelerator to CPU. If you have
+        # GPU ..."), which the launcher's import of deepspeed prints for a DeepSpeed config (dist.skip_deepspeed_shm_op
+        # sets the same in the ranks, under any launcher)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return run(launch_command, args)
 
 

@@ -10,7 +10,7 @@ DeepSpeed's own accumulation (its boundary is accelerate's sync_gradients) is ex
 from __future__ import annotations
 
 import pytest
-from conftest import accelerate_launch, read_metrics
+from conftest import ACCEL_CONFIGS, accel_train_launch, accelerate_launch, read_metrics, said
 from safetensors.torch import load_file
 from test_launch import eval_loss_from_saved
 from test_topology import TOPOLOGIES, overrides
@@ -92,3 +92,20 @@ def test_zero3_resumes_exactly_after_a_crash_mid_window(tmp_path, ds_runs, ddp_r
     assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
     mine, ref = adapter(out), adapter(ds_runs["zero3"])
     assert all((mine[key] == ref[key]).all() for key in ref)
+
+
+def test_zero3_init_flag_under_accel_train_launch_is_one_line(tmp_path):
+    """What a user sees for the refused zero3_init_flag (tests/test_deepspeed_config.py: the check) on 2 CPU
+    processes: the start line, the error once, exit 2; not DeepSpeed's "Setting accelerator to CPU" warning, which
+    the launcher's import of deepspeed printed first."""
+    config = tmp_path / "zero3_init.yaml"
+    config.write_text((ACCEL_CONFIGS / STAGES["zero3"]).read_text().replace("zero3_init_flag: false",
+                                                                            "zero3_init_flag: true"))
+    proc = accel_train_launch(config, f"output_dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]  # DeepSpeed's: stdout
+    assert len(lines) == 2 and lines[0].startswith("accel_train: starting "), lines
+    assert said(proc.stderr) == ["accel_train: error: zero3_init_flag: true is not supported: the model is built "
+                                 "whole on each process and sharded by accelerator.prepare, after forwards of the "
+                                 "whole model (model.check_packing, loss.loss_head); set zero3_init_flag: false in "
+                                 "the accelerate config"]
