@@ -666,8 +666,9 @@ def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat:
                      f"{mfu} | {r['peak_memory_mb']:.0f} |")
     grpo = [r for r in results if r["workload"] == "grpo"]
     if grpo:
-        lines += ["", "| grpo | procs x threads | steps/s | generated tokens/s | train tokens/s | rollout share | "
-                      "tokens/s generating | completion length | peak mem (MB) |",
+        # the rollouts' split is the whole run's, warm-up included (grpo_figures)
+        lines += ["", "| grpo | procs x threads | steps/s | generated tokens/s | train tokens/s | rollout share (run) | "
+                      "tokens/s generating (run) | completion length | peak mem (MB) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['contender']} | {r['processes']} x {r['threads_per_process']} | {r['steps_per_sec']:.3f} | "
                   f"{r['generated_tokens_per_sec']:.0f} | {r['tokens_per_sec']:.0f} | {r['generation_share']:.2f} | "

@@ -85,6 +85,31 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     assert "| cls | trainer +group_by_length | 1 x" in table and "| ours_vs_trl_skewed |" in table
 
 
+def test_bench_reads_ours_grpo_run(tmp_path, monkeypatch):
+    """ours on grpo, its real process (forked as python_m forks the CLI), read as the bench reads it: steps.json's
+    real tokens less its prompts' (2 template tokens + new_tokens - 1 characters each) are each step's generated
+    tokens, which add up to summary.json's rollouts, and give the figures. TRL's GRPOTrainer runs in --quick; the
+    rows and ratios of both are test_bench_rows_and_ratios_of_every_workload's."""
+    def run(cmd, tag):
+        assert cmd[:3] == [sys.executable, "-m", "accel_train"], cmd
+        proc = python_m(*cmd[3:], timeout=300)
+        assert proc.returncode == 0, (tag, proc.stderr[-3000:])
+
+    monkeypatch.setattr(bench, "_run", run)
+    args = bench.parse_args(["--quick", "--workloads", "grpo", "--warmup", "1", "--grpo-steps", "1", "--prompts", "1",
+                             "--generations", "2", "--new-tokens", "4"])
+    bench.write_workload(args, tmp_path)
+    record = bench.run_ours(args, tmp_path, "grpo", "no", 1)
+    assert record["rows"] == [2, 2]  # a prompt's 2 completions a step
+    assert sum(record["generated_tokens"]) == record["rollouts"]["generated_tokens"]
+    assert all(2 <= g <= 2 * 4 for g in record["generated_tokens"])  # at least the stop token, at most max_new_tokens
+    assert [real - g for real, g in zip(record["real_tokens"], record["generated_tokens"])] == [2 * (2 + 3)] * 2
+    r = bench.grpo_figures(record, args.warmup)
+    assert r["steps_measured"] == 1 and r["mfu"] is None
+    assert r["steps_per_sec"] > 0 and r["generated_tokens_per_sec"] > 0 and r["tokens_per_sec"] > 0
+    assert 0 < r["generation_share"] < 1 and 0 < r["completion_mean_length"] <= 4
+
+
 def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     """The default bench's bookkeeping, every workload and contender, with each process replaced by the files it
     would leave (ours: steps.json and summary.json; the others: result.json) for the steps its command line asks
