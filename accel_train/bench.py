@@ -1,7 +1,7 @@
 """Throughput benchmark: this toolkit's real entry vs transformers.Trainer, TRL's SFTTrainer and GRPOTrainer and a
 bare PyTorch loop.
 
-    python -m accel_train.bench --quick                 # ~6.5 min on 2 CPU cores (with trl installed)
+    python -m accel_train.bench --quick                 # ~6.5 min on 2 idle CPU cores (with trl installed)
     python -m accel_train.bench --out bench.json        # the 25M-parameter default, every workload
     python -m accel_train.bench --quick --workloads grpo  # rollouts + updates only: ours vs TRL's GRPOTrainer
     python -m accel_train.bench --size 0.5b             # on a GPU
@@ -55,18 +55,25 @@ tokens/s (completion tokens) and train tokens/s (prompt + completion tokens trai
 from the whole run's split (summary.json's "rollouts" for ours, the same sums timed around TRL's
 _generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it; the
 completions' mean length and peak memory. What keeps it fair:
-the prompts are random strings of --new-tokens - 1 characters (answer: the reversal), all the same length, so any
-order of them (each trainer shuffles its own way) is the same work; both apply the chat template with the
-generation prompt, sample with the same temperature and top_p and no top-k (transformers' default 50 is turned off
-on TRL's side, as its own default does), and stop a completion at the template's end-of-turn token, which the
-randomly initialised model draws with probability about 1/vocabulary a token: in practice every completion is
---new-tokens long on both sides (completion_length_ours_vs_trl_grpo shows it; the reward is then 0 everywhere,
-which costs both the same: neither skips a step whose advantages are 0). The bench model's config says
-use_cache=false (for training), which transformers' generate would follow: TRL is given use_cache=True, as any
-model from the Hub has it, since ours generates with the cache. TRL counts completions where ours counts prompts
-(its per_device_train_batch_size is prompts x generations); gradient checkpointing off and bf16 only where ours
-has it (GRPOConfig turns both on); no vLLM, no completion logging on either side. Trainer and the bare loop have
-no rollouts and do not run on grpo; no MFU there (generation's FLOPs are not training's).
+  - the same work a step: the prompts are random strings of --new-tokens - 1 characters (answer: the reversal),
+    all the same length, so any order of them (each trainer shuffles its own way) costs the same; each prompt's
+    group is generated in one batch with the KV cache, then trained on in one micro-batch, on both sides;
+  - generation that does not stop early: both stop a completion at the template's end-of-turn token only (the
+    bench model's config names the tokenizer's eos, not LlamaConfig's default ids), which the randomly
+    initialised model draws with probability about 1/vocabulary a token, and a batch runs until its last
+    completion ends: in practice every completion is --new-tokens long on both sides (the completion length
+    column, and completion_length_ours_vs_trl_grpo, show it). The reward is then 0 everywhere, which costs both
+    the same: neither skips the backward of a step whose advantages are all 0;
+  - the same sampling: temperature and top_p from the config, no top-k (TRL's default 0, given explicitly;
+    transformers' own default would be 50);
+  - the cache: the bench model's config says use_cache=false (for training) and TRL's generate follows the model's
+    generation config (its fix for transformers#42762): without use_cache=True in its generation_kwargs it would
+    recompute every prefix at every token, so it gets it, as any model from the Hub has it;
+  - the rest as ours: TRL counts completions where ours counts prompts (its per_device_train_batch_size is prompts
+    x generations); gradient checkpointing off and bf16 only where ours has it (GRPOConfig turns both on); no
+    vLLM; no completion logging on either side (ours' grpo.log_completions=false, TRL's default).
+Trainer and the bare loop have no rollouts and do not run on grpo; no MFU there (generation's FLOPs are not
+training's); no 2-process run (scaling is measured on the first other workload).
 """
 
 from __future__ import annotations
@@ -100,10 +107,10 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
 WORKLOADS = ("skewed", "fixed", "cls", "grpo")
 CONTENDERS = ("ours", "trainer", "bare", "trl")
 TRL_OPTIONS = {"skewed": ["padding_free"], "fixed": []}  # where ours packs rows of varied samples: no padding
-CLASSES = ("negative", "neutral", "positive")
+CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
 GRPO_SETTINGS = {"rewards": "[exact_match]", "beta": 0.0, "loss_type": "dapo", "epsilon": 0.2, "num_iterations": 1,
                  "temperature": 1.0, "top_p": 1.0, "scale_rewards": "true", "log_completions": "false"}
-"""grpo: ours' settings that TRL's GRPOTrainer is given as well (child_trl_grpo), its defaults for most of them."""  # cls labels: strings, mapped to ids by the contenders
+"""grpo: ours' settings that TRL's GRPOTrainer is given as well (child_trl_grpo), its defaults for most of them."""
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
 TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
            "ours_vs_bare_fixed": 0.97, "padding_efficiency_skewed": 0.95, "padding_efficiency_cls": 0.9, "mfu_of_peak": 0.5,
@@ -124,7 +131,8 @@ def targets(cuda: bool) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accel_train.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small model, short sequences, few steps (~5.5 min on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="small model, short sequences, few steps (~6.5 min on 2 CPU cores)")
     p.add_argument("--size", choices=SIZES, help="model size (default 25m; small with --quick)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: skewed, fixed, cls, grpo")
     p.add_argument("--contenders", default=",".join(CONTENDERS[:3] + (("trl",) if _has_trl() else ())),
@@ -149,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench.json", help="JSON results file")
     p.add_argument("--workdir", help="keep models, data and runs here (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child", choices=[*CONTENDERS[1:], "trl_grpo"], help=argparse.SUPPRESS)  # internal: run one contender
+    # internal: run one contender (trl_grpo: TRL's GRPOTrainer)
+    p.add_argument("--child", choices=[*CONTENDERS[1:], "trl_grpo"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
@@ -389,11 +398,8 @@ def child_trl_grpo(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     cfg, tokenizer, prompts, model = _setup(spec)
-    g = cfg.grpo
-    if (g.beta, g.loss_type, g.num_iterations, g.rewards, g.scale_rewards) != (0.0, "dapo", 1, ["exact_match"], True):
-        raise ValueError("child_trl_grpo mirrors beta 0, loss_type dapo, 1 iteration, the exact_match reward and "
-                         "group-scaled advantages only")
-    answer_field = g.answer_field
+    g, answer_field = cfg.grpo, cfg.grpo.answer_field
+    assert g.rewards == ["exact_match"], g.rewards  # GRPO_SETTINGS': the one reward mirrored here
 
     def exact_match(prompts, completions, **columns):  # ours' built-in: completion.strip() == answer.strip()
         return [float(c[-1]["content"].strip() == str(a).strip()) for c, a in zip(completions, columns[answer_field])]
@@ -405,7 +411,7 @@ def child_trl_grpo(spec: dict) -> dict:
                        num_generations=g.num_generations, max_completion_length=g.max_new_tokens,
                        temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, loss_type=g.loss_type,
                        epsilon=g.epsilon, epsilon_high=g.epsilon_high, num_iterations=g.num_iterations,
-                       scale_rewards="group", use_vllm=False, gradient_checkpointing=False, log_completions=False,
+                       scale_rewards="group" if g.scale_rewards else "none", use_vllm=False, gradient_checkpointing=False, log_completions=False,
                        remove_unused_columns=False, generation_kwargs={"use_cache": True})
     result = _train(GRPOTrainer, spec, model, targs, dict(reward_funcs=[exact_match], train_dataset=prompts,
                                                           processing_class=tokenizer), _counting_rollouts)
@@ -599,7 +605,8 @@ def grpo_figures(record: dict, warmup: int) -> dict:
                    "generation_share": round(split["generation_s"] / (split["generation_s"] + split["training_s"]), 4),
                    "generation_tokens_per_sec": split["generated_tokens_per_s"],
                    "completion_mean_length": round(sum(generated) / sum(rows), 2),
-                   "warmup_seconds": round(warmup_seconds, 2), "step_time_median_s": round(statistics.median(seconds), 4),
+                   "warmup_seconds": round(warmup_seconds, 2),
+                   "step_time_median_s": round(statistics.median(seconds), 4),
                    "padding_efficiency": round(sum(real) / sum(computed), 4), "mfu": None,
                    "real_tokens_measured": sum(real), "real_tokens_per_step": list(real)})
     return record
@@ -667,8 +674,8 @@ def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat:
     grpo = [r for r in results if r["workload"] == "grpo"]
     if grpo:
         # the rollouts' split is the whole run's, warm-up included (grpo_figures)
-        lines += ["", "| grpo | procs x threads | steps/s | generated tokens/s | train tokens/s | rollout share (run) | "
-                      "tokens/s generating (run) | completion length | peak mem (MB) |",
+        lines += ["", "| grpo | procs x threads | steps/s | generated tokens/s | train tokens/s | "
+                      "rollout share (run) | tokens/s generating (run) | completion length | peak mem (MB) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['contender']} | {r['processes']} x {r['threads_per_process']} | {r['steps_per_sec']:.3f} | "
                   f"{r['generated_tokens_per_sec']:.0f} | {r['tokens_per_sec']:.0f} | {r['generation_share']:.2f} | "
