@@ -25,7 +25,7 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     as `python -m ...` is forked as python_m forks the CLI (the same entry, without ~5 s of imports each), the
     2-process run is a real `accelerate launch`. Small batches and rows, and 32 batches of classification texts
     (not 200: test_bench_rows_and_ratios_of_every_workload checks that count): this checks the figures are there
-    and agree with each other, not their values."""
+    and agree with each other, not their values. grpo's real run of ours is test_bench_reads_ours_grpo_run's."""
     launch = bench._run
 
     def run(cmd, tag):
