@@ -279,7 +279,7 @@ class Rollouts:
         rows = [{"step": step + 1, "index": int(batch["index"][k // G]), "generation": k % G,
                  "prompt": self.tokenizer.decode(batch["prompt_ids"][k // G]), "completion": texts[k],
                  "prompt_ids": batch["prompt_ids"][k // G], "completion_ids": completions[k],
-                 "rewards": {n: per_function[f][k] for f, n in enumerate(self.rewards.names)},
+                 "rewards": {n: per_function[f][k] for f, n in enumerate(self.rewards.labels)},
                  "reward": float(total.reshape(-1)[k]), "advantage": float(advantages[k])}
                 for k in range(len(completions))] if log and self.g.log_completions else []
         return micro, rows
@@ -328,7 +328,7 @@ class Rollouts:
 
         reward, reward_std = mean_std(sums[0], sums[1])
         record = {"reward": reward, "reward_std": reward_std}
-        for f, name in enumerate(self.rewards.names):
+        for f, name in enumerate(self.rewards.labels):
             record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(sums[2 + f], sums[2 + n + f])
         zero_std, tokens, clipped = sums[2 + 2 * n: 5 + 2 * n]
         return {**record, "frac_reward_zero_std": zero_std / groups, "completions/mean_length": tokens / completions,
@@ -429,7 +429,7 @@ def evaluate(cfg: Config, accelerator, model, eval_dl, rollouts: Rollouts) -> di
         sums, n = sums + rows.sum(0), n + len(rows)
     unwrapped.train()
     means = (sums / max(n, 1)).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
-    return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.names,
+    return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.labels,
                                                                                           means[1:-1])},
             "eval_completions/mean_length": means[-1], "eval_samples": n}
 

@@ -240,7 +240,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
         if resume:
-            for log in ("metrics.jsonl", PREDICTIONS_FILE):  # drop what the interrupted run logged later
+            for log in ("metrics.jsonl", PREDICTIONS_FILE, grpo.ROLLOUTS_FILE):  # drop what the interrupted run logged later
                 truncate_log(out / log, state.step)
             set_aside_later(out, state.step)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)

@@ -50,6 +50,13 @@ def length_penalty(prompts, completions, completion_ids, *, max_new_tokens, buff
 BUILTIN = {"exact_match": exact_match, "regex_match": regex_match, "length_penalty": length_penalty}
 
 
+def labels(names: list[str]) -> list[str]:
+    """Each reward's name in the logs (rewards/LABEL/mean): a built-in's name, a user function's own name (as TRL
+    logs it), or its whole grpo.rewards entry where two functions share a name."""
+    short = [n.rpartition(":")[2] for n in names]
+    return [s if short.count(s) == 1 else n for s, n in zip(short, names)]
+
+
 def load_function(name: str) -> Callable:
     """A user's reward function from "package.module:function" (importable from the working directory too) or
     "path/to/file.py:function"."""
@@ -85,6 +92,7 @@ class Rewards:
     def __init__(self, cfg: Config):
         g = cfg.grpo
         self.names = list(g.rewards)
+        self.labels = labels(self.names)
         self.weights = list(g.reward_weights) if g.reward_weights is not None else [1.0] * len(self.names)
         self.answer_field = g.answer_field
         self.builtin_kwargs = {"pattern": g.regex, "max_new_tokens": g.max_new_tokens,

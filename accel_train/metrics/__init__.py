@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import Config, ConfigError, EvalConfig
+from accel_train.rewards import labels
 
 if TYPE_CHECKING:
     import evaluate
@@ -90,7 +91,7 @@ def run_results(cfg: Config) -> list[str]:
     if cfg.task == "dpo":  # eval.metrics are not computed on pairs
         return ["loss", *DPO_RESULTS]
     if cfg.task == "grpo":  # the rewards of greedy answers (grpo.evaluate)
-        return ["reward", *(f"rewards/{name}/mean" for name in cfg.grpo.rewards), "completions/mean_length"]
+        return ["reward", *(f"rewards/{name}/mean" for name in labels(cfg.grpo.rewards)), "completions/mean_length"]
     names = ["loss", "perplexity"] if cfg.task == "causal_lm" else ["loss"]
     for metric in cfg.eval.metrics + (cfg.eval.generation_metrics if cfg.eval.generate else []):
         names += [n for n in results_of(metric, cfg.eval.metric_kwargs.get(metric, {})) if n not in names]
