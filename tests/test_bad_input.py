@@ -130,7 +130,8 @@ CASES = {
                                         "my_rewards.py:bad returned 1 values for 2 completions; it must return one "
                                         "number per completion"),
     "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
-                            "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), got 1"),
+                            "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
+                            "got 1"),
     "grpo data without prompts": (grpo_without_prompts, "q.jsonl has no 'prompt' or 'messages' column of prompts "
                                                         "needed by task grpo; columns found: question, response"),
     "dpo precompute_ref on a stream": (lambda t: [*DPO, "data.streaming=true", "dpo.precompute_ref=true"],

@@ -25,17 +25,17 @@ from accel_train.config import load_config
 pytestmark = pytest.mark.xdist_group("grpo")
 
 G, NEW, EPS = 4, 8, 0.2  # completions per prompt, tokens per completion at most, clipping
-WEIGHTS = [1.0, 0.5]  # exact_match, overlap
+WEIGHTS = [1.0, 0.5]  # exact_match, length_match
 EOS = 3  # the tiny model's end of turn (its chat template closes the assistant's turn with eos)
 
-# A user's reward function, in a file of tmp_path (grpo.rewards: "path/to/file.py:function"). overlap checks the
+# A user's reward function, in a file of tmp_path (grpo.rewards: "path/to/file.py:function"). length_match checks the
 # calling convention (TRL's): a prompt per completion, the data's other columns by name, one value per completion.
 REWARDS_PY = '''
-def overlap(prompts, completions, completion_ids, response, **columns):
-    """Share of the answer's characters the completion has at the same place."""
+def length_match(prompts, completions, completion_ids, response, **columns):
+    """1 for a completion as long as the answer, a quarter less per character more or fewer."""
     assert len(prompts) == len(completions) == len(completion_ids) == len(response)
     assert all(p == "reverse " + r[::-1] for p, r in zip(prompts, response)), (prompts, response)
-    return [sum(a == b for a, b in zip(c.strip(), r)) / len(r) for c, r in zip(completions, response)]
+    return [1 - abs(len(c.strip()) - len(r)) / 4 for c, r in zip(completions, response)]
 '''
 
 
@@ -44,7 +44,7 @@ def sft(tmp_path_factory):
     """A short SFT run on builtin:reverse: its random base (base_model/) and adapter are what GRPO starts from
     (answers ending with the end of turn after a few tokens: completions of several lengths)."""
     out = tmp_path_factory.mktemp("grpo") / "sft"
-    proc = python_m("train.max_steps=150", "train.log_every=50", "data.builtin_size=1000", "train.mixed_precision=no",
+    proc = python_m("train.max_steps=60", "train.log_every=20", "data.builtin_size=1000", "train.mixed_precision=no",
                     "track.log_with=[]", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (out.parent / "my_rewards.py").write_text(REWARDS_PY)
@@ -59,9 +59,10 @@ def user_rewards(sft):
 
 
 def grpo_args(sft, out, *extra) -> list[str]:
-    return ["task=grpo", "data.path=builtin:reverse", "data.builtin_size=200", f"model.name_or_path={sft / 'base_model'}",
-            "model.random_init=false", f"model.adapter_from={sft / 'adapter'}", "grpo.answer_field=response",
-            f"grpo.rewards=[exact_match,{sft.parent / 'my_rewards.py'}:overlap]", f"grpo.reward_weights={WEIGHTS}",
+    return ["task=grpo", "data.path=builtin:reverse", "data.builtin_size=200",
+            f"model.name_or_path={sft / 'base_model'}", "model.random_init=false",
+            f"model.adapter_from={sft / 'adapter'}", "grpo.answer_field=response",
+            f"grpo.rewards=[exact_match,{sft.parent / 'my_rewards.py'}:length_match]", f"grpo.reward_weights={WEIGHTS}",
             f"grpo.num_generations={G}", f"grpo.max_new_tokens={NEW}", f"grpo.epsilon={EPS}",
             "train.mixed_precision=no", "train.log_every=1", "track.log_with=[]", "train.dist_timeout_s=120",
             f"output_dir={out}", *extra]
@@ -88,7 +89,8 @@ def launch(procs: int, *args, env=None):
 
 def read_run(out) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"out": out, "train": [r for r in records if "loss" in r], "eval": [r for r in records if "eval_reward" in r],
+    return {"out": out, "train": [r for r in records if "loss" in r],
+            "eval": [r for r in records if "eval_reward" in r],
             "rollouts": [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]}
 
 
@@ -123,11 +125,12 @@ def groups(rollouts: list[dict], step: int) -> list[list[dict]]:
     return [sorted(g, key=lambda r: r["generation"]) for _, g in sorted(by_row.items())]
 
 
-def token_logps(model, row: dict, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature) of each completion token, after the prompt."""
+def token_logps(model, row: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature) of each completion token after the prompt, and the entropy there."""
     ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
     logits = model(input_ids=ids).logits[0, len(row["prompt_ids"]) - 1:-1] / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0]
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
 
 
 def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
@@ -136,7 +139,7 @@ def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
     cfg = load_config(run["out"] / "config.yaml")
     train, _ = data_lib.load_splits(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
-    overlap = user_rewards(sft).overlap
+    length_match = user_rewards(sft).length_match
     found = groups(run["rollouts"], step)
     assert len(found) == 4 and all(len(g) == G for g in found), [len(g) for g in found]
     out = []
@@ -145,7 +148,8 @@ def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": data["prompt"]}],
                                                    add_generation_prompt=True)["input_ids"]
         completions = [r["completion"] for r in group]
-        mine = overlap([data["prompt"]] * G, completions, [r["completion_ids"] for r in group], [data["response"]] * G)
+        mine = length_match([data["prompt"]] * G, completions, [r["completion_ids"] for r in group],
+                            [data["response"]] * G)
         rewards = []
         for r, o in zip(group, mine):
             assert r["prompt_ids"] == prompt_ids
@@ -165,32 +169,36 @@ def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
     return out
 
 
-def loss_and_grad_norm(policy, rows: list[tuple[dict, float]], loss_type: str, temperature: float, beta: float,
-                       reference=None) -> tuple[float, float]:
+def step_values(policy, rows: list[tuple[dict, float]], loss_type: str, temperature: float, beta: float,
+                reference=None) -> dict:
     """The step's loss written out: per token -min(ratio A, clip(ratio) A) + beta k3, ratio = exp(logp - logp
-    detached) (1, with logp's gradient), normalised over the whole step as loss_type says; then its gradient's
-    global norm over the trainable (adapter) weights."""
+    detached) (1, with logp's gradient), normalised over the whole step as loss_type says; its gradient's global
+    norm over the trainable (adapter) weights; the entropy and k3 KL per completion token."""
     policy.zero_grad()
-    per_completion = []
+    per_completion, entropies, kls = [], [], []
     for row, a in rows:
-        logp = token_logps(policy, row, temperature)
+        logp, entropy = token_logps(policy, row, temperature)
         ratio = torch.exp(logp - logp.detach())
         per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
         if beta:
             with torch.no_grad():
-                ref = token_logps(reference, row, temperature)
-            per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+                ref = token_logps(reference, row, temperature)[0]
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            per_token = per_token + beta * kl
+            kls.append(kl.detach())
         per_completion.append(per_token)
-    n = len(per_completion)
+        entropies.append(entropy)
+    n, tokens = len(per_completion), sum(len(p) for p in per_completion)
     if loss_type == "dapo":
-        loss = sum(p.sum() for p in per_completion) / sum(len(p) for p in per_completion)
+        loss = sum(p.sum() for p in per_completion) / tokens
     elif loss_type == "grpo":
         loss = sum(p.sum() / len(p) for p in per_completion) / n
     else:
         loss = sum(p.sum() for p in per_completion) / (n * NEW)
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in policy.parameters() if p.requires_grad))
-    return float(loss.detach()), norm
+    return {"loss": float(loss.detach()), "grad_norm": norm, "entropy": float(sum(e.sum() for e in entropies)) / tokens,
+            **({"kl": float(sum(k.sum() for k in kls)) / tokens} if beta else {})}
 
 
 def sft_policy(sft):
@@ -203,7 +211,7 @@ def sft_policy(sft):
 def user_name(row: dict) -> str:
     """The name the user's reward function is logged under (its entry in grpo.rewards, or its own name)."""
     (name,) = set(row["rewards"]) - {"exact_match"}
-    assert name.endswith("overlap"), name
+    assert name.endswith("length_match"), name
     return name
 
 
@@ -232,24 +240,30 @@ def test_step_one_loss_and_gradient_are_the_formula(sft, step_one, loss_type):
     cfg = load_config(run["out"] / "config.yaml")
     rows = check_rollouts(sft, run, step=1)
     lengths = {len(r["completion_ids"]) for r, _ in rows}
-    assert len(lengths) > 1 and any(a != 0 for _, a in rows), "the check needs varied lengths and rewards"
+    spread = step_metrics(rows)["frac_reward_zero_std"] < 0.5
+    assert len(lengths) > 1 and spread, "the check needs varied lengths and rewards"
     beta = cfg.grpo.beta
-    loss, norm = loss_and_grad_norm(sft_policy(sft), rows, loss_type, cfg.grpo.temperature, beta,
-                                    reference=sft_policy(sft).eval() if beta else None)
+    want = step_values(sft_policy(sft), rows, loss_type, cfg.grpo.temperature, beta,
+                       reference=sft_policy(sft).eval() if beta else None)
     step1 = run["train"][0]
     assert step1["step"] == 1
-    assert step1["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
-    assert step1["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert step1["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
+    assert step1["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert step1["entropy"] == pytest.approx(want["entropy"], rel=1e-5)
     for key, value in step_metrics(rows).items():
         assert step1[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
     assert step1["clip_ratio"] == 0  # ratio 1
     if beta:
-        assert step1["kl"] == pytest.approx(0, abs=1e-6)
+        assert want["kl"] == 0 and step1["kl"] == pytest.approx(0, abs=1e-6)
+    else:  # the summary's count of generated tokens (one step: every completion is in rollouts.jsonl)
+        summary = json.loads((run["out"] / "summary.json").read_text())
+        assert summary["rollouts"]["generated_tokens"] == sum(len(r["completion_ids"]) for r in run["rollouts"])
 
 
 def test_step_two_kl_to_the_reference_is_the_formula(sft, step_one):
     """Step 2 of the dapo run (beta 0.05, temperature 0.7): the policy is step 1's (its checkpoint), the reference
-    the SFT adapter; the loss adds beta x k3 (exp(ref - logp) - (ref - logp) - 1) per token."""
+    the SFT adapter; the loss adds beta x k3 (exp(ref - logp) - (ref - logp) - 1) per token, and `kl` logs k3's
+    mean over the step's completion tokens."""
     run = step_one["dapo"]
     rows = check_rollouts(sft, run, step=2)
     policy, reference = sft_policy(sft), sft_policy(sft)
@@ -258,38 +272,43 @@ def test_step_two_kl_to_the_reference_is_the_formula(sft, step_one):
     assert trainable <= state.keys()
     policy.load_state_dict(state, strict=False)
     reference.eval()
-    loss, norm = loss_and_grad_norm(policy, rows, "dapo", 0.7, beta=0.05, reference=reference)
+    want = step_values(policy, rows, "dapo", 0.7, beta=0.05, reference=reference)
     step2 = run["train"][1]
     assert step2["step"] == 2
-    assert step2["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
-    assert step2["grad_norm"] == pytest.approx(norm, rel=1e-4)
-    assert step2["kl"] > 1e-6
+    assert want["kl"] > 1e-5, "the check needs a policy away from the reference"
+    for key in ("loss", "kl", "entropy"):
+        assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
 
 def test_user_reward_function_from_a_file(sft, step_one):
-    """grpo.rewards names path/to/file.py:overlap: its values on the step's completions (recomputed here by calling
+    """grpo.rewards names path/to/file.py:length_match: its values on the step's completions (recomputed here by calling
     it) are what rewards/<name>/mean logs."""
-    overlap = user_rewards(sft).overlap
+    length_match = user_rewards(sft).length_match
     for loss_type, run in step_one.items():
         train, _ = data_lib.load_splits(load_config(run["out"] / "config.yaml"))
         rows = [r for r in run["rollouts"] if r["step"] == 1]
         data = [train[r["index"]] for r in rows]
-        values = overlap([d["prompt"] for d in data], [r["completion"] for r in rows],
+        values = length_match([d["prompt"] for d in data], [r["completion"] for r in rows],
                          [r["completion_ids"] for r in rows], [d["response"] for d in data])
         assert len(set(values)) > 1, loss_type
         logged = run["train"][0][f"rewards/{user_name(rows[0])}/mean"]
         assert logged == pytest.approx(sum(values) / len(values), rel=1e-6), loss_type
 
 
-SAME = ["loss", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
-        "completions/clipped_ratio", "clip_ratio", "entropy", "grad_norm"]
+LOSS_KEYS = ["loss", "clip_ratio", "entropy", "grad_norm"]
+ROLLOUT_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
+                "completions/clipped_ratio"]
 
 
 def assert_same_steps(got: list[dict], want: list[dict], rel: float = 1e-5) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
     for a, b in zip(want, got):
-        keys = SAME + [k for k in a if k.startswith("rewards/")]
-        assert len(keys) > len(SAME) + 3, sorted(a)  # rewards/<name>/mean and std of both functions
+        keys = LOSS_KEYS
+        if a["step"] % 2:  # a new batch of rollouts at steps 1, 3, 5 (grpo.num_iterations=2): their statistics
+            rewards = [k for k in a if k.startswith("rewards/")]
+            assert len(rewards) == 4, sorted(a)  # mean and std of each function
+            keys = keys + ROLLOUT_KEYS + rewards
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-7), f"step {a['step']} {key}"
 
