@@ -20,8 +20,8 @@ from accel_train.config import Config, is_embedded_tiny_model, load_config, to_d
 from accel_train.data_sources import FILE_BUILDERS
 
 EXPORTS = ("adapter", "model", "merged")  # the folders of a run that hold a loadable model
-PIPELINE_TAGS = {"causal_lm": "text-generation", "dpo": "text-generation", "seq_cls": "text-classification"}
-AUTO_CLASSES = {"causal_lm": "CausalLM", "dpo": "CausalLM", "seq_cls": "SequenceClassification"}
+PIPELINE_TAGS = {"causal_lm": "text-generation", "dpo": "text-generation", "grpo": "text-generation", "seq_cls": "text-classification"}
+AUTO_CLASSES = {"causal_lm": "CausalLM", "dpo": "CausalLM", "grpo": "CausalLM", "seq_cls": "SequenceClassification"}
 
 
 def hub_id(name: str) -> str | None:

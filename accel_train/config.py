@@ -318,10 +318,54 @@ class DpoConfig:
 
 
 @dataclass
+class GrpoConfig:
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions, summed with grpo.reward_weights: built-ins exact_match (against grpo.answer_field),
+    regex_match (grpo.regex), length_penalty; or your own as module:function or path/to/file.py:function, called
+    as TRL's: (prompts, completions, completion_ids, **columns) -> one number per completion (accel_train/rewards.py)."""
+    reward_weights: Optional[list[float]] = None
+    """Weight of each reward function, in the order of grpo.rewards; None: 1 each."""
+    answer_field: str = "answer"
+    """exact_match: the data column holding each prompt's expected answer."""
+    regex: Optional[str] = None
+    """regex_match: the pattern a completion (stripped) must match in full to get 1."""
+    length_buffer: Optional[int] = None
+    """length_penalty: the penalty grows from 0 to -1 over the last this-many tokens before grpo.max_new_tokens
+    (DAPO's soft overlong punishment); None: a quarter of max_new_tokens."""
+    num_generations: int = 8
+    """Completions sampled per prompt (the group whose rewards are compared); at least 2."""
+    max_new_tokens: int = 32
+    """Tokens generated at most per completion (it stops earlier at the chat template's end of turn or eos)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts; the log-probs of the loss use the same."""
+    top_p: float = 1.0
+    """Nucleus sampling of the rollouts: sample from the smallest set of tokens holding this probability."""
+    epsilon: float = 0.2
+    """The ratio's clipping range below 1: ratio >= 1 - epsilon (and above 1 with grpo.epsilon_high)."""
+    epsilon_high: Optional[float] = None
+    """The clipping range above 1 (DAPO's clip-higher, e.g. 0.28); None: grpo.epsilon."""
+    num_iterations: int = 1
+    """Optimizer steps on each batch of rollouts (GRPO's mu); above 1 the ratio is to the log-probs at generation.
+    checkpoint.save_every must then be a multiple of it."""
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference (the model with its adapter disabled; with model.adapter_from,
+    that adapter as training starts, frozen); 0: no reference forward (TRL's default)."""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """How the token losses of one optimizer step are summed into its loss, over all processes and micro-batches:
+    grpo: the mean over tokens of each completion, then over completions; dapo: the mean over all completion
+    tokens (also BNPO's here); dr_grpo: their sum divided by completions x grpo.max_new_tokens (Dr. GRPO)."""
+    scale_rewards: bool = True
+    """Divide each group's advantages by the group's reward std; false: only subtract the mean (Dr. GRPO)."""
+    log_completions: bool = True
+    """Write every rollout (prompt, completion, rewards, advantage) to output_dir/rollouts.jsonl."""
+
+
+@dataclass
 class Config:
-    task: Literal["causal_lm", "seq_cls", "dpo"] = "causal_lm"
+    task: Literal["causal_lm", "seq_cls", "dpo", "grpo"] = "causal_lm"
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
-    on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy)."""
+    on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy); grpo:
+    reinforcement learning from rewards of sampled completions to prompts (see grpo.*)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -342,6 +386,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     save: SaveConfig = field(default_factory=SaveConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
@@ -351,7 +396,7 @@ class Config:
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         if self.data.group_by_length is None:
             self.data.group_by_length = self.task == "seq_cls"
-        if self.task == "dpo":  # resolved here, so config.yaml records what the run did
+        if self.task in ("dpo", "grpo"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
@@ -372,6 +417,10 @@ class Config:
             "eval.temperature": self.eval.temperature,
             "eval.top_p": self.eval.top_p,
             "dpo.beta": self.dpo.beta,
+            "grpo.max_new_tokens": self.grpo.max_new_tokens,
+            "grpo.temperature": self.grpo.temperature,
+            "grpo.top_p": self.grpo.top_p,
+            "grpo.num_iterations": self.grpo.num_iterations,
         }
         for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
                               ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),
@@ -384,6 +433,12 @@ class Config:
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        if self.grpo.length_buffer is not None:
+            positive["grpo.length_buffer"] = self.grpo.length_buffer
+        for key, value in (("grpo.epsilon", self.grpo.epsilon), ("grpo.beta", self.grpo.beta)) + (
+                (("grpo.epsilon_high", self.grpo.epsilon_high),) if self.grpo.epsilon_high is not None else ()):
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
         for key, value in (("train.warmup_steps", self.train.warmup_steps), ("train.weight_decay", self.train.weight_decay),
                            ("lora.dropout", self.lora.dropout), ("data.num_workers", self.data.num_workers),
                            ("train.early_stopping_threshold", self.train.early_stopping_threshold)):
@@ -414,16 +469,53 @@ class Config:
                               "dpo.precompute_ref=false (the reference is then computed at each step)")
         if self.data.truncation != "prompt_first" and (self.task != "causal_lm" or self.data.format == "text"):
             raise ConfigError(f"data.truncation={self.data.truncation} is for causal_lm conversations: "
-                              + ("task dpo always cuts the prompt first" if self.task == "dpo" else
+                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo") else
                                  "format text is split into max_length chunks" if self.task == "causal_lm" else
                                  "seq_cls texts are cut at max_length"))
         if self.dpo.rpo_alpha < 0:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
+        self._check_grpo()
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()
+
+    def _check_grpo(self):
+        g = self.grpo
+        if self.task != "grpo":
+            return
+        if g.num_generations < 2:
+            raise ConfigError(f"grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
+                              f"got {g.num_generations}")
+        if not g.rewards:
+            raise ConfigError("grpo.rewards is empty: name at least one reward function (e.g. exact_match)")
+        if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
+            raise ConfigError(f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.rewards)} "
+                              f"grpo.rewards ({', '.join(g.rewards)}); give one per reward or none")
+        if g.top_p > 1:
+            raise ConfigError(f"grpo.top_p must be in (0, 1], got {g.top_p}")
+        if self.checkpoint.save_every and self.checkpoint.save_every % g.num_iterations:
+            raise ConfigError(f"checkpoint.save_every={self.checkpoint.save_every} must be a multiple of "
+                              f"grpo.num_iterations={g.num_iterations}: a checkpoint is written between two batches "
+                              "of rollouts, never inside one")
+        if self.checkpoint.keep_best and self.train.eval_every and self.train.eval_every % g.num_iterations:
+            raise ConfigError(f"checkpoint.keep_best with train.eval_every={self.train.eval_every}: it must be a "
+                              f"multiple of grpo.num_iterations={g.num_iterations} (checkpoints are written between "
+                              "batches of rollouts)")
+        if self.max_prompt_length() < 1:
+            raise ConfigError(f"data.max_length={self.data.max_length} leaves no room for a prompt before "
+                              f"grpo.max_new_tokens={g.max_new_tokens} generated tokens; raise data.max_length")
+        if self.data.group_by_length or self.data.streaming:
+            key = "data.group_by_length" if self.data.group_by_length else "data.streaming"
+            raise ConfigError(f"{key}=true is not supported with task grpo; set it to false")
+        if self.eval.generate:
+            raise ConfigError("eval.generate=true is for task causal_lm; task grpo evaluates its greedy answers "
+                              "with its own rewards (eval_reward)")
+
+    def max_prompt_length(self) -> int:
+        """grpo: the tokens a prompt keeps (its last ones), so that prompt and completion fit data.max_length."""
+        return self.data.max_length - self.grpo.max_new_tokens
 
     def _check_best(self):
         """Generation, early stopping and the best checkpoint: the combinations that can work."""

@@ -17,7 +17,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, Value, l
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
-from accel_train import dpo, formats
+from accel_train import dpo, formats, grpo
 from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.data_sources import builtin_rows, file_builder, is_saved_dataset
 from accel_train.formats import IGNORE_INDEX
@@ -191,6 +191,8 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, labels: list
     cols = columns(ds)
     if cfg.task == "dpo":
         return dpo.tokenize_pairs(ds, tokenizer, cfg, cols)
+    if cfg.task == "grpo":
+        return grpo.tokenize_prompts(ds, tokenizer, cfg, cols)
     d = formats.resolve(cfg, cols) if cfg.task == "causal_lm" else cfg.data  # the format and columns read
     fmt = d.format if cfg.task == "causal_lm" else None
     key = Config(task=cfg.task, data=DataConfig(
@@ -374,6 +376,8 @@ def make_collator(tokenizer, cfg: Config, pack: bool = False, attention_cost: fl
     labels with IGNORE_INDEX."""
     if cfg.task == "dpo":
         return dpo.PairCollator(tokenizer.pad_token_id, multiple)
+    if cfg.task == "grpo":
+        return grpo.PromptCollator(cfg)
     if cfg.task == "causal_lm" and pack:
         return PackingCollator(tokenizer.pad_token_id, attention_cost, multiple)
     if cfg.task == "causal_lm":
@@ -498,7 +502,7 @@ def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
 
 def check_columns(cfg: Config, ds: Dataset | IterableDataset) -> str | None:
     """The columns the run reads are there; causal_lm: returns (and logs) the format read and from which columns."""
-    (dpo.pair_columns if cfg.task == "dpo" else formats.check_columns)(cfg, columns(ds))
+    {"dpo": dpo.pair_columns, "grpo": grpo.prompt_columns}.get(cfg.task, formats.check_columns)(cfg, columns(ds))
     if cfg.task == "causal_lm":
         chosen = formats.describe_format(cfg, columns(ds))
         logger.info(f"data: {chosen}")

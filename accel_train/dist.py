@@ -71,6 +71,10 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
     # DeepSpeed is the exception: accelerate sets it up only with cpu=False (AcceleratorState in 1.15), and
     # DeepSpeed's CPU accelerator then forms the group on the backend given here (gloo without oneCCL).
+    if not torch.accelerator.is_available():
+        # transformers imports deepspeed where installed (generate, modeling_utils): DeepSpeed's accelerator probe
+        # would print its "Setting accelerator to CPU" warning; what it would find, said without it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed_on_cpu = world > 1 and not torch.accelerator.is_available() and launcher_asks("ACCELERATE_USE_DEEPSPEED")
     cpu = world > 1 and not torch.accelerator.is_available() and not deepspeed_on_cpu
     if deepspeed_on_cpu:

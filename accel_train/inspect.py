@@ -102,6 +102,8 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
         train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
     if cfg.task == "dpo":
         return inspect_pairs(cfg, train_raw, eval_raw, streamed, tokenizer, samples, out)
+    if cfg.task == "grpo":
+        return inspect_prompts(cfg, train_raw, eval_raw, streamed, tokenizer, samples, out)
     labels = data_lib.label_names(cfg, train_raw, eval_raw) if cfg.task == "seq_cls" else None
     report = {}
     train = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report)
@@ -167,6 +169,35 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     if lengths:
         print(batch_efficiency(cfg, lengths, tokenizer), file=out)
     return figures
+
+
+def inspect_prompts(cfg: Config, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+    """task grpo: the prompts as the model continues them (template and generation prompt applied), what is cut,
+    and the columns the reward functions get."""
+    from accel_train import data as data_lib
+    from accel_train import grpo
+
+    train = data_lib.tokenize(train_raw, tokenizer, cfg)
+    lengths = [len(ids) for ids in train["prompt_ids"]]
+    keep = cfg.max_prompt_length()
+    whole = data_lib.tokenize(train_raw, tokenizer, dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, max_length=10**9)))
+    cut = sum(len(ids) > keep for ids in whole["prompt_ids"])
+    column = grpo.prompt_column(cfg, data_lib.columns(train_raw))
+    others = [c for c in data_lib.columns(train_raw) if c != column]
+    g = cfg.grpo
+    print(f"data: {cfg.data.path} (task grpo, prompts from {column}; rewards {', '.join(g.rewards)} get the columns "
+          f"{', '.join(others) or '(none)'}); tokenizer {cfg.model.name_or_path}", file=out)
+    print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+          f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to their last {keep} tokens "
+          f"(data.max_length - grpo.max_new_tokens)", file=out)
+    for i in range(min(samples, len(train))):
+        print(f"--- prompt {i}: {lengths[i]} tokens, then up to {g.max_new_tokens} generated", file=out)
+        print(tokenizer.decode(train[i]["prompt_ids"]), file=out)
+    print("---", file=out)
+    if lengths:
+        print(f"prompt tokens: {distribution(lengths)}", file=out)
+    return {"train_rows": len(train_raw), "train_prompts": len(train), "cut": cut, "prompt_lengths": lengths}
 
 
 def inspect_pairs(cfg: Config, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:

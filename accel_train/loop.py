@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType, send_to_device
 
 from accel_train import data as data_lib
-from accel_train import dpo, faults
+from accel_train import dpo, faults, grpo
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
@@ -52,6 +52,10 @@ class TrainingJob:
     """eval.generate: the prompts to answer at each evaluation (generation.py)."""
     preference: dpo.PreferenceLoss | None = None
     """dpo: the loss of pairs against the reference, and its reward metrics."""
+    rollouts: grpo.Rollouts | None = None
+    """grpo: each step's micro-batches of sampled completions, scored (grpo.py)."""
+    policy: grpo.PolicyLoss | None = None
+    """grpo: the clipped-ratio loss of completions."""
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -65,6 +69,8 @@ def count_targets(batch: dict, task: str) -> torch.Tensor | int:
     """Targets the loss of this batch is summed over (response tokens after the shift, samples, or pairs)."""
     if task == "dpo":
         return batch["labels"].shape[0] // 2  # chosen and rejected rows
+    if task == "grpo":
+        return batch["targets"]  # completion tokens, completions, or completions x max_new_tokens (grpo.loss_type)
     return (batch["labels"][:, 1:] != IGNORE).sum() if task == "causal_lm" else batch["labels"].numel()
 
 
@@ -175,6 +181,8 @@ def loss_and_logged(model, batch: dict, task: str, job: TrainingJob) -> tuple[to
     """(the batch's summed loss, the detached sums to log: that loss, then dpo's METRICS summed over pairs)."""
     if task == "dpo":
         return job.preference(model, batch)
+    if task == "grpo":
+        return job.policy(model, batch)
     loss = batch_loss(model, batch, task, job.loss_head)
     return loss, loss.detach()[None]
 
@@ -189,8 +197,8 @@ class LossSums:
     targets: int = 0
 
     @classmethod
-    def start(cls, task: str, device) -> "LossSums":
-        names = ("loss", *dpo.METRICS) if task == "dpo" else ("loss",)
+    def start(cls, job: TrainingJob, task: str, device) -> "LossSums":
+        names = ("loss", *dpo.METRICS) if task == "dpo" else job.policy.names if task == "grpo" else ("loss",)
         return cls(names, torch.zeros(len(names), device=device))
 
     def add(self, window_sums: torch.Tensor, targets: int) -> None:
@@ -204,13 +212,14 @@ class LossSums:
                  for k, s in zip(self.names, sums)}
         self.sums.zero_()
         self.targets = 0
-        return means
+        return grpo.finish_means(means) if "n/tokens" in means else means
 
 
 def log_training(job: TrainingJob, since_log: LossSums, lr: float, grad_norm: float) -> dict:
     """The training record of this step (metrics.jsonl, trackers, console): the means since the last log."""
     state, accelerator = job.state, job.accelerator
-    record = {"step": state.step, "epoch": state.epoch, **since_log.means(accelerator), "lr": lr,
+    rollouts = job.rollouts.means(accelerator) if job.rollouts is not None else {}  # collectives, on every rank
+    record = {"step": state.step, "epoch": state.epoch, **since_log.means(accelerator), **rollouts, "lr": lr,
               "grad_norm": float(grad_norm), **job.run_log.throughput(),
               "memory_mb": current_memory_mb(accelerator.device)}
     job.run_log.log(record)
@@ -240,28 +249,37 @@ def empty_pass(cfg: Config) -> ConfigError:
                        f"data.max_length={cfg.data.max_length}; raise it, or check data.path={cfg.data.path}")
 
 
+def replay_batch(job: TrainingJob) -> dict:
+    """A micro-batch of the first training sample (grpo: rolled out, not logged)."""
+    batch = send_to_device(job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]),
+                           job.accelerator.device)
+    return grpo.replay(job.rollouts, batch) if job.rollouts is not None else batch
+
+
 def fit(cfg: Config, job: TrainingJob) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
     accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
     last, evaluation, stopped = {}, {}, None
-    since_log = LossSums.start(task, accelerator.device)
+    since_log = LossSums.start(job, task, accelerator.device)
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
-    replay = functools.cache(lambda: send_to_device(
-        job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]), accelerator.device))
+    replay = functools.cache(lambda: replay_batch(job))
+    reuse = cfg.grpo.num_iterations if task == "grpo" else 1  # optimizer steps per batch of data
     model.train()
     while state.step < job.total_steps:
-        batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch * accum)
+        batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch // reuse * accum)
         while state.step < job.total_steps and stopped is None:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
-            window = list(islice(batches, accum))
+            # grpo: the window's prompts become completions here (generated on each rank, no collective).
+            window = job.rollouts.window(batches, state.step) if job.rollouts else list(islice(batches, accum))
             # One collective and one device-to-host copy per step: every rank learns every rank's counts.
             stats = window_stats(window, task, job.preemption.signum, accelerator.device)
             rows = accelerator.gather(stats[None]).tolist()
             targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
             n_micro, signal = max(r[4] for r in rows), max(r[5] for r in rows)
-            if signal:  # a signal reached some rank: every rank stops here, after the same step
+            if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step
+                # (grpo: between two batches of rollouts)
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
                 if state.step_in_epoch == 0:  # and it gave no step: reading it again would never end
@@ -328,6 +346,8 @@ def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
     accelerator, model = job.accelerator, job.model
     if cfg.task == "dpo":
         return dpo.evaluate(accelerator, model, job.eval_dl, job.preference)
+    if cfg.task == "grpo":
+        return grpo.evaluate(cfg, accelerator, model, job.eval_dl, job.rollouts)
     model.eval()
     total_loss, total_targets, samples = 0.0, 0, 0
     for batch in job.eval_dl:

@@ -19,8 +19,9 @@ from accel_train.tracking import quiet_libraries
 logger = get_logger(__name__)
 
 AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification,
-              "dpo": AutoModelForCausalLM}
-PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS, "dpo": peft.TaskType.CAUSAL_LM}
+              "dpo": AutoModelForCausalLM, "grpo": AutoModelForCausalLM}
+PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS, "dpo": peft.TaskType.CAUSAL_LM,
+             "grpo": peft.TaskType.CAUSAL_LM}
 
 
 def build_tokenizer(cfg: Config):
@@ -126,7 +127,7 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
         return model
     if cfg.model.adapter_from:
         model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
-        if cfg.task == "dpo" and cfg.dpo.reference == "start":
+        if cfg.task == "dpo" and cfg.dpo.reference == "start" or cfg.task == "grpo" and cfg.grpo.beta:
             # dpo's reference: the same adapter, frozen (adapter-sized: the base is shared); dpo.reference_mode
             # switches to it (TRL's ref_adapter_name)
             model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)

@@ -1,5 +1,6 @@
 """Loss curves: train and eval loss and the learning rate of one or more runs, in one PNG (with dpo's rewards
-when a run logged them).
+when a run logged them; for grpo runs the rewards on top: the sampled completions' mean, and the greedy eval
+answers', with the loss below).
 
     python -m accel_train.plot RUN_DIR [RUN_DIR ...] [--out runs.png]
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
-    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r or "eval_reward" in r]
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
@@ -24,6 +25,8 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
 
     records = {run_dir: read_records(run_dir) for run_dir in run_dirs}
     rewards = any("rewards/margin" in r for train, _ in records.values() for r in train)
+    if any("reward" in r for train, _ in records.values() for r in train):
+        return plot_grpo(records, out, plt)
     fig, axes = plt.subplots(3 if rewards else 2, 1, figsize=(8, 9 if rewards else 6), sharex=True,
                              height_ratios=[3, 2, 1] if rewards else [3, 1])
     ax_loss, ax_lr = axes[0], axes[-1]
@@ -51,6 +54,29 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("optimizer step")
     ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)
+
+
+def plot_grpo(records: dict, out: Path, plt) -> Path:
+    """grpo runs: reward (train: the sampled completions; eval: the greedy answers), the loss, the learning rate."""
+    fig, (ax_reward, ax_loss, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True, height_ratios=[3, 2, 1])
+    for run_dir, (train, evals) in records.items():
+        name, steps = Path(run_dir).name, [r["step"] for r in train]
+        rolled = [r for r in train if "reward" in r]  # grpo.num_iterations > 1: not every log interval rolls out
+        line, = ax_reward.plot([r["step"] for r in rolled], [r["reward"] for r in rolled], label=f"{name} reward (sampled)")
+        if evals:
+            ax_reward.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o--",
+                           color=line.get_color(), label=f"{name} eval_reward (greedy)")
+        ax_loss.plot(steps, [r["loss"] for r in train], color=line.get_color(), label=f"{name} loss")
+        ax_lr.plot(steps, [r["lr"] for r in train], color=line.get_color())
+    for ax, label in ((ax_reward, "reward (mean per completion)"), (ax_loss, "loss"), (ax_lr, "learning rate")):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax_reward.legend(fontsize="small")
+    ax_lr.set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

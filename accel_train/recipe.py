@@ -22,7 +22,7 @@ from datasets import Dataset, IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
-from accel_train import dpo, faults
+from accel_train import dpo, faults, grpo
 from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
@@ -61,6 +61,9 @@ def run(cfg: Config, resume: Path | None) -> dict:
         job = prepare(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
         if cfg.eval.generate and job.eval_dl is not None:
             job.generation = setup_generation(cfg, accelerator, tokenizer, eval_ds)
+        if cfg.task == "grpo":
+            job.rollouts, job.policy = grpo.Rollouts(cfg, accelerator, job.model, tokenizer), grpo.PolicyLoss(
+                cfg, accelerator)
         describe(cfg, job, train_ds, eval_ds)
 
         t0 = time.perf_counter()
@@ -72,6 +75,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
             job.run_log.close()
         results.update(job.run_log.timing())
         train_seconds = time.perf_counter() - t0
+        if job.rollouts is not None:  # a collective, on every rank
+            results["rollouts"] = job.rollouts.summary(accelerator, train_seconds)
         best = cfg.save.final == "best" and job.state.best_metric is not None
         saved_step = job.state.best_step if best else job.state.step
         if saved_step != job.state.step:  # save.final=best: the best evaluation's weights, from its checkpoint
@@ -112,6 +117,8 @@ def setup_data(cfg: Config, accelerator, tokenizer, report: dict) -> tuple:
         faults.inject_phase("setup", accelerator.process_index)
         train_raw, eval_raw = data_lib.load_splits(cfg)
         data_lib.check_columns(cfg, train_raw)
+        if cfg.task == "grpo":  # a reward function that fails on the first row stops the run now
+            grpo.check_rewards_on(cfg, train_raw)
         if cfg.task == "seq_cls":
             labels = data_lib.label_names(cfg, train_raw, eval_raw)
             # resolved: predict/export read it
@@ -192,7 +199,8 @@ def count_steps(cfg: Config, accelerator, train_ds) -> int:
     if cfg.train.max_steps:
         return cfg.train.max_steps
     micro_batches = math.ceil(len(train_ds) / cfg.train.per_device_batch_size)  # over all ranks, per epoch
-    return math.ceil(micro_batches / (accelerator.num_processes * cfg.train.grad_accum_steps)) * cfg.train.epochs
+    steps = math.ceil(micro_batches / (accelerator.num_processes * cfg.train.grad_accum_steps)) * cfg.train.epochs
+    return steps * cfg.grpo.num_iterations if cfg.task == "grpo" else steps
 
 
 def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tuple:
@@ -221,7 +229,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     # tried on ids as the run gives them: tokens (many classes), or the classifier's classes
     classes = list(range(cfg.model.num_labels or 2 if cfg.task == "seq_cls" else 3))
     metrics = load_metrics(cfg.eval.metrics, cfg.eval.metric_kwargs, classes, classes[1:] + classes[:1],
-                           "eval.metrics") if cfg.task != "dpo" else {}
+                           "eval.metrics") if cfg.task not in ("dpo", "grpo") else {}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
     state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
     accelerator.register_for_checkpointing(state)
@@ -275,7 +283,9 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
         f"{weights}; {trainable:,} of {total:,} parameters trainable; "
         f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
-        f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}; {job.total_steps} steps")
+        f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
+        + (f" prompts x {cfg.grpo.num_generations} completions" if cfg.task == "grpo" else "")
+        + f"; {job.total_steps} steps")
 
 
 def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:

@@ -339,13 +339,15 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
     out = Path(cfg.output_dir)
     summary = {
         "final": {k: v for k, v in results.items()
-                  if k.startswith(("eval_", "rewards/")) or k in ("step", "epoch", "loss")},
+                  if k.startswith(("eval_", "rewards/")) or k in ("step", "epoch", "loss", "reward")},
         # why training ended (completed, early_stopping), the best evaluation by eval.metric_for_best, which
         # weights were saved (save.final)
         "stopped": results.get("stopped"), "best": results.get("best"), "saved_weights": results.get("saved_weights"),
         "hardware": results.get("hardware"), "effective_batch": results.get("effective_batch"),
         # rows cut, dropped and refused when tokenizing, per split (data.tokenize)
         "data": results.get("data"),
+        # grpo: completions generated (all ranks), the seconds spent generating and training (grpo.Rollouts)
+        **({"rollouts": results["rollouts"]} if "rollouts" in results else {}),
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
         "step_seconds_median": results.get("step_seconds_median"),
@@ -357,6 +359,10 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_runs([out], out / "loss.png")
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items() if isinstance(v, float))
+    if "rollouts" in summary:
+        r = summary["rollouts"]
+        final = (f"{final}; {r['generated_tokens']} tokens generated in {r['generation_s']} s "
+                 f"({r['generated_tokens_per_s']} tokens/s), {r['training_s']} s training on them")
     if summary["stopped"] == "early_stopping":
         final = f"{final}; stopped early at step {results['step']}, best {summary['best']}"
     main_logger().info(f"final: {final}; {summary['train_seconds']} s training, {summary['tokens_per_sec']:.0f} "

@@ -1,0 +1,440 @@
+"""Reinforcement learning from verifiable rewards (task grpo): sampled completions to prompts, scored by reward
+functions (rewards.py), each compared with the other completions of its prompt (Shao et al. 2024, GRPO).
+
+Data: one prompt per row, `prompt` (data.prompt_field: a text, or chat turns) or `messages` (data.messages_field)
+ending with a user turn; the chat template is applied with its generation prompt. Every other column goes to the
+reward functions by name (e.g. `answer` for exact_match, grpo.answer_field).
+
+One optimizer step, on each rank, for each of its grad_accum_steps micro-batches of per_device_batch_size prompts:
+
+    rollout   grpo.num_generations completions per prompt, sampled with the adapter on and the KV cache
+              (transformers' generate), ending at the template's end of turn, eos, or grpo.max_new_tokens.
+              Each completion's sampling noise comes from its own generator, seeded by (seed, the step of the
+              rollout, the prompt's row, the completion's number): 1 and 2 processes sample the same completions
+              for the same prompts, and a resumed run samples what the uninterrupted one did (nothing to save).
+              Generating runs no collective: every rank generates its own prompts' completions.
+    rewards   r = sum_f w_f reward_f; advantages within each prompt's group: A = (r - mean) / (std + 1e-4)
+              (torch.std, unbiased), or r - mean with grpo.scale_rewards=false (Dr. GRPO).
+    loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
+              ratio = exp(logp - logp_old) (logp at grpo.temperature; logp_old: logp itself, detached, or with
+              grpo.num_iterations > 1 the log-prob at generation) and KL = exp(ref - logp) - (ref - logp) - 1
+              to the reference (the adapter disabled, as dpo's). The loop sums it and divides by the step's count
+              over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo), completions, each
+              first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
+
+With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
+every mu steps); checkpoints are written between batches of rollouts only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from itertools import islice
+from pathlib import Path
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import gather_object
+from datasets import Dataset, IterableDataset
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from accel_train import formats
+from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
+from accel_train.dpo import reference_mode
+from accel_train.formats import IGNORE_INDEX, stop_token_ids
+from accel_train.rewards import Rewards, smoke_test
+
+logger = get_logger(__name__)
+
+ROLLOUTS_FILE = "rollouts.jsonl"  # one row per completion (grpo.log_completions)
+ADVANTAGE_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def prompt_column(cfg: Config, columns: list[str]) -> str:
+    """The column holding the prompts: data.prompt_field, else data.messages_field."""
+    for name in (cfg.data.prompt_field, cfg.data.messages_field):
+        if name in columns:
+            return name
+    raise ConfigError(f"data: {cfg.data.path} has no {cfg.data.prompt_field!r} or {cfg.data.messages_field!r} column "
+                      f"of prompts needed by task grpo; columns found: {', '.join(columns)} (set data.prompt_field "
+                      "or data.messages_field)")
+
+
+def prompt_columns(cfg: Config, columns: list[str]) -> None:
+    """The prompts are there, and the answers exact_match compares with."""
+    prompt_column(cfg, columns)
+    if "exact_match" in cfg.grpo.rewards and cfg.grpo.answer_field not in columns:
+        raise ConfigError(f"grpo.rewards: exact_match compares with the column grpo.answer_field="
+                          f"{cfg.grpo.answer_field}, which {cfg.data.path} lacks; columns found: {', '.join(columns)}")
+
+
+def prompt_turns(value, row: int) -> list[dict]:
+    """A prompt as chat turns: a text is one user turn; turns must end with the user's (or a tool's) turn."""
+    if not isinstance(value, list):
+        text = "" if value is None else str(value)
+        if not text.strip():
+            raise ConfigError(f"data: row {row}: the prompt is empty; fill it or drop the row")
+        return [{"role": "user", "content": text}]
+    turns = [formats._message(m, row) for m in value]
+    if not turns or turns[-1]["role"] == "assistant":
+        raise ConfigError(f"data: row {row}: the prompt ends with {'an assistant turn' if turns else 'nothing'}; task "
+                          "grpo generates the next assistant turn, so a prompt ends with the user's (put a reference "
+                          "answer in a column of its own for the rewards)")
+    return turns
+
+
+def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION) -> dict:
+    """The prompt's token ids, as the model will continue them (the template's generation prompt at the end), cut
+    to its last cfg.max_prompt_length() tokens; `index`: the row (seeds its completions' sampling)."""
+    turns = prompt_turns(example[prompt_column(cfg, list(example))], row)
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:  # as formats.tokens_without_template renders the turns before an answer
+        ids = tokenizer("\n".join(t["content"] for t in turns) + "\n")["input_ids"]
+    keep = cfg.max_prompt_length()
+    return {"prompt_ids": ids[-keep:], "index": row, "truncated": len(ids) > keep}
+
+
+def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str]) -> Dataset | IterableDataset:
+    """prompt_ids and index added to each row (the other columns stay, for the rewards); the cut ones counted."""
+    d = cfg.data
+    key = Config(task="grpo", data=DataConfig(prompt_field=d.prompt_field, messages_field=d.messages_field,
+                                              max_length=d.max_length),
+                 grpo=GrpoConfig(max_new_tokens=cfg.grpo.max_new_tokens))  # what tokenizing reads (cache key)
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
+              "with_indices": True}
+    ds = ds.map(tokenize_prompt, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
+        tokenize_prompt, **kwargs, desc="tokenizing prompts")
+    if isinstance(ds, Dataset) and (truncated := sum(ds["truncated"])):
+        logger.info(f"grpo: {truncated} of {len(ds)} prompts cut to their last {cfg.max_prompt_length()} tokens "
+                    f"(data.max_length={d.max_length} - grpo.max_new_tokens={cfg.grpo.max_new_tokens})")
+    return ds.remove_columns("truncated")
+
+
+class PromptCollator:
+    """A batch of prompts: their token ids (lists: generate pads them), rows, and the other columns as lists."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def __call__(self, features: list[dict]) -> dict:
+        key = prompt_column(self.cfg, list(features[0]))
+        skip = ("prompt_ids", "index", key)
+        return {"prompt_ids": [f["prompt_ids"] for f in features], "index": torch.tensor([f["index"] for f in features]),
+                "prompts": [f[key] for f in features],
+                "columns": {k: [f[k] for f in features] for k in features[0] if k not in skip}}
+
+
+def check_rewards_on(cfg: Config, ds: Dataset | IterableDataset) -> None:
+    """Before any model is built: every reward function called once on the first row (two empty completions)."""
+    example = next(iter(ds)) if isinstance(ds, IterableDataset) else ds[0]
+    column = prompt_column(cfg, list(example))
+    smoke_test(Rewards(cfg), example, example[column], [k for k in example if k != column])
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+
+def row_seed(seed: int, step: int, index: int, generation: int) -> int:
+    """The seed of one completion's sampling noise: the same on any number of processes."""
+    return int.from_bytes(hashlib.sha256(f"{seed} {step} {index} {generation}".encode()).digest()[:8], "little") >> 1
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling (temperature, top_p) with each row's own noise: the next token is where the row's uniform draw
+    falls in the distribution's cumulative sum. It returns scores with only that token finite, so generate's
+    greedy choice picks it; the rows' draws do not depend on which other rows share the batch."""
+
+    def __init__(self, noise: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
+        self.noise, self.prompt_width, self.temperature, self.top_p = noise, prompt_width, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:  # keep the most likely tokens up to top_p of the mass (at least one)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        cdf = probs.cumsum(-1)
+        u = self.noise[:, input_ids.shape[1] - self.prompt_width, None] * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted from each row's first real token (rows are left-padded), as generate counts them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# ---------------------------------------------------------------------------------------------------- rollouts
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
+    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std."""
+    centred = rewards - rewards.mean(1, keepdim=True)
+    return centred / (rewards.std(1, keepdim=True) + ADVANTAGE_EPS) if scale else centred
+
+
+class Rollouts:
+    """Generates each step's completions, scores them, and keeps the statistics logged about them."""
+
+    def __init__(self, cfg: Config, accelerator, model, tokenizer):
+        self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
+        self.rewards = Rewards(cfg)
+        self.stop_ids = stop_token_ids(tokenizer, getattr(accelerator.unwrap_model(model), "generation_config", None))
+        self.current: list[dict] | None = None
+        self.generated_tokens, self.generation_s = 0, 0.0
+        n = len(self.rewards.names)
+        # since the last log, this rank's: reward, reward^2, each function's reward and reward^2, groups with no
+        # spread, completion tokens, completions cut at max_new_tokens, completions, groups; and the longest
+        self.sums = torch.zeros(2 * n + 7, dtype=torch.float64)
+        self.longest = torch.zeros(1)
+        self.path = Path(cfg.output_dir) / ROLLOUTS_FILE
+
+    def window(self, batches, step: int) -> list[dict]:
+        """This step's micro-batches: a new batch of rollouts every grpo.num_iterations steps, else the last one."""
+        mu = self.g.num_iterations
+        if step % mu and self.current is None:
+            logger.warning(f"grpo: resumed at step {step}, inside a batch of rollouts (grpo.num_iterations={mu}): "
+                           "its completions are sampled again with the current weights", main_process_only=True)
+        if step % mu == 0 or self.current is None:
+            start = step - step % mu
+            self.current = self.roll(list(islice(batches, self.cfg.train.grad_accum_steps)), start)
+        return self.current
+
+    @torch.no_grad()
+    def roll(self, prompt_batches: list[dict], step: int, log: bool = True) -> list[dict]:
+        """Training micro-batches from prompt batches: completions, rewards, advantages. `step`: the optimizer steps
+        done before the rollout (seeds the sampling); `log`: count and write them (not for a replayed batch)."""
+        t0 = time.perf_counter()
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        was_training = unwrapped.training
+        unwrapped.eval()
+        out, records = [], []
+        for batch in prompt_batches:
+            with self.accelerator.autocast():
+                completions = self.generate(unwrapped, batch, step)
+            micro, rows = self.score(batch, completions, step, log)
+            out.append(micro)
+            records += rows
+        unwrapped.train(was_training)
+        if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
+            for micro in out:
+                with self.accelerator.autocast():
+                    micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature)[0]
+        self.generation_s += time.perf_counter() - t0
+        if log:
+            self.write(records)
+        return out
+
+    def generate(self, model, batch: dict, step: int) -> list[list[int]]:
+        """grpo.num_generations completions per prompt (prompt-major), each up to and with its stop token."""
+        G, device = self.g.num_generations, self.accelerator.device
+        rows = [ids for ids in batch["prompt_ids"] for _ in range(G)]
+        input_ids, attention_mask = left_padded(rows, self.tokenizer.pad_token_id, device)
+        noise = torch.stack([torch.rand(self.g.max_new_tokens, generator=torch.Generator().manual_seed(
+            row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)]).to(device)
+        config = GenerationConfig(max_new_tokens=self.g.max_new_tokens, do_sample=False, eos_token_id=self.stop_ids,
+                                  pad_token_id=self.tokenizer.pad_token_id, use_cache=True)
+        sampler = SeededSampler(noise, input_ids.shape[1], self.g.temperature, self.g.top_p)
+        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             logits_processor=LogitsProcessorList([sampler]))[:, input_ids.shape[1]:].tolist()
+        return [next((t[:i + 1] for i, x in enumerate(t) if x in self.stop_ids), t) for t in new]
+
+    def score(self, batch: dict, completions: list[list[int]], step: int, log: bool) -> tuple[dict, list[dict]]:
+        """The training micro-batch of one prompt batch's completions, and their rollouts.jsonl rows."""
+        G, n_prompts = self.g.num_generations, len(batch["prompt_ids"])
+        expand = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
+        texts = [t.strip() for t in self.tokenizer.batch_decode(completions, skip_special_tokens=True)]
+        per_function = self.rewards(expand(batch["prompts"]), texts, completions,
+                                    {k: expand(v) for k, v in batch["columns"].items()})
+        values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
+        weights = torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None, None]
+        total = (values * weights).sum(0)
+        advantages = group_advantages(total, self.g.scale_rewards).reshape(-1)
+        lengths = [len(c) for c in completions]
+        if log:
+            self.generated_tokens += sum(lengths)
+            flat = values.reshape(len(per_function), -1)
+            self.sums += torch.cat([torch.stack([total.sum(), (total ** 2).sum()]), flat.sum(1), (flat ** 2).sum(1),
+                                    torch.tensor([float((total.std(1) == 0).sum()), sum(lengths),
+                                                  sum(n >= self.g.max_new_tokens and c[-1] not in self.stop_ids
+                                                      for n, c in zip(lengths, completions)),
+                                                  len(lengths), n_prompts], dtype=torch.float64)])
+            self.longest = torch.maximum(self.longest, torch.tensor([float(max(lengths))]))
+        micro = self.training_batch(batch["prompt_ids"], completions, advantages)
+        rows = [{"step": step + 1, "index": int(batch["index"][k // G]), "generation": k % G,
+                 "prompt": self.tokenizer.decode(batch["prompt_ids"][k // G]), "completion": texts[k],
+                 "prompt_ids": batch["prompt_ids"][k // G], "completion_ids": completions[k],
+                 "rewards": {n: per_function[f][k] for f, n in enumerate(self.rewards.names)},
+                 "reward": float(total.reshape(-1)[k]), "advantage": float(advantages[k])}
+                for k in range(len(completions))] if log and self.g.log_completions else []
+        return micro, rows
+
+    def training_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages) -> dict:
+        """Rows of left-padded prompt, then completion, then padding; labels on the completion tokens only."""
+        G, pad, device = self.g.num_generations, self.tokenizer.pad_token_id, self.accelerator.device
+        width = max(len(c) for c in completions)
+        prompt_ids, prompt_mask = left_padded([p for p in prompts for _ in range(G)], pad, device)
+        completion_ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions], device=device)
+        completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions], device=device)
+        labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
+                            completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)], 1)
+        targets = {"dapo": completion_mask.sum(), "grpo": len(completions),
+                   "dr_grpo": len(completions) * self.g.max_new_tokens}[self.g.loss_type]
+        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+        return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention_mask,
+                "position_ids": position_ids(attention_mask), "labels": labels, "completion_width": width,
+                "advantages": advantages.to(device, torch.float32), "targets": targets}
+
+    def write(self, records: list[dict]) -> None:
+        """Every rank's rollouts into rollouts.jsonl, by the main process (a collective: every rank rolls out at the
+        same steps)."""
+        if not self.g.log_completions:
+            return
+        gathered = gather_object(records) if self.accelerator.num_processes > 1 else records
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                for row in sorted(gathered, key=lambda r: (r["index"], r["generation"])):
+                    f.write(json.dumps(row) + "\n")
+
+    def means(self, accelerator) -> dict:
+        """The rollouts' statistics since the last log, over all ranks (two collectives, on every rank)."""
+        sums = accelerator.reduce(self.sums.to(accelerator.device, torch.float32), reduction="sum").double().tolist()
+        longest = accelerator.reduce(self.longest.to(accelerator.device), reduction="max").item()
+        self.sums.zero_()
+        self.longest.zero_()
+        n = len(self.rewards.names)
+        completions, groups = sums[-2], sums[-1]
+        if not completions:
+            return {}
+
+        def mean_std(s, sq):
+            mean = s / completions
+            return mean, math.sqrt(max(sq / completions - mean ** 2, 0.0))
+
+        reward, reward_std = mean_std(sums[0], sums[1])
+        record = {"reward": reward, "reward_std": reward_std}
+        for f, name in enumerate(self.rewards.names):
+            record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(sums[2 + f], sums[2 + n + f])
+        zero_std, tokens, clipped = sums[2 + 2 * n: 5 + 2 * n]
+        return {**record, "frac_reward_zero_std": zero_std / groups, "completions/mean_length": tokens / completions,
+                "completions/max_length": longest, "completions/clipped_ratio": clipped / completions}
+
+    def summary(self, accelerator, fit_seconds: float) -> dict:
+        """Rollout tokens/s and the time split, for summary.json (a collective: every rank calls it)."""
+        tokens = int(accelerator.reduce(torch.tensor([float(self.generated_tokens)], device=accelerator.device),
+                                        reduction="sum").item())
+        return {"generated_tokens": tokens, "generation_s": round(self.generation_s, 2),
+                "training_s": round(fit_seconds - self.generation_s, 2),
+                "generated_tokens_per_s": round(tokens / self.generation_s, 1) if self.generation_s else None}
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+def completion_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) of each row's completion positions (rows, completion width), at `temperature`, in
+    fp32; only the completion's logits are computed (logits_to_keep)."""
+    width = batch["completion_width"]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=width + 1).logits
+    logits = logits[:, :-1].float() / temperature  # position t predicts completion token t
+    logprobs = logits.log_softmax(-1)
+    tokens = batch["input_ids"][:, -width:]
+    entropy = -(logprobs.exp() * logprobs).sum(-1).detach()
+    return logprobs.gather(-1, tokens[..., None]).squeeze(-1), entropy
+
+
+# Logged from the loss, per completion token, after `loss` (see loop.LossSums)
+METRICS = ("entropy", "clip_ratio")
+
+
+class PolicyLoss:
+    """The GRPO loss of a micro-batch of completions (summed: the loop divides by the step's count), and its
+    per-token metrics."""
+
+    def __init__(self, cfg: Config, accelerator):
+        self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("loss", *METRICS, *(("kl",) if self.g.beta else ()), "n/tokens")
+
+    def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, entropy = completion_logps(model, batch, self.g.temperature)
+        mask = (batch["labels"][:, -batch["completion_width"]:] != IGNORE_INDEX).float()
+        old = batch.get("old_logps", logps.detach())
+        ratio = torch.exp(logps - old)
+        low, high = 1 - self.g.epsilon, 1 + (self.g.epsilon_high if self.g.epsilon_high is not None else self.g.epsilon)
+        advantages = batch["advantages"][:, None]
+        per_token = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+        logged = [(entropy * mask).sum(),
+                  ((((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))).float() * mask).sum()]
+        if self.g.beta:
+            unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+            with reference_mode(unwrapped, self.lora), self.accelerator.autocast():
+                ref = completion_logps(unwrapped, batch, self.g.temperature)[0]
+            kl = torch.exp(ref - logps) - (ref - logps) - 1
+            per_token = per_token + self.g.beta * kl
+            logged.append((kl.detach() * mask).sum())
+        sums = (per_token * mask).sum(1)
+        loss = (sums / mask.sum(1).clamp(min=1)).sum() if self.g.loss_type == "grpo" else sums.sum()
+        return loss, torch.stack([loss.detach(), *logged, mask.sum()])
+
+
+def finish_means(means: dict) -> dict:
+    """loop.LossSums' means of the loss's sums: the per-token ones divided by the tokens, not the loss's count."""
+    tokens = means.pop("n/tokens")
+    return {k: (v / tokens if k in (*METRICS, "kl") and tokens else v) for k, v in means.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
+    """Greedy answers to every eval prompt, scored by the run's rewards: the means over all eval prompts (each once:
+    gather_for_metrics drops the repeated ones), the same on every rank."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unwrapped.eval()
+    g, tokenizer = cfg.grpo, rollouts.tokenizer
+    config = GenerationConfig(max_new_tokens=g.max_new_tokens, do_sample=False, eos_token_id=rollouts.stop_ids,
+                              pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    sums, n = 0, 0
+    for batch in eval_dl:
+        input_ids, attention_mask = left_padded(batch["prompt_ids"], tokenizer.pad_token_id, accelerator.device)
+        with accelerator.autocast():
+            new = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                     generation_config=config)[:, input_ids.shape[1]:].tolist()
+        completions = [next((t[:i + 1] for i, x in enumerate(t) if x in rollouts.stop_ids), t) for t in new]
+        texts = [t.strip() for t in tokenizer.batch_decode(completions, skip_special_tokens=True)]
+        values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions, batch["columns"]))
+        total = (values * torch.tensor(rollouts.rewards.weights)[:, None]).sum(0)
+        rows = torch.cat([total[None], values, torch.tensor([[float(len(c)) for c in completions]])]).T
+        rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
+        sums, n = sums + rows.sum(0), n + len(rows)
+    unwrapped.train()
+    means = (sums / max(n, 1)).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
+    return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.names,
+                                                                                          means[1:-1])},
+            "eval_completions/mean_length": means[-1], "eval_samples": n}
+
+
+def replay(rollouts: Rollouts, batch: dict) -> dict:
+    """A micro-batch of completions to run with weight 0 (loop.fit's replay, on a rank out of data): not logged."""
+    return rollouts.roll([batch], 0, log=False)[0]
+
