@@ -1,7 +1,9 @@
-"""Throughput benchmark: this toolkit's real entry vs transformers.Trainer, TRL's SFTTrainer and a bare PyTorch loop.
+"""Throughput benchmark: this toolkit's real entry vs transformers.Trainer, TRL's SFTTrainer and GRPOTrainer and a
+bare PyTorch loop.
 
-    python -m accel_train.bench --quick                 # ~5.5 min on 2 CPU cores (with trl installed)
-    python -m accel_train.bench --out bench.json        # the 25M-parameter default, both workloads
+    python -m accel_train.bench --quick                 # ~6.5 min on 2 idle CPU cores (with trl installed)
+    python -m accel_train.bench --out bench.json        # the 25M-parameter default, every workload
+    python -m accel_train.bench --quick --workloads grpo  # rollouts + updates only: ours vs TRL's GRPOTrainer
     python -m accel_train.bench --size 0.5b             # on a GPU
     python -m accel_train.bench --size large-vocab --batch 4 --steps 4 --warmup 1 --workloads fixed --no-scaling
     python -m accel_train.bench --repeat 3 --workloads fixed --contenders ours,bare --no-scaling
@@ -10,8 +12,8 @@ Workloads: LoRA (all linear layers, r=16) on a Llama built from a config (--size
 vocabulary on a 2-layer, 512-wide model, where the output head and the loss dominate memory). Causal LM on
 synthetic chat samples whose lengths follow a log-normal between 16 and max_len tokens (`skewed`: padding
 matters) or are all --fixed-len tokens (`fixed`); sequence classification (`cls`) of texts with the `skewed`
-lengths and 3 classes named by strings. Every contender runs in its own process, from the same seed, on the same
-tokenized samples:
+lengths and 3 classes named by strings; GRPO (`grpo`, below). Every contender runs in its own process, from the
+same seed, on the same tokenized samples:
   ours     `python -m accel_train` (or `accelerate launch ... accel_train/train.py`): the real entry; its causal-LM
            loss comes from the hidden states in chunks (loss.py), its classification batches are grouped by length;
   trainer  `transformers.Trainer` as its docs set up this job: dynamic padding, bf16 where the hardware has it;
@@ -40,7 +42,38 @@ memory is measured alike in every contender's process, from just before its firs
 torch.cuda.max_memory_allocated on a GPU (tracking.peak_memory_mb). Scaling: 2 processes' tokens/s over 1
 process's, and per device (over 2): the target is on the first on a CPU (both use the same cores), on the second
 on GPUs. With --repeat N each contender runs N times, interleaved, and the table and ratios give medians (each
-run's figures are in the JSON). Results: a Markdown table on stdout and a JSON file (--out).
+run's figures are in the JSON). Results: Markdown tables on stdout and a JSON file (--out).
+
+grpo: online RL's rollout + update throughput. Ours (`python -m accel_train task=grpo`) against TRL's GRPOTrainer
+(where trl is installed) on the same LoRA model, prompts and reward: --prompts prompts a step (4 with --quick),
+each sampled --generations times (8: one group), completions of at most --new-tokens tokens (32 with --quick), the
+built-in exact_match reward (TRL given the same function), one optimizer step per rollout (num_iterations 1, TRL's
+steps_per_generation 1), beta 0, the DAPO loss; --warmup steps, then --grpo-steps measured (4 with --quick). Each
+step is timed whole, from the end of the last: generation with the KV cache, rewards and advantages, the policy's
+forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_grpo; no target), generated
+tokens/s (completion tokens) and train tokens/s (prompt + completion tokens trained on) over the measured steps;
+from the whole run's split (summary.json's "rollouts" for ours, the same sums timed around TRL's
+_generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it; the
+completions' mean length and peak memory. What keeps it fair:
+  - the same work a step: the prompts are random strings of --new-tokens - 1 characters (answer: the reversal),
+    all the same length, so any order of them (each trainer shuffles its own way) costs the same; each prompt's
+    group is generated in one batch with the KV cache, then trained on in one micro-batch, on both sides;
+  - generation that does not stop early: both stop a completion at the template's end-of-turn token only (the
+    bench model's config names the tokenizer's eos, not LlamaConfig's default ids), which the randomly
+    initialised model draws with probability about 1/vocabulary a token, and a batch runs until its last
+    completion ends: in practice every completion is --new-tokens long on both sides (the completion length
+    column, and completion_length_ours_vs_trl_grpo, show it). The reward is then 0 everywhere, which costs both
+    the same: neither skips the backward of a step whose advantages are all 0;
+  - the same sampling: temperature and top_p from the config, no top-k (TRL's default 0, given explicitly;
+    transformers' own default would be 50);
+  - the cache: the bench model's config says use_cache=false (for training) and TRL's generate follows the model's
+    generation config (its fix for transformers#42762): without use_cache=True in its generation_kwargs it would
+    recompute every prefix at every token, so it gets it, as any model from the Hub has it;
+  - the rest as ours: TRL counts completions where ours counts prompts (its per_device_train_batch_size is prompts
+    x generations); gradient checkpointing off and bf16 only where ours has it (GRPOConfig turns both on); no
+    vLLM; no completion logging on either side (ours' grpo.log_completions=false, TRL's default).
+Trainer and the bare loop have no rollouts and do not run on grpo; no MFU there (generation's FLOPs are not
+training's); no 2-process run (scaling is measured on the first other workload).
 """
 
 from __future__ import annotations
@@ -71,10 +104,13 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
     "large-vocab": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True),
 }
-WORKLOADS = ("skewed", "fixed", "cls")
+WORKLOADS = ("skewed", "fixed", "cls", "grpo")
 CONTENDERS = ("ours", "trainer", "bare", "trl")
 TRL_OPTIONS = {"skewed": ["padding_free"], "fixed": []}  # where ours packs rows of varied samples: no padding
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
+GRPO_SETTINGS = {"rewards": "[exact_match]", "beta": 0.0, "loss_type": "dapo", "epsilon": 0.2, "num_iterations": 1,
+                 "temperature": 1.0, "top_p": 1.0, "scale_rewards": "true", "log_completions": "false"}
+"""grpo: ours' settings that TRL's GRPOTrainer is given as well (child_trl_grpo), its defaults for most of them."""
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
 TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
            "ours_vs_bare_fixed": 0.97, "padding_efficiency_skewed": 0.95, "padding_efficiency_cls": 0.9, "mfu_of_peak": 0.5,
@@ -95,9 +131,10 @@ def targets(cuda: bool) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accel_train.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small model, short sequences, few steps (~5.5 min on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="small model, short sequences, few steps (~6.5 min on 2 CPU cores)")
     p.add_argument("--size", choices=SIZES, help="model size (default 25m; small with --quick)")
-    p.add_argument("--workloads", default="skewed,fixed,cls", help="comma-separated: skewed, fixed, cls")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: skewed, fixed, cls, grpo")
     p.add_argument("--contenders", default=",".join(CONTENDERS[:3] + (("trl",) if _has_trl() else ())),
                    help="comma-separated: ours, trainer, bare, trl (default: all, trl where it is installed)")
     p.add_argument("--batch", type=int, help="samples per optimizer step (default 16; 8 with --quick)")
@@ -107,6 +144,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="measured steps (default 12; 16 with --quick); one epoch where the "
                                              "batches are grouped by length (cls)")
     p.add_argument("--warmup", type=int, help="steps run before measuring (default 3)")
+    p.add_argument("--prompts", type=int, help="grpo: prompts per optimizer step (default 8; 4 with --quick)")
+    p.add_argument("--generations", type=int, default=8, help="grpo: completions per prompt (default 8)")
+    p.add_argument("--new-tokens", type=int, help="grpo: tokens generated per completion (default 64; 32 with --quick)")
+    p.add_argument("--grpo-steps", type=int, help="grpo: measured steps (default 8; 4 with --quick)")
     p.add_argument("--repeat", type=int, default=1, help="runs per contender, interleaved; medians are reported")
     p.add_argument("--precision", choices=["auto", "bf16", "no"], default="auto",
                    help="autocast for every contender; auto: bf16 where the hardware has it natively")
@@ -116,12 +157,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench.json", help="JSON results file")
     p.add_argument("--workdir", help="keep models, data and runs here (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child", choices=CONTENDERS[1:], help=argparse.SUPPRESS)  # internal: run one contender
+    # internal: run one contender (trl_grpo: TRL's GRPOTrainer)
+    p.add_argument("--child", choices=[*CONTENDERS[1:], "trl_grpo"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
     for name, full, small in (("size", "25m", "small"), ("batch", 16, 8), ("max_len", 1024, 256), ("steps", 12, 16),
-                              ("warmup", 3, 3)):
+                              ("warmup", 3, 3), ("prompts", 8, 4), ("new_tokens", 64, 32), ("grpo_steps", 8, 4)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     args.workloads, args.contenders = args.workloads.split(","), args.contenders.split(",")
@@ -136,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-len must be >= 16, and --fixed-len between 16 and --max-len")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if args.prompts < 1 or args.generations < 2 or args.new_tokens < 2:
+        p.error("--prompts must be >= 1, --generations >= 2 (a group's spread is the advantage) and --new-tokens >= 2")
     return args
 
 
@@ -158,11 +202,18 @@ def write_workload(args, wd: Path) -> None:
     from accel_train.config import TINY_MODEL
 
     model_dir = wd / "model"
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    # the tokenizer's bos and eos (LlamaConfig's defaults name other tokens): the only stop token is its end of
+    # turn, for ours and TRL alike (grpo)
     LlamaConfig(max_position_embeddings=max(args.max_len, 256), initializer_range=0.02, use_cache=False,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 **SIZES[args.size]).save_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     rng = random.Random(args.seed)
     for workload in args.workloads:
+        if workload == "grpo":
+            write_prompts(args, wd / "grpo.jsonl", rng)
+            continue
         count = cls_samples(args) if workload == "cls" else args.batch * (args.warmup + args.steps + 1)
         with open(wd / f"{workload}.jsonl", "w") as f:
             for length in sample_lengths(workload, count, args.max_len, rng, args.fixed_len):
@@ -176,6 +227,16 @@ def write_workload(args, wd: Path) -> None:
                 f.write(json.dumps({"prompt": text[:prompt], "response": text[prompt:]}) + "\n")
 
 
+def write_prompts(args, path: Path, rng: random.Random) -> None:
+    """grpo: "reverse the string" prompts as a chat turn, answer the reversal; every prompt new_tokens - 1
+    characters (tokens), so that any order of them gives every contender the same work (and an exact answer plus
+    the end-of-turn token fits in new_tokens). Enough for every step's prompts to be new."""
+    with open(path, "w") as f:
+        for _ in range(args.prompts * (args.warmup + args.grpo_steps + 1)):
+            text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(args.new_tokens - 1))
+            f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": text[::-1]}) + "\n")
+
+
 def cls_samples(args) -> int:
     """cls: enough samples for length grouping to work as it does on real data. Trainer's sampler sorts groups of
     min(50, samples / (4 x batch)) batches, ours groups of 50 steps: both 50 from 200 batches on."""
@@ -183,17 +244,29 @@ def cls_samples(args) -> int:
 
 
 def measured_steps(args, workload: str, grouped: bool) -> int:
-    """--steps, or one epoch where the batches are grouped by length (module docstring): the measured window then
-    holds the same samples for every grouped contender, whatever order each puts its groups' batches in."""
+    """--steps (--grpo-steps on grpo), or one epoch where the batches are grouped by length (module docstring): the
+    measured window then holds the same samples for every grouped contender, whatever order each puts its groups'
+    batches in."""
+    if workload == "grpo":
+        return args.grpo_steps
     return math.ceil(cls_samples(args) / args.batch) if grouped and workload == "cls" else args.steps
+
+
+def batch_of(args, workload: str) -> int:
+    """Samples per optimizer step: --batch, or --prompts on grpo (each sampled --generations times)."""
+    return args.prompts if workload == "grpo" else args.batch
 
 
 def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: str, steps: int) -> list[str]:
     """The training config every contender follows (ours takes it as its command line)."""
     total = args.warmup + steps
-    task = "seq_cls" if workload == "cls" else "causal_lm"
+    task = {"cls": "seq_cls", "grpo": "grpo"}.get(workload, "causal_lm")
+    # grpo: `batch` prompts a step, each sampled --generations times; TRL's options spelled out where ours' defaults
+    # could drift from them (GRPO_SETTINGS)
+    grpo = [f"grpo.num_generations={args.generations}", f"grpo.max_new_tokens={args.new_tokens}",
+            *(f"grpo.{k}={v}" for k, v in GRPO_SETTINGS.items())] if task == "grpo" else []
     return [f"task={task}", f"model.name_or_path={wd / 'model'}", "model.random_init=true",
-            f"data.path={wd / f'{workload}.jsonl'}",
+            f"data.path={wd / f'{workload}.jsonl'}", *grpo,
             "data.eval_fraction=0", f"data.max_length={args.max_len}", *LORA, f"train.per_device_batch_size={batch}",
             f"train.max_steps={total}", f"train.warmup_steps={args.warmup}", "train.lr=2e-4",
             f"train.log_every={total}", f"train.mixed_precision={precision}", "track.log_with=[]",
@@ -210,7 +283,8 @@ def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()
     tag = f"ours-{workload}-{procs}p" + "".join(f"-{e.split('=')[0].split('.')[-1]}" for e in extra)
     out = wd / "runs" / tag
     # ours groups classification batches by length (data.group_by_length defaults to true for seq_cls)
-    cfg = overrides(args, wd, workload, out, args.batch // procs, precision, measured_steps(args, workload, True))
+    cfg = overrides(args, wd, workload, out, batch_of(args, workload) // procs, precision,
+                    measured_steps(args, workload, True))
     cfg += list(extra)
     if procs == 1:
         cmd = [sys.executable, "-m", "accel_train", *cfg]
@@ -224,9 +298,25 @@ def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()
     _run(cmd, tag)
     steps, summary = json.loads((out / "steps.json").read_text()), json.loads((out / "summary.json").read_text())
     final = summary["final"]
-    return {"contender": "ours", "workload": workload, "processes": procs, "options": list(extra),
-            "threads_per_process": 1 if procs > 1 and not _cuda() else _threads(), **steps,
-            "peak_memory_mb": summary["peak_memory_mb"], "mean_loss": final.get("loss")}
+    record = {"contender": "ours", "workload": workload, "processes": procs, "options": list(extra),
+              "threads_per_process": 1 if procs > 1 and not _cuda() else _threads(), **steps,
+              "peak_memory_mb": summary["peak_memory_mb"], "mean_loss": final.get("loss")}
+    if workload == "grpo":
+        record["rollouts"] = summary["rollouts"]
+        record["generated_tokens"] = generated_per_step(record)
+    return record
+
+
+def generated_per_step(record: dict) -> list[int]:
+    """ours on grpo: each step's generated tokens, from its real tokens (prompts + completions trained on, from
+    steps.json) less its prompts' (rows x the prompts' one length: write_prompts), the run's total generated tokens
+    (summary.json) giving that length."""
+    real, rows, generated = record["real_tokens"], record["rows"], record["rollouts"]["generated_tokens"]
+    prompt_len, rest = divmod(sum(real) - generated, sum(rows))
+    if rest:
+        sys.exit(f"bench: ours' grpo steps trained on {sum(real)} tokens, {generated} of them generated, in "
+                 f"{sum(rows)} rows: not prompts of one length")
+    return [r - n * prompt_len for r, n in zip(real, rows)]
 
 
 def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=()) -> dict:
@@ -235,17 +325,18 @@ def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=
     tag = f"{kind}-{workload}" + "".join(f"-{o}" for o in options)
     out = wd / "runs" / tag
     steps = measured_steps(args, workload, "group_by_length" in options)
-    spec = {"overrides": overrides(args, wd, workload, out, args.batch, precision, steps),
+    spec = {"overrides": overrides(args, wd, workload, out, batch_of(args, workload), precision, steps),
             "result": str(out / "result.json"), **{o: o in options for o in ("group_by_length", "padding_free")}}
     out.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "accel_train.bench", "--child", kind, "--spec", json.dumps(spec)], tag)
+    child = "trl_grpo" if kind == "trl" and workload == "grpo" else kind
+    _run([sys.executable, "-m", "accel_train.bench", "--child", child, "--spec", json.dumps(spec)], tag)
     return {"contender": kind, "workload": workload, "processes": 1, "options": list(options),
             "threads_per_process": _threads(), **json.loads(Path(spec["result"]).read_text())}
 
 
 def _setup(spec: dict):
     """(config, tokenizer, tokenized train set, model with LoRA) exactly as `ours` builds them, same seed;
-    seq_cls class names in sorted order, as ours maps them."""
+    seq_cls class names in sorted order, as ours maps them; grpo: the train set's rows untokenized."""
     from accelerate.utils import set_seed
 
     from accel_train import data as data_lib
@@ -256,6 +347,8 @@ def _setup(spec: dict):
     set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.recipe.run
     tokenizer = build_tokenizer(cfg)
     train_raw, _ = data_lib.load_splits(cfg)
+    if cfg.task == "grpo":  # the prompts as they are: the trainer applies the chat template
+        return cfg, tokenizer, train_raw, apply_lora(cfg, build_model(cfg, tokenizer))
     labels = data_lib.label_names(cfg, train_raw) if cfg.task == "seq_cls" else None
     ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
     model = apply_lora(cfg, build_model(cfg, tokenizer, labels))
@@ -292,6 +385,44 @@ def child_trl(spec: dict) -> dict:
     return _train(SFTTrainer, spec, model, targs, dict(train_dataset=ds, processing_class=tokenizer))
 
 
+def child_trl_grpo(spec: dict) -> dict:
+    """TRL's GRPOTrainer on ours' model (the same LoRA), prompts (chat turns: both apply the chat template with
+    add_generation_prompt) and reward (exact match against the `answer` column, as ours' built-in): `batch` prompts
+    a step, each sampled num_generations times in one generate call with the KV cache, as ours. TRL counts
+    completions where ours counts prompts: per_device_train_batch_size = prompts x num_generations, one generation
+    per optimizer step (steps_per_generation 1, so no extra forward for old log-probs, as ours with num_iterations 1).
+    Sampling as ours: temperature and top_p from the config, top_k off (TRL's default 0; transformers' would be 50),
+    stopping at the tokenizer's end-of-turn token (the tiny template's eos) for both. beta 0 (no reference model),
+    the DAPO normalisation, group-scaled advantages, ratio clipping at epsilon; gradient checkpointing off and bf16
+    only where ours has it (GRPOConfig turns both on by default); no vLLM; no completion logging."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    cfg, tokenizer, prompts, model = _setup(spec)
+    g, answer_field = cfg.grpo, cfg.grpo.answer_field
+    assert g.rewards == ["exact_match"], g.rewards  # GRPO_SETTINGS': the one reward mirrored here
+
+    def exact_match(prompts, completions, **columns):  # ours' built-in: completion.strip() == answer.strip()
+        return [float(c[-1]["content"].strip() == str(a).strip()) for c, a in zip(completions, columns[answer_field])]
+
+    targs = GRPOConfig(**{**_trainer_args(spec, cfg), "per_device_train_batch_size":
+                          cfg.train.per_device_batch_size * g.num_generations},
+                       gradient_accumulation_steps=cfg.train.grad_accum_steps,
+                       steps_per_generation=cfg.train.grad_accum_steps,
+                       num_generations=g.num_generations, max_completion_length=g.max_new_tokens,
+                       temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, loss_type=g.loss_type,
+                       epsilon=g.epsilon, epsilon_high=g.epsilon_high, num_iterations=g.num_iterations,
+                       scale_rewards="group" if g.scale_rewards else "none", use_vllm=False, gradient_checkpointing=False, log_completions=False,
+                       remove_unused_columns=False, generation_kwargs={"use_cache": True})
+    result = _train(GRPOTrainer, spec, model, targs, dict(reward_funcs=[exact_match], train_dataset=prompts,
+                                                          processing_class=tokenizer), _counting_rollouts)
+    # the whole run's split, as ours' summary.json gives it
+    generation, tokens = sum(result.pop("generation_seconds")), sum(result["generated_tokens"])
+    result["rollouts"] = {"generated_tokens": tokens, "generation_s": round(generation, 2),
+                          "training_s": round(sum(result["seconds"]) - generation, 2),
+                          "generated_tokens_per_s": round(tokens / generation, 1)}
+    return result
+
+
 def _trainer_args(spec: dict, cfg) -> dict:
     """TrainingArguments (or SFTConfig) fields for ours' config: the same steps, schedule, clipping, precision, seed
     (data_seed: accelerate's seeded shuffle, the same batches as ours where not grouped by length)."""
@@ -306,14 +437,19 @@ def _trainer_args(spec: dict, cfg) -> dict:
         save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=cfg.data.num_workers)
 
 
-def _train(trainer_class, spec: dict, model, targs, kwargs: dict) -> dict:
-    """trainer_class(...).train(), timed step to step and counting the real and computed tokens of its batches."""
+def _train(trainer_class, spec: dict, model, targs, kwargs: dict, counting=None) -> dict:
+    """trainer_class(...).train(), timed step to step and counting the real and computed tokens of its batches
+    (`counting`: _counting_batches, or _counting_rollouts for GRPO, which also counts generated tokens and the
+    rollouts' time)."""
     import torch
     from transformers import TrainerCallback
 
     from accel_train.tracking import reset_peak_memory
 
+    counting = counting or _counting_batches
     steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0, "rows": 0}
+    if counting is _counting_rollouts:
+        totals.update(generated=torch.zeros((), dtype=torch.long), generation_s=0.0)
 
     class Timer(TrainerCallback):  # step to step, data loading included, as ours and bare are timed
         def on_train_begin(self, *_, **__):
@@ -321,12 +457,20 @@ def _train(trainer_class, spec: dict, model, targs, kwargs: dict) -> dict:
             self.t_last = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            steps.append((time.perf_counter() - self.t_last, int(totals["real"]), totals["computed"], totals["rows"]))
-            totals["real"].zero_()
-            totals["computed"] = totals["rows"] = 0
+            steps.append((time.perf_counter() - self.t_last, int(totals["real"]), totals["computed"], totals["rows"],
+                          *((int(totals["generated"]), totals["generation_s"]) if "generated" in totals else ())))
+            for k, v in totals.items():
+                totals[k] = v.zero_() if isinstance(v, torch.Tensor) else type(v)(0)
             self.t_last = time.perf_counter()
 
-    class Counting(trainer_class):  # counts the tokens of the batches it trains on; computes nothing else
+    trainer = counting(trainer_class, totals)(model=model, args=targs, callbacks=[Timer()], **kwargs)
+    return _child_result(steps, trainer.train().training_loss)
+
+
+def _counting_batches(trainer_class, totals: dict):
+    """trainer_class counting the tokens of the batches it trains on; it computes nothing else."""
+
+    class Counting(trainer_class):
         def training_step(self, model, inputs, num_items_in_batch=None):
             # a padding-free row (no attention mask) holds no padding: every token is real
             mask = inputs.get("attention_mask")
@@ -335,8 +479,28 @@ def _train(trainer_class, spec: dict, model, targs, kwargs: dict) -> dict:
             totals["rows"] += inputs["input_ids"].shape[0]  # rows as computed (MFU's width), as ours counts them
             return super().training_step(model, inputs, num_items_in_batch)
 
-    trainer = Counting(model=model, args=targs, callbacks=[Timer()], **kwargs)
-    return _child_result(steps, trainer.train().training_loss)
+    return Counting
+
+
+def _counting_rollouts(trainer_class, totals: dict):
+    """GRPOTrainer timing its rollouts (generation, decoding, rewards, advantages: all but the policy's forward and
+    backward) and counting their tokens: generated (the completions' tokens, end-of-turn included), real (prompt +
+    completion tokens it trains on), computed (its padded rows)."""
+
+    class Counting(trainer_class):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            generated = out["completion_mask"].sum().cpu()
+            totals["generation_s"] += time.perf_counter() - t0
+            totals["generated"] += generated
+            totals["real"] += out["prompt_mask"].sum().cpu() + generated
+            rows, width = out["prompt_ids"].shape[0], out["prompt_ids"].shape[1] + out["completion_ids"].shape[1]
+            totals["computed"] += rows * width
+            totals["rows"] += rows
+            return out
+
+    return Counting
 
 
 def child_bare(spec: dict) -> dict:
@@ -394,10 +558,10 @@ def _child_result(steps: list[tuple], mean_loss: float) -> dict:
 
     import torch
 
-    seconds, real, computed, rows = zip(*steps)
+    names = ("seconds", "real_tokens", "computed_tokens", "rows", "generated_tokens", "generation_seconds")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "rows": rows,
-            "peak_memory_mb": round(peak_memory_mb(device), 1), "mean_loss": mean_loss}
+    return {**dict(zip(names, zip(*steps))), "peak_memory_mb": round(peak_memory_mb(device), 1),
+            "mean_loss": mean_loss}
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -424,18 +588,45 @@ def figures(record: dict, warmup: int, flops: tuple[int, int, int], peak_flops: 
     return record
 
 
+def grpo_figures(record: dict, warmup: int) -> dict:
+    """grpo's throughput over the measured steps (warm-up excluded), each step a rollout (generation, rewards,
+    advantages) and an update: steps/s, generated tokens/s (the completions' tokens) and train tokens/s (prompt +
+    completion tokens trained on: `tokens_per_sec`), all over the steps' whole time; the completions' mean length
+    (max_new_tokens where none stopped early). From the run's "rollouts" split (warm-up included: neither side
+    times its steps' parts): the rollouts' share of the time and the generated tokens per second of it. No MFU:
+    generation's FLOPs per token are not training's."""
+    warmup_seconds = sum(record["seconds"][:warmup])
+    seconds, real, computed, rows, generated = (
+        record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens", "rows", "generated_tokens"))
+    total, split = sum(seconds), record["rollouts"]
+    record.update({"steps_measured": len(seconds), "steps_per_sec": _significant(len(seconds) / total),
+                   "generated_tokens_per_sec": _significant(sum(generated) / total),
+                   "tokens_per_sec": _significant(sum(real) / total),
+                   "generation_share": round(split["generation_s"] / (split["generation_s"] + split["training_s"]), 4),
+                   "generation_tokens_per_sec": split["generated_tokens_per_s"],
+                   "completion_mean_length": round(sum(generated) / sum(rows), 2),
+                   "warmup_seconds": round(warmup_seconds, 2),
+                   "step_time_median_s": round(statistics.median(seconds), 4),
+                   "padding_efficiency": round(sum(real) / sum(computed), 4), "mfu": None,
+                   "real_tokens_measured": sum(real), "real_tokens_per_step": list(real)})
+    return record
+
+
 def merge(runs: list[dict]) -> dict:
     """One row for a contender's repeated runs: the median of each timed figure (None if a run's is unknown), and
     every run's figures."""
     row = dict(runs[0])
-    for key in MEDIANS:
+    keys = (*MEDIANS, *(GRPO_MEDIANS if row["workload"] == "grpo" else ()))
+    for key in keys:
         values = [r[key] for r in runs]
         row[key] = None if None in values else statistics.median(values)
-    row["runs"] = [{k: r[k] for k in (*MEDIANS, "warmup_seconds", "mean_loss")} for r in runs]
+    row["runs"] = [{k: r[k] for k in (*keys, "warmup_seconds", "mean_loss")} for r in runs]
     return row
 
 
 MEDIANS = ("tokens_per_sec", "step_time_median_s", "mfu", "peak_memory_mb")
+GRPO_MEDIANS = ("steps_per_sec", "generated_tokens_per_sec", "generation_share", "generation_tokens_per_sec",
+                "completion_mean_length")
 
 
 def model_flops(wd: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
@@ -469,15 +660,27 @@ def machine() -> dict:
 def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat: int, goals: dict) -> str:
     medians = f" (median of {repeat} runs)" if repeat > 1 else ""
     lines = [f"Machine: {info['gpu'] or info['cpu']} ({info['cores']} cores), torch {info['torch']}; "
-             f"measured matmul peak {peak / 1e12:.2f} TFLOP/s{medians}",
-             "", "| workload | contender | procs x threads | tokens/s | step median (s) | padding eff. | MFU | peak mem (MB) |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
-    for r in results:
+             f"measured matmul peak {peak / 1e12:.2f} TFLOP/s{medians}"]
+    trained = [r for r in results if r["workload"] != "grpo"]
+    if trained:
+        lines += ["", "| workload | contender | procs x threads | tokens/s | step median (s) | padding eff. | MFU | "
+                      "peak mem (MB) |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in trained:
         name = r["contender"] + "".join(f" +{o}" for o in r["options"])
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"  # n/a: above the measured peak (tracking.mfu)
         lines.append(f"| {r['workload']} | {name} | {r['processes']} x {r['threads_per_process']} | "
                      f"{r['tokens_per_sec']:.0f} | {r['step_time_median_s']:.3f} | {r['padding_efficiency']:.3f} | "
                      f"{mfu} | {r['peak_memory_mb']:.0f} |")
+    grpo = [r for r in results if r["workload"] == "grpo"]
+    if grpo:
+        # the rollouts' split is the whole run's, warm-up included (grpo_figures)
+        lines += ["", "| grpo | procs x threads | steps/s | generated tokens/s | train tokens/s | "
+                      "rollout share (run) | tokens/s generating (run) | completion length | peak mem (MB) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['contender']} | {r['processes']} x {r['threads_per_process']} | {r['steps_per_sec']:.3f} | "
+                  f"{r['generated_tokens_per_sec']:.0f} | {r['tokens_per_sec']:.0f} | {r['generation_share']:.2f} | "
+                  f"{r['generation_tokens_per_sec']:.0f} | {r['completion_mean_length']:.1f} | "
+                  f"{r['peak_memory_mb']:.0f} |" for r in grpo]
     lines += ["", "| ratio | value | target |", "|---|---:|---:|"]
     for k, v in ratios.items():
         target = f">= {goals[k]}" if k in goals else f"<= {TARGETS_AT_MOST[k]}" if k in TARGETS_AT_MOST else ""
@@ -490,7 +693,8 @@ def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.child:
         spec = json.loads(args.spec)
-        result = {"trainer": child_trainer, "bare": child_bare, "trl": child_trl}[args.child](spec)
+        result = {"trainer": child_trainer, "bare": child_bare, "trl": child_trl,
+                  "trl_grpo": child_trl_grpo}[args.child](spec)
         Path(spec["result"]).write_text(json.dumps(result))
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally
@@ -508,10 +712,12 @@ def main(argv=None) -> dict | None:
     print(f"bench: {args.size} model, precision {precision}, batch {args.batch}, max_len {args.max_len}, "
           f"fixed_len {args.fixed_len}, {args.warmup} warm-up + {args.steps} measured steps"
           + (f" ({measured_steps(args, 'cls', True)}, one epoch, where cls is grouped by length)"
-             if "cls" in args.workloads else "") + ", "
+             if "cls" in args.workloads else "")
+          + (f"; grpo: {args.prompts} prompts x {args.generations} completions of {args.new_tokens} tokens a step, "
+             f"{args.grpo_steps} measured steps" if "grpo" in args.workloads else "") + ", "
           f"{args.repeat} run(s) each; work folder {wd}", flush=True)
     write_workload(args, wd)
-    tasks = {w: "seq_cls" if w == "cls" else "causal_lm" for w in args.workloads}
+    tasks = {w: "seq_cls" if w == "cls" else "causal_lm" for w in args.workloads}  # the model's head (grpo: an LM)
     flops = {task: model_flops(wd, task) for task in set(tasks.values())}
     device = torch.device("cuda" if _cuda() else "cpu")
     # Measured here, before any contender starts and in none of their processes (their peak memory stays theirs),
@@ -523,13 +729,19 @@ def main(argv=None) -> dict | None:
 
     # One round per workload: each contender once. Rounds are repeated back to back, so that a contender's runs
     # are spread over the same stretch of time as the others' (ours, trainer, bare, ours, trainer, bare, ...).
-    can_scale = not args.no_scaling and "ours" in args.contenders and (not _cuda() or torch.cuda.device_count() >= 2)
+    # scaling and MFU on the first workload that trains on a fixed set of samples (not grpo's rollouts)
+    first = next((w for w in args.workloads if w != "grpo"), None)
+    can_scale = (not args.no_scaling and "ours" in args.contenders and first is not None
+                 and (not _cuda() or torch.cuda.device_count() >= 2))
     runs: dict[tuple, list[dict]] = {}
     for workload in args.workloads:
         jobs = []
         for contender in args.contenders:
             if contender == "ours":
                 jobs.append(lambda w=workload: run_ours(args, wd, w, precision, 1))
+            elif workload == "grpo":  # TRL's GRPOTrainer; Trainer and the bare loop have no rollouts
+                if contender == "trl":
+                    jobs.append(lambda w=workload: run_child("trl", args, wd, w, precision))
             elif contender == "trainer":
                 jobs.append(lambda w=workload: run_child("trainer", args, wd, w, precision))
                 if workload == "cls":
@@ -538,13 +750,14 @@ def main(argv=None) -> dict | None:
                 jobs.append(lambda w=workload, c=contender: run_child(c, args, wd, w, precision,
                                                                       TRL_OPTIONS[w] if c == "trl" else []))
         for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
-            if flag and "ours" in args.contenders:
+            if flag and "ours" in args.contenders and workload != "grpo":
                 jobs.append(lambda w=workload, o=option: run_ours(args, wd, w, precision, 1, [o]))
-        if can_scale and workload == args.workloads[0]:
+        if can_scale and workload == first:
             jobs.append(lambda w=workload: run_ours(args, wd, w, precision, 2))
         for _ in range(args.repeat):
             for job in jobs:
-                r = figures(job(), args.warmup, flops[tasks[workload]][2], peak, _cuda())
+                r = (grpo_figures(job(), args.warmup) if workload == "grpo" else
+                     figures(job(), args.warmup, flops[tasks[workload]][2], peak, _cuda()))
                 runs.setdefault((r["contender"], r["workload"], r["processes"], tuple(r["options"])), []).append(r)
     results = [merge(rs) for rs in runs.values()]
 
@@ -558,6 +771,15 @@ def main(argv=None) -> dict | None:
     ratios = {}
     for w in args.workloads:
         ours, trainer, bare = find("ours", w), find("trainer", w), find("bare", w)
+        if w == "grpo":  # the same work a step (prompts, group size, generation length) on both sides
+            trl = find("trl", w)
+            ratios["ours_vs_trl_grpo"] = ratio(ours, trl, "steps_per_sec")
+            ratios["generated_tokens_ours_vs_trl_grpo"] = ratio(ours, trl, "generated_tokens_per_sec")
+            ratios["train_tokens_ours_vs_trl_grpo"] = ratio(ours, trl)
+            # 1 where both generated as many tokens a completion (both stop at max_new_tokens on a random model)
+            ratios["completion_length_ours_vs_trl_grpo"] = ratio(ours, trl, "completion_mean_length")
+            ratios["memory_ours_vs_trl_grpo"] = ratio(ours, trl, "peak_memory_mb")
+            continue
         ratios[f"ours_vs_trainer_{w}"] = ratio(ours, trainer)
         if w == "cls":
             grouped = find("trainer", w, 1, ["group_by_length"])
@@ -573,15 +795,15 @@ def main(argv=None) -> dict | None:
                     ratios[name] = float(ours["real_tokens_per_step"] == other["real_tokens_per_step"])
         ratios[f"padding_efficiency_{w}"] = ours["padding_efficiency"] if ours else None
         ratios[f"memory_ours_vs_trainer_{w}"] = ratio(ours, trainer, "peak_memory_mb")
-    if find("ours", args.workloads[0]):
-        ratios["mfu_of_peak"] = find("ours", args.workloads[0])["mfu"]
+    if find("ours", first):
+        ratios["mfu_of_peak"] = find("ours", first)["mfu"]
     if can_scale:  # targets(): which of the two the target is on
-        two, one = find("ours", args.workloads[0], 2), find("ours", args.workloads[0])
+        two, one = find("ours", first, 2), find("ours", first)
         ratios["scaling_efficiency"] = ratio(two, one)
         ratios["scaling_efficiency_per_device"] = round(ratios["scaling_efficiency"] / 2, 4)
     for r in results:
         r.pop("real_tokens_per_step")
-    n_params, n_lora, model_figures = flops[tasks[args.workloads[0]]]
+    n_params, n_lora, model_figures = flops[tasks[first or "grpo"]]
     report = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("child", "spec")},
               "precision": precision, "model": {"parameters": n_params, "lora_parameters": n_lora,
                                                 "matmul_weights": model_figures[0], "attention_size": model_figures[2],
@@ -614,6 +836,10 @@ def _free_port() -> int:
 
 def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
+
+
+def _significant(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 def _has_trl() -> bool:

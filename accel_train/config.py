@@ -287,7 +287,7 @@ class EvalConfig:
     metric_for_best: Optional[str] = None
     """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
     loss, perplexity (causal_lm), a result of eval.metrics (or of eval.generation_metrics with eval.generate), or
-    one of dpo's (rewards/margin, ...) for task dpo; checked before training."""
+    one of dpo's (rewards/margin, ...) for task dpo, or grpo's (reward, rewards/NAME/mean); checked before training."""
     greater_is_better: Optional[bool] = None
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 

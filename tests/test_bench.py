@@ -25,7 +25,7 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     as `python -m ...` is forked as python_m forks the CLI (the same entry, without ~5 s of imports each), the
     2-process run is a real `accelerate launch`. Small batches and rows, and 32 batches of classification texts
     (not 200: test_bench_rows_and_ratios_of_every_workload checks that count): this checks the figures are there
-    and agree with each other, not their values."""
+    and agree with each other, not their values. grpo's real run of ours is test_bench_reads_ours_grpo_run's."""
     launch = bench._run
 
     def run(cmd, tag):
@@ -85,13 +85,40 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     assert "| cls | trainer +group_by_length | 1 x" in table and "| ours_vs_trl_skewed |" in table
 
 
-def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch):
+def test_bench_reads_ours_grpo_run(tmp_path, monkeypatch):
+    """ours on grpo, its real process (forked as python_m forks the CLI), read as the bench reads it: steps.json's
+    real tokens less its prompts' (2 template tokens + new_tokens - 1 characters each) are each step's generated
+    tokens, which add up to summary.json's rollouts, and give the figures. TRL's GRPOTrainer runs in --quick; the
+    rows and ratios of both are test_bench_rows_and_ratios_of_every_workload's."""
+    def run(cmd, tag):
+        assert cmd[:3] == [sys.executable, "-m", "accel_train"], cmd
+        proc = python_m(*cmd[3:], timeout=300)
+        assert proc.returncode == 0, (tag, proc.stderr[-3000:])
+
+    monkeypatch.setattr(bench, "_run", run)
+    args = bench.parse_args(["--quick", "--workloads", "grpo", "--warmup", "1", "--grpo-steps", "1", "--prompts", "1",
+                             "--generations", "2", "--new-tokens", "4"])
+    bench.write_workload(args, tmp_path)
+    record = bench.run_ours(args, tmp_path, "grpo", "no", 1)
+    assert record["rows"] == [2, 2]  # a prompt's 2 completions a step
+    assert sum(record["generated_tokens"]) == record["rollouts"]["generated_tokens"]
+    assert all(2 <= g <= 2 * 4 for g in record["generated_tokens"])  # at least the stop token, at most max_new_tokens
+    assert [real - g for real, g in zip(record["real_tokens"], record["generated_tokens"])] == [2 * (2 + 3)] * 2
+    r = bench.grpo_figures(record, args.warmup)
+    assert r["steps_measured"] == 1 and r["mfu"] is None
+    assert r["steps_per_sec"] > 0 and r["generated_tokens_per_sec"] > 0 and r["tokens_per_sec"] > 0
+    assert 0 < r["generation_share"] < 1 and 0 < r["completion_mean_length"] <= 4
+
+
+def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     """The default bench's bookkeeping, every workload and contender, with each process replaced by the files it
     would leave (ours: steps.json and summary.json; the others: result.json) for the steps its command line asks
     for: which contenders run where and with what options, the measured windows (one epoch for the batches grouped
-    by length), and every ratio from its two rows."""
-    speed = {"ours": 4.0, "trainer": 2.0, "bare": 5.0, "trl": 3.2}  # real tokens per second
+    by length), and every ratio from its two rows; grpo's rows (ours' generated tokens a step from its real tokens
+    less its prompts') and table."""
+    speed = {"ours": 4.0, "trainer": 2.0, "bare": 5.0, "trl": 3.2, "trl_grpo": 3.2}  # real tokens per second
     commands = {}
+    split = {"ours": (3.0, 1.0), "trl_grpo": (2.0, 2.0)}  # grpo: the run's seconds generating, and the rest
 
     def run(cmd, tag):
         commands[tag] = cmd
@@ -101,34 +128,54 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch):
         else:
             kind, config = "ours", cmd
             result = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("output_dir=")))
-        steps = int(next(a.split("=")[1] for a in config if a.startswith("train.max_steps=")))
+        value = dict(a.split("=", 1) for a in config if "=" in a)
+        steps = int(value["train.max_steps"])
         tokens = [10 + i for i in range(steps)]  # the same batches for everyone
+        rows = [1] * steps
+        if value["task"] == "grpo":  # rows of a prompt of 33 tokens and a completion of up to 32, one stopped early
+            rows = [int(value["train.per_device_batch_size"]) * int(value["grpo.num_generations"])] * steps
+            generated = [n * int(value["grpo.max_new_tokens"]) - i for i, n in enumerate(rows)]
+            tokens = [n * 33 + g for n, g in zip(rows, generated)]
         record = {"seconds": [t / speed[kind] for t in tokens], "real_tokens": tokens,
-                  "computed_tokens": [t + (kind == "trainer") for t in tokens], "rows": [1] * steps}
+                  "computed_tokens": [t + (kind == "trainer") for t in tokens], "rows": rows}
         summary = {"peak_memory_mb": 100.0 * speed[kind], "mean_loss": 2.0}
+        if value["task"] == "grpo":
+            summary["rollouts"] = {"generated_tokens": sum(generated), "generation_s": split[kind][0],
+                                   "training_s": split[kind][1], "generated_tokens_per_s": 7.0 * speed[kind]}
         (result if kind == "ours" else result.parent).mkdir(parents=True, exist_ok=True)
         if kind == "ours":
             (result / "steps.json").write_text(json.dumps(record))
-            (result / "summary.json").write_text(json.dumps({"peak_memory_mb": summary["peak_memory_mb"],
-                                                             "final": {"loss": 2.0}}))
+            (result / "summary.json").write_text(json.dumps({"final": {"loss": 2.0}, **summary}))
         else:
-            result.write_text(json.dumps({**record, **summary}))
+            result.write_text(json.dumps({**record, **summary, **({"generated_tokens": generated} if "rollouts"
+                                                                   in summary else {})}))
 
     monkeypatch.setattr(bench, "_run", run)
     monkeypatch.setattr(bench, "_has_trl", lambda: True)
-    report = bench.main(["--quick", "--batch", "2", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "b.json"),
-                         "--workdir", str(tmp_path / "work")])
+    report = bench.main(["--quick", "--batch", "2", "--steps", "3", "--warmup", "1", "--grpo-steps", "2",
+                         "--out", str(tmp_path / "b.json"), "--workdir", str(tmp_path / "work")])
     assert list(commands) == [  # ours, then the others in --contenders' order, the 2-process run last
         "ours-skewed-1p", "trainer-skewed", "bare-skewed", "trl-skewed-padding_free", "ours-skewed-2p",
         "ours-fixed-1p", "trainer-fixed", "bare-fixed", "trl-fixed",
-        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length"]
+        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length", "ours-grpo-1p", "trl-grpo"]
+    # grpo: --prompts prompts a step for ours, x --generations completions for TRL's GRPOTrainer (its child)
+    assert "train.per_device_batch_size=4" in commands["ours-grpo-1p"] and "task=grpo" in commands["ours-grpo-1p"]
+    assert commands["trl-grpo"][commands["trl-grpo"].index("--child") + 1] == "trl_grpo"
     assert commands["ours-skewed-2p"][1] == "launch" and "train.per_device_batch_size=1" in commands["ours-skewed-2p"]
     epoch = 400 // 2  # cls: 200 batches of samples
     by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
     for key, r in by.items():
         grouped = key in {("ours", "cls", 1), ("trainer", "cls", 1, "group_by_length")}
-        assert r["steps_measured"] == (epoch if grouped else 3), key
+        assert r["steps_measured"] == (epoch if grouped else 2 if key[1] == "grpo" else 3), key
         assert r["tokens_per_sec"] == pytest.approx(speed[key[0]], rel=1e-3), key
+    # grpo's measured steps (the 2nd and 3rd): 32 rows of 33 + 32 tokens, less 1 and 2 generated
+    for name, r in (("ours", by["ours", "grpo", 1]), ("trl_grpo", by["trl", "grpo", 1])):
+        seconds = (32 * 65 - 1 + 32 * 65 - 2) / speed[name]
+        assert r["steps_per_sec"] == pytest.approx(2 / seconds, rel=1e-3)
+        assert r["generated_tokens_per_sec"] == pytest.approx((32 * 32 * 2 - 3) / seconds, rel=1e-3)
+        assert r["completion_mean_length"] == pytest.approx((32 * 32 * 2 - 3) / 64, abs=0.01)
+        assert r["generation_share"] == split[name][0] / sum(split[name]) and r["mfu"] is None
+        assert r["generation_tokens_per_sec"] == 7.0 * speed[name]
     ratios = report["ratios"]
     for w in ("skewed", "fixed"):
         assert ratios[f"ours_vs_trainer_{w}"] == 2.0 and ratios[f"ours_vs_bare_{w}"] == 0.8
@@ -137,7 +184,13 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch):
     assert ratios["ours_vs_trainer_cls"] == ratios["ours_vs_trainer_grouped_cls"] == 2.0
     assert ratios["measured_tokens_ours_vs_trainer_grouped_cls"] == 1.0
     assert ratios["scaling_efficiency"] == 1.0 and ratios["scaling_efficiency_per_device"] == 0.5
-    assert "ours_vs_trl_skewed" not in report["targets"]
+    for key in ("ours_vs_trl_grpo", "generated_tokens_ours_vs_trl_grpo", "train_tokens_ours_vs_trl_grpo",
+                "memory_ours_vs_trl_grpo"):
+        assert ratios[key] == pytest.approx(1.25, rel=1e-3), key
+    assert ratios["completion_length_ours_vs_trl_grpo"] == 1.0
+    assert "ours_vs_trl_skewed" not in report["targets"] and "ours_vs_trl_grpo" not in report["targets"]
+    table = capsys.readouterr().out
+    assert "| ours | 1 x" in table and "| trl | 1 x" in table and "| ours_vs_trl_grpo | 1.2" in table
 
 
 def test_bench_trl_contender_needs_trl(monkeypatch, capsys):

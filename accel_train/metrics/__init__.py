@@ -89,6 +89,8 @@ def run_results(cfg: Config) -> list[str]:
     (causal_lm) or dpo's rewards, then those of eval.metrics, then of eval.generation_metrics with eval.generate."""
     if cfg.task == "dpo":  # eval.metrics are not computed on pairs
         return ["loss", *DPO_RESULTS]
+    if cfg.task == "grpo":  # the rewards of greedy answers (grpo.evaluate)
+        return ["reward", *(f"rewards/{name}/mean" for name in cfg.grpo.rewards), "completions/mean_length"]
     names = ["loss", "perplexity"] if cfg.task == "causal_lm" else ["loss"]
     for metric in cfg.eval.metrics + (cfg.eval.generation_metrics if cfg.eval.generate else []):
         names += [n for n in results_of(metric, cfg.eval.metric_kwargs.get(metric, {})) if n not in names]
@@ -128,7 +130,7 @@ def _source(cfg: Config, name: str) -> str:
 # eval.greater_is_better is inferred from for eval.metric_for_best.
 GREATER_IS_BETTER = ("accuracy", "exact_match", "f1", "precision", "recall", "matthews_correlation", "rouge1",
                      "rouge2", "rougeL", "rougeLsum", "sacrebleu", "bleu", "google_bleu", "chrf", "meteor", "bertscore",
-                     "rewards/margin", "rewards/accuracy")
+                     "rewards/margin", "rewards/accuracy", "reward")
 LOWER_IS_BETTER = ("loss", "perplexity", "ter", "wer", "cer")
 
 
@@ -142,6 +144,8 @@ def greater_is_better(key: str, given: bool | None) -> bool:
     if given is not None:
         return given
     name = result_name(key).removeprefix("eval_")
+    if name.startswith("rewards/") and name.endswith("/mean"):  # grpo: a reward function's mean
+        return True
     if name in GREATER_IS_BETTER or name in LOWER_IS_BETTER:
         return name in GREATER_IS_BETTER
     raise ConfigError(f"eval.metric_for_best={key}: whether larger is better is not known for this metric; set "
