@@ -53,6 +53,23 @@ def data_files_with_a_saved_dataset(tmp):
 
 
 DPO = ["task=dpo", "data.path=builtin:reverse_pref"]
+GRPO = ["task=grpo", "grpo.answer_field=response", "grpo.num_generations=2", "grpo.max_new_tokens=4",
+        "train.per_device_batch_size=2"]
+
+
+def grpo_reward(source: str):
+    """grpo.rewards naming a user's function `bad` in a file (path/to/file.py:bad) defined by `source`."""
+    def make(tmp):
+        (tmp / "my_rewards.py").write_text(f"def bad(prompts, completions, **columns):\n    {source}\n")
+        return [*GRPO, f"grpo.rewards=[exact_match,{tmp / 'my_rewards.py'}:bad]"]
+    return make
+
+
+def grpo_without_prompts(tmp):
+    rows = [{"question": f"reverse {w}", "response": w[::-1]} for w in ["abc", "bcd", "cde", "def"] * 5]
+    return [*GRPO, f"data.path={write(tmp / 'q.jsonl', rows)}"]
+
+
 CASES = {
     "misspelt key": (lambda t: ["train.learning_rate=1e-4"], "unknown config key train.learning_rate; did you mean train.lr?"),
     "wrong type": (lambda t: ["train.per_device_batch_size=big"], "train.per_device_batch_size must be int, got 'big'"),
@@ -100,6 +117,23 @@ CASES = {
                                               "builder"),
     "data_files matching nothing": (lambda t: ["data.path=json", f"data.data_files=[{t}/missing-*.jsonl]"],
                                     "data.data_files: no file matches "),
+    # task grpo: the reward functions are tried on the first training row before the model is built
+    "grpo unknown reward": (lambda t: [*GRPO, "grpo.rewards=[exact_match,no_such_reward]"],
+                            "grpo.rewards: unknown reward 'no_such_reward'; built-ins: exact_match, regex_match, "
+                            "length_penalty"),
+    "grpo reward module missing": (lambda t: [*GRPO, "grpo.rewards=[nomodule:fn]"],
+                                   "grpo.rewards: nomodule:fn: importing nomodule failed: ModuleNotFoundError: No "
+                                   "module named 'nomodule'"),
+    "grpo reward raises": (grpo_reward("raise ValueError('no reward today')"),
+                           "my_rewards.py:bad raised ValueError: no reward today"),
+    "grpo reward of the wrong length": (grpo_reward("return [0.0]"),
+                                        "my_rewards.py:bad returned 1 values for 2 completions; it must return one "
+                                        "number per completion"),
+    "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
+                            "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
+                            "got 1"),
+    "grpo data without prompts": (grpo_without_prompts, "q.jsonl has no 'prompt' or 'messages' column of prompts "
+                                                        "needed by task grpo; columns found: question, response"),
     "dpo precompute_ref on a stream": (lambda t: [*DPO, "data.streaming=true", "dpo.precompute_ref=true"],
                                        "dpo.precompute_ref=true computes the reference log-probs of every training "
                                        "pair before training: not with data.streaming=true"),

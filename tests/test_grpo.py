@@ -1,0 +1,350 @@
+"""task grpo, launched as users launch it, after a short SFT run whose adapter it continues (model.adapter_from),
+on builtin:reverse with exact_match and a user's reward function from a file: the step-1 advantages, loss and
+gradient norm of each loss normalisation recomputed here from the rollouts and the model's log-probs (and the KL
+to the reference at step 2, at another temperature); the same completions, losses and rewards on 1 process with
+accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run. (Bad rewards and data:
+test_bad_input.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+from conftest import accelerate_launch, python_m
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from accel_train import data as data_lib
+from accel_train.config import load_config
+
+# The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("grpo")
+
+G, NEW, EPS = 4, 8, 0.2  # completions per prompt, tokens per completion at most, clipping
+WEIGHTS = [1.0, 0.5]  # exact_match, length_match
+EOS = 3  # the tiny model's end of turn (its chat template closes the assistant's turn with eos)
+
+# A user's reward function, in a file of tmp_path (grpo.rewards: "path/to/file.py:function"). length_match checks the
+# calling convention (TRL's): a prompt per completion, the data's other columns by name, one value per completion.
+REWARDS_PY = '''
+def length_match(prompts, completions, completion_ids, response, **columns):
+    """1 for a completion as long as the answer, a quarter less per character more or fewer."""
+    assert len(prompts) == len(completions) == len(completion_ids) == len(response)
+    assert all(p == "reverse " + r[::-1] for p, r in zip(prompts, response)), (prompts, response)
+    return [1 - abs(len(c.strip()) - len(r)) / 4 for c, r in zip(completions, response)]
+'''
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A short SFT run on builtin:reverse: its random base (base_model/) and adapter are what GRPO starts from
+    (answers ending with the end of turn after a few tokens: completions of several lengths)."""
+    out = tmp_path_factory.mktemp("grpo") / "sft"
+    proc = python_m("train.max_steps=60", "train.log_every=20", "data.builtin_size=1000", "train.mixed_precision=no",
+                    "track.log_with=[]", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (out.parent / "my_rewards.py").write_text(REWARDS_PY)
+    return out
+
+
+def user_rewards(sft):
+    spec = importlib.util.spec_from_file_location("my_rewards", sft.parent / "my_rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grpo_args(sft, out, *extra) -> list[str]:
+    return ["task=grpo", "data.path=builtin:reverse", "data.builtin_size=200",
+            f"model.name_or_path={sft / 'base_model'}", "model.random_init=false",
+            f"model.adapter_from={sft / 'adapter'}", "grpo.answer_field=response",
+            f"grpo.rewards=[exact_match,{sft.parent / 'my_rewards.py'}:length_match]", f"grpo.reward_weights={WEIGHTS}",
+            f"grpo.num_generations={G}", f"grpo.max_new_tokens={NEW}", f"grpo.epsilon={EPS}",
+            "train.mixed_precision=no", "train.log_every=1", "track.log_with=[]", "train.dist_timeout_s=120",
+            f"output_dir={out}", *extra]
+
+
+# step-1 runs, one per loss normalisation: 1 process, 2 prompts per micro-batch, 2 micro-batches (16 completions);
+# dapo also at temperature 0.7 with a KL term, for 2 steps (the policy differs from the reference at step 2 only)
+STEP_ONE = {
+    "grpo": ["grpo.loss_type=grpo", "train.max_steps=1"],
+    "dr_grpo": ["grpo.loss_type=dr_grpo", "train.max_steps=1"],
+    "dapo": ["grpo.loss_type=dapo", "grpo.beta=0.05", "grpo.temperature=0.7", "train.max_steps=2",
+             "checkpoint.save_every=1", "train.lr=5e-3", "train.warmup_steps=0"],
+}
+# 6 steps of 4 prompts, each rollout trained on twice (steps 1-2, 3-4, 5-6)
+TOPOLOGY = ["train.max_steps=6", "grpo.num_iterations=2", "checkpoint.save_every=2", "train.lr=5e-3",
+            "train.warmup_steps=2"]
+TOPOLOGIES = {"A": (1, ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]),
+              "C": (2, ["train.per_device_batch_size=2", "train.grad_accum_steps=1"])}
+
+
+def launch(procs: int, *args, env=None):
+    return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
+
+
+def read_run(out) -> dict:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"out": out, "train": [r for r in records if "loss" in r],
+            "eval": [r for r in records if "eval_reward" in r],
+            "rollouts": [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]}
+
+
+@pytest.fixture(scope="module")
+def step_one(sft):
+    results = {}
+    for name, extra in STEP_ONE.items():
+        out = sft.parent / name
+        proc = python_m(*grpo_args(sft, out, "train.per_device_batch_size=2", "train.grad_accum_steps=2", *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = read_run(out)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(sft):
+    results = {}
+    for name, (procs, extra) in TOPOLOGIES.items():
+        out = sft.parent / name
+        proc = launch(procs, *grpo_args(sft, out, *TOPOLOGY, *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = read_run(out)
+    return results
+
+
+def groups(rollouts: list[dict], step: int) -> list[list[dict]]:
+    """The rollout rows first trained on at `step`, by prompt (dataset row), each group in generation order."""
+    by_row = defaultdict(list)
+    for r in rollouts:
+        if r["step"] == step:
+            by_row[r["index"]].append(r)
+    return [sorted(g, key=lambda r: r["generation"]) for _, g in sorted(by_row.items())]
+
+
+def token_logps(model, row: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature) of each completion token after the prompt, and the entropy there."""
+    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+    logits = model(input_ids=ids).logits[0, len(row["prompt_ids"]) - 1:-1] / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
+
+
+def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
+    """The step's rollout rows against the data, the rewards recomputed here and the group advantages
+    (r - mean) / (std + 1e-4): (row, advantage) per completion."""
+    cfg = load_config(run["out"] / "config.yaml")
+    train, _ = data_lib.load_splits(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
+    length_match = user_rewards(sft).length_match
+    found = groups(run["rollouts"], step)
+    assert len(found) == 4 and all(len(g) == G for g in found), [len(g) for g in found]
+    out = []
+    for group in found:
+        data = train[group[0]["index"]]
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": data["prompt"]}],
+                                                   add_generation_prompt=True)["input_ids"]
+        completions = [r["completion"] for r in group]
+        mine = length_match([data["prompt"]] * G, completions, [r["completion_ids"] for r in group],
+                            [data["response"]] * G)
+        rewards = []
+        for r, o in zip(group, mine):
+            assert r["prompt_ids"] == prompt_ids
+            ids = r["completion_ids"]
+            # up to and including the end of turn, or cut at max_new_tokens
+            assert 0 < len(ids) <= NEW and EOS not in ids[:-1] and (ids[-1] == EOS or len(ids) == NEW), ids
+            assert r["completion"].strip() == tokenizer.decode(ids, skip_special_tokens=True).strip()
+            em = float(r["completion"].strip() == data["response"].strip())
+            assert r["rewards"] == pytest.approx({"exact_match": em, user_name(r): o}, abs=1e-7)
+            rewards.append(WEIGHTS[0] * em + WEIGHTS[1] * o)
+        r = torch.tensor(rewards, dtype=torch.float64)
+        advantages = ((r - r.mean()) / (r.std() + 1e-4)).tolist()
+        for row, want, a in zip(group, rewards, advantages):
+            assert row["reward"] == pytest.approx(want, abs=1e-6)
+            assert row["advantage"] == pytest.approx(a, rel=1e-5, abs=1e-5)
+            out.append((row, a))
+    return out
+
+
+def step_values(policy, rows: list[tuple[dict, float]], loss_type: str, temperature: float, beta: float,
+                reference=None) -> dict:
+    """The step's loss written out: per token -min(ratio A, clip(ratio) A) + beta k3, ratio = exp(logp - logp
+    detached) (1, with logp's gradient), normalised over the whole step as loss_type says; its gradient's global
+    norm over the trainable (adapter) weights; the entropy and k3 KL per completion token."""
+    policy.zero_grad()
+    per_completion, entropies, kls = [], [], []
+    for row, a in rows:
+        logp, entropy = token_logps(policy, row, temperature)
+        ratio = torch.exp(logp - logp.detach())
+        per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
+        if beta:
+            with torch.no_grad():
+                ref = token_logps(reference, row, temperature)[0]
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            per_token = per_token + beta * kl
+            kls.append(kl.detach())
+        per_completion.append(per_token)
+        entropies.append(entropy)
+    n, tokens = len(per_completion), sum(len(p) for p in per_completion)
+    if loss_type == "dapo":
+        loss = sum(p.sum() for p in per_completion) / tokens
+    elif loss_type == "grpo":
+        loss = sum(p.sum() / len(p) for p in per_completion) / n
+    else:
+        loss = sum(p.sum() for p in per_completion) / (n * NEW)
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in policy.parameters() if p.requires_grad))
+    return {"loss": float(loss.detach()), "grad_norm": norm, "entropy": float(sum(e.sum() for e in entropies)) / tokens,
+            **({"kl": float(sum(k.sum() for k in kls)) / tokens} if beta else {})}
+
+
+def sft_policy(sft):
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(sft / "base_model")
+    return PeftModel.from_pretrained(base, sft / "adapter", is_trainable=True)
+
+
+def user_name(row: dict) -> str:
+    """The name the user's reward function is logged under (its entry in grpo.rewards, or its own name)."""
+    (name,) = set(row["rewards"]) - {"exact_match"}
+    assert name.endswith("length_match"), name
+    return name
+
+
+def step_metrics(rows: list[tuple[dict, float]]) -> dict:
+    """What the step's row in metrics.jsonl says about its completions."""
+    name = user_name(rows[0][0])
+    lengths = [len(r["completion_ids"]) for r, _ in rows]
+    rewards = [r["reward"] for r, _ in rows]
+    by_group = defaultdict(list)
+    for r, _ in rows:
+        by_group[r["index"]].append(r["reward"])
+    return {"reward": sum(rewards) / len(rows),
+            "rewards/exact_match/mean": sum(r["rewards"]["exact_match"] for r, _ in rows) / len(rows),
+            f"rewards/{name}/mean": sum(r["rewards"][name] for r, _ in rows) / len(rows),
+            "frac_reward_zero_std": sum(len(set(g)) == 1 for g in by_group.values()) / len(by_group),
+            "completions/mean_length": sum(lengths) / len(lengths), "completions/max_length": max(lengths),
+            "completions/clipped_ratio": sum(r["completion_ids"][-1] != EOS for r, _ in rows) / len(rows)}
+
+
+@pytest.mark.parametrize("loss_type", STEP_ONE)
+def test_step_one_loss_and_gradient_are_the_formula(sft, step_one, loss_type):
+    """Step 1 from the SFT adapter on 4 prompts x 4 completions in 2 micro-batches: ratio 1, so the loss is minus
+    the normalised advantage sum and the gradient -sum A grad logp, normalised over the whole step (with beta > 0,
+    the KL term and its gradient are 0: the reference is the SFT adapter, frozen, the policy at step 1)."""
+    run = step_one[loss_type]
+    cfg = load_config(run["out"] / "config.yaml")
+    rows = check_rollouts(sft, run, step=1)
+    lengths = {len(r["completion_ids"]) for r, _ in rows}
+    spread = step_metrics(rows)["frac_reward_zero_std"] < 0.5
+    assert len(lengths) > 1 and spread, "the check needs varied lengths and rewards"
+    beta = cfg.grpo.beta
+    want = step_values(sft_policy(sft), rows, loss_type, cfg.grpo.temperature, beta,
+                       reference=sft_policy(sft).eval() if beta else None)
+    step1 = run["train"][0]
+    assert step1["step"] == 1
+    assert step1["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
+    assert step1["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert step1["entropy"] == pytest.approx(want["entropy"], rel=1e-5)
+    for key, value in step_metrics(rows).items():
+        assert step1[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    assert step1["clip_ratio"] == 0  # ratio 1
+    if beta:
+        assert want["kl"] == 0 and step1["kl"] == pytest.approx(0, abs=1e-6)
+    else:  # the summary's count of generated tokens (one step: every completion is in rollouts.jsonl)
+        summary = json.loads((run["out"] / "summary.json").read_text())
+        assert summary["rollouts"]["generated_tokens"] == sum(len(r["completion_ids"]) for r in run["rollouts"])
+
+
+def test_step_two_kl_to_the_reference_is_the_formula(sft, step_one):
+    """Step 2 of the dapo run (beta 0.05, temperature 0.7): the policy is step 1's (its checkpoint), the reference
+    the SFT adapter; the loss adds beta x k3 (exp(ref - logp) - (ref - logp) - 1) per token, and `kl` logs k3's
+    mean over the step's completion tokens."""
+    run = step_one["dapo"]
+    rows = check_rollouts(sft, run, step=2)
+    policy, reference = sft_policy(sft), sft_policy(sft)
+    state = load_file(run["out"] / "checkpoints" / "step-1" / "model.safetensors")
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable <= state.keys()
+    policy.load_state_dict(state, strict=False)
+    reference.eval()
+    want = step_values(policy, rows, "dapo", 0.7, beta=0.05, reference=reference)
+    step2 = run["train"][1]
+    assert step2["step"] == 2
+    assert want["kl"] > 1e-5, "the check needs a policy away from the reference"
+    for key in ("loss", "kl", "entropy"):
+        assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_user_reward_function_from_a_file(sft, step_one):
+    """grpo.rewards names path/to/file.py:length_match: its values on the step's completions (recomputed here by calling
+    it) are what rewards/<name>/mean logs."""
+    length_match = user_rewards(sft).length_match
+    for loss_type, run in step_one.items():
+        train, _ = data_lib.load_splits(load_config(run["out"] / "config.yaml"))
+        rows = [r for r in run["rollouts"] if r["step"] == 1]
+        data = [train[r["index"]] for r in rows]
+        values = length_match([d["prompt"] for d in data], [r["completion"] for r in rows],
+                         [r["completion_ids"] for r in rows], [d["response"] for d in data])
+        assert len(set(values)) > 1, loss_type
+        logged = run["train"][0][f"rewards/{user_name(rows[0])}/mean"]
+        assert logged == pytest.approx(sum(values) / len(values), rel=1e-6), loss_type
+
+
+LOSS_KEYS = ["loss", "clip_ratio", "entropy", "grad_norm"]
+ROLLOUT_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
+                "completions/clipped_ratio"]
+
+
+def assert_same_steps(got: list[dict], want: list[dict], rel: float = 1e-5) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    for a, b in zip(want, got):
+        keys = LOSS_KEYS
+        if a["step"] % 2:  # a new batch of rollouts at steps 1, 3, 5 (grpo.num_iterations=2): their statistics
+            rewards = [k for k in a if k.startswith("rewards/")]
+            assert len(rewards) == 4, sorted(a)  # mean and std of each function
+            keys = keys + ROLLOUT_KEYS + rewards
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-7), f"step {a['step']} {key}"
+
+
+def completions(rollouts: list[dict]) -> dict:
+    return {(r["step"], r["index"], r["generation"]): r["completion_ids"] for r in rollouts}
+
+
+def test_same_completions_losses_and_rewards_on_2_processes(runs):
+    """1 process, 2 prompts per micro-batch, 2 micro-batches vs 2 processes of 2 prompts each: the same rollouts
+    (each completion's sampling seeded by step, row and generation), losses, rewards and evaluation."""
+    a, c = runs["A"], runs["C"]
+    want = completions(a["rollouts"])
+    assert len(want) == len(a["rollouts"]) == 3 * 4 * G and {s for s, _, _ in want} == {1, 3, 5}
+    assert completions(c["rollouts"]) == want and len(c["rollouts"]) == len(a["rollouts"])
+    assert_same_steps(c["train"], a["train"])
+    assert any(r["clip_ratio"] > 0 for r in a["train"][1::2]), "the second pass on a rollout clips some tokens"
+    (ea,), (ec,) = a["eval"], c["eval"]
+    assert ea["eval_samples"] == ec["eval_samples"] == 20
+    for key in (k for k in ea if k.startswith("eval_")):
+        assert ec[key] == pytest.approx(ea[key], rel=1e-5, abs=1e-7), key
+
+
+def test_resume_after_a_crash_reproduces_the_run(sft, runs):
+    """Run A crashed in the 2nd micro-batch of step 4 (the second pass on step 3's rollout), resumed from the
+    step-2 checkpoint: the rollouts of steps 3 and 5 generated again, the same; the same losses and rewards."""
+    out = sft.parent / "A-resumed"
+    args = grpo_args(sft, out, *TOPOLOGY, *TOPOLOGIES["A"][1])
+    crashed = python_m(*args, env={"ACCEL_TRAIN_FAULT": "crash@step=4,micro=1,rank=0"})
+    assert crashed.returncode != 0
+    resumed = python_m(*args, "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = read_run(out)
+    assert_same_steps(run["train"], runs["A"]["train"])
+    want = completions(runs["A"]["rollouts"])
+    assert all(want[(r["step"], r["index"], r["generation"])] == r["completion_ids"] for r in run["rollouts"])
+    # one row per completion, as in the uninterrupted run (not the crashed run's rows again)
+    assert completions(run["rollouts"]).keys() == want.keys() and len(run["rollouts"]) == len(want)
+
