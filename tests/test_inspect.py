@@ -81,6 +81,22 @@ def test_dpo_shows_pairs_with_their_trained_tokens_and_truncation(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_grpo_shows_the_prompts_as_the_model_continues_them(tmp_path):
+    # builtin:reverse's prompts are 13 to 16 tokens with the template's generation prompt; data.max_length 22 less
+    # grpo.max_new_tokens 8 keeps their last 14
+    proc = inspect("task=grpo", "data.builtin_size=50", "data.max_length=22", "grpo.max_new_tokens=8",
+                   "grpo.answer_field=response", "--samples", "1", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "(task grpo, prompts from prompt; rewards exact_match get the columns response)" in out
+    cut = int(re.search(r"rows: 45 train, 5 eval; (\d+) prompts cut to their last 14 tokens", out).group(1))
+    assert 0 < cut < 45
+    assert re.search(r"--- prompt 0: 1[34] tokens, then up to 8 generated\n(verse|<\|user\|>reverse) [a-j]+<\|assistant\|>\n",
+                     out), out
+    assert "prompt tokens: min 13, " in out and "max 14," in out
+    assert not (tmp_path / "out").exists()
+
+
 UNSEEN = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse abc"},
                         {"role": "assistant", "content": "cba"}]}] * 16
 
