@@ -579,7 +579,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(value) if value else ""
+        try:
+            node[leaf] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as e:  # e.g. a regular expression such as [a-j]+
+            raise ConfigError(f"override {item!r}: {value!r} is not a valid YAML value "
+                              f"({getattr(e, 'problem', None) or 'unreadable'}); quote it: {key}='{value}'") from None
     return _build(Config, raw, prefix="", lines=lines)
 
 

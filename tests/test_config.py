@@ -58,6 +58,7 @@ def test_override_beats_file(tmp_path):
     (["data.max_length=-1"], "data.max_length must be > 0"),
     (["lora.r=0"], "lora.r must be > 0"),
     (["train.lr"], "not of the form key=value"),
+    (["grpo.regex=[a-j]+"], "override 'grpo.regex=[a-j]+': '[a-j]+' is not a valid YAML value"),
 ])
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError) as e:

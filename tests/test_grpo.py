@@ -348,3 +348,18 @@ def test_resume_after_a_crash_reproduces_the_run(sft, runs):
     # one row per completion, as in the uninterrupted run (not the crashed run's rows again)
     assert completions(run["rollouts"]).keys() == want.keys() and len(run["rollouts"]) == len(want)
 
+
+
+def test_builtin_rewards_score_as_documented():
+    """exact_match against the answer column (stripped), regex_match in full on the stripped completion, and DAPO's
+    soft overlong penalty: 0 up to max_new_tokens - length_buffer tokens, then down to -1 at max_new_tokens."""
+    from accel_train.rewards import Rewards
+
+    cfg = load_config(None, ["task=grpo", "grpo.rewards=[exact_match,regex_match,length_penalty]", "grpo.regex='[a-j]+'",
+                             "grpo.answer_field=answer", "grpo.max_new_tokens=8", "grpo.length_buffer=4"])
+    completions = [" cba ", "cba!", "abc", "c b a"]
+    ids = [[0] * n for n in (3, 4, 6, 8)]
+    exact, regex, length = Rewards(cfg)(["p"] * 4, completions, ids, {"answer": ["cba", "cba", "cba", "cba"]})
+    assert exact == [1.0, 0.0, 0.0, 0.0]
+    assert regex == [1.0, 0.0, 1.0, 0.0]
+    assert length == [0.0, 0.0, -0.5, -1.0]
