@@ -71,12 +71,13 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
     # machine with no accelerator would each run alone: N independent trainings, each saving its own result.
     # DeepSpeed is the exception: accelerate sets it up only with cpu=False (AcceleratorState in 1.15), and
     # DeepSpeed's CPU accelerator then forms the group on the backend given here (gloo without oneCCL).
-    if not torch.accelerator.is_available():
+    no_accelerator = not torch.accelerator.is_available()
+    if no_accelerator:
         # transformers imports deepspeed where installed (generate, modeling_utils): DeepSpeed's accelerator probe
         # would print its "Setting accelerator to CPU" warning; what it would find, said without it
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed_on_cpu = world > 1 and not torch.accelerator.is_available() and launcher_asks("ACCELERATE_USE_DEEPSPEED")
-    cpu = world > 1 and not torch.accelerator.is_available() and not deepspeed_on_cpu
+    deepspeed_on_cpu = world > 1 and no_accelerator and launcher_asks("ACCELERATE_USE_DEEPSPEED")
+    cpu = world > 1 and no_accelerator and not deepspeed_on_cpu
     if deepspeed_on_cpu:
         skip_deepspeed_shm_op()
     precision, note = choose_precision(cfg.train.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
@@ -336,8 +337,7 @@ def skip_deepspeed_shm_op() -> None:
     """DeepSpeed's CPU accelerator, without its shared-memory all-reduce: DeepSpeed compiles it (C++, 136 s
     on 2 busy cores) at the first start on a machine, for its inference all-reduce only; training all-reduces through
     the process group (gloo) all the same. deepspeed.ops caches the dict of usable ops it checks, so that edits
-    to it persist."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed's probe would find, without probing
+    to it persist. (make_accelerator has set DS_ACCELERATOR=cpu before: DeepSpeed does not probe for one.)"""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

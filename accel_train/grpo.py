@@ -195,6 +195,10 @@ class Rollouts:
         self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
         self.rewards = Rewards(cfg)
         self.stop_ids = stop_token_ids(tokenizer, getattr(accelerator.unwrap_model(model), "generation_config", None))
+        # greedy (the sampled rollouts draw their tokens in SeededSampler); no model-default warpers or penalties
+        self.generation_config = GenerationConfig(max_new_tokens=self.g.max_new_tokens, do_sample=False,
+                                                  eos_token_id=self.stop_ids, pad_token_id=tokenizer.pad_token_id,
+                                                  use_cache=True)
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
@@ -241,24 +245,31 @@ class Rollouts:
         return out
 
     def generate(self, model, batch: dict, step: int) -> list[list[int]]:
-        """grpo.num_generations completions per prompt (prompt-major), each up to and with its stop token."""
+        """grpo.num_generations sampled completions per prompt (prompt-major)."""
         G, device = self.g.num_generations, self.accelerator.device
-        rows = [ids for ids in batch["prompt_ids"] for _ in range(G)]
-        input_ids, attention_mask = left_padded(rows, self.tokenizer.pad_token_id, device)
         noise = torch.stack([torch.rand(self.g.max_new_tokens, generator=torch.Generator().manual_seed(
             row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)]).to(device)
-        config = GenerationConfig(max_new_tokens=self.g.max_new_tokens, do_sample=False, eos_token_id=self.stop_ids,
-                                  pad_token_id=self.tokenizer.pad_token_id, use_cache=True)
-        sampler = SeededSampler(noise, input_ids.shape[1], self.g.temperature, self.g.top_p)
-        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([sampler]))[:, input_ids.shape[1]:].tolist()
+        return self.complete(model, [ids for ids in batch["prompt_ids"] for _ in range(G)],
+                             lambda width: SeededSampler(noise, width, self.g.temperature, self.g.top_p))
+
+    def complete(self, model, prompts: list[list[int]], sampler=None) -> list[list[int]]:
+        """One completion per prompt, each up to and with its stop token: greedy, or drawn by `sampler(prompt
+        width)`, a LogitsProcessor."""
+        input_ids, attention_mask = left_padded(prompts, self.tokenizer.pad_token_id, self.accelerator.device)
+        processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
+        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
+                             logits_processor=processors)[:, input_ids.shape[1]:].tolist()
         return [next((t[:i + 1] for i, x in enumerate(t) if x in self.stop_ids), t) for t in new]
+
+    def decode(self, completions: list[list[int]]) -> list[str]:
+        """The completions' texts, as the reward functions get them: special tokens removed, stripped."""
+        return [t.strip() for t in self.tokenizer.batch_decode(completions, skip_special_tokens=True)]
 
     def score(self, batch: dict, completions: list[list[int]], step: int, log: bool) -> tuple[dict, list[dict]]:
         """The training micro-batch of one prompt batch's completions, and their rollouts.jsonl rows."""
         G, n_prompts = self.g.num_generations, len(batch["prompt_ids"])
         expand = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
-        texts = [t.strip() for t in self.tokenizer.batch_decode(completions, skip_special_tokens=True)]
+        texts = self.decode(completions)
         per_function = self.rewards(expand(batch["prompts"]), texts, completions,
                                     {k: expand(v) for k, v in batch["columns"].items()})
         values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
@@ -406,23 +417,17 @@ def finish_means(means: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
+def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     """Greedy answers to every eval prompt, scored by the run's rewards: the means over all eval prompts (each once:
     gather_for_metrics drops the repeated ones), the same on every rank."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     unwrapped.eval()
-    g, tokenizer = cfg.grpo, rollouts.tokenizer
-    config = GenerationConfig(max_new_tokens=g.max_new_tokens, do_sample=False, eos_token_id=rollouts.stop_ids,
-                              pad_token_id=tokenizer.pad_token_id, use_cache=True)
     sums, n = 0, 0
     for batch in eval_dl:
-        input_ids, attention_mask = left_padded(batch["prompt_ids"], tokenizer.pad_token_id, accelerator.device)
         with accelerator.autocast():
-            new = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                     generation_config=config)[:, input_ids.shape[1]:].tolist()
-        completions = [next((t[:i + 1] for i, x in enumerate(t) if x in rollouts.stop_ids), t) for t in new]
-        texts = [t.strip() for t in tokenizer.batch_decode(completions, skip_special_tokens=True)]
-        values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions, batch["columns"]))
+            completions = rollouts.complete(unwrapped, batch["prompt_ids"])
+        values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.decode(completions), completions,
+                                               batch["columns"]))
         total = (values * torch.tensor(rollouts.rewards.weights)[:, None]).sum(0)
         rows = torch.cat([total[None], values, torch.tensor([[float(len(c)) for c in completions]])]).T
         rows = accelerator.gather_for_metrics(rows.to(accelerator.device))

@@ -106,7 +106,7 @@ def main(argv: list[str], check) -> int:
 
     if not torch.accelerator.is_available():
         # what DeepSpeed's probe would find, said without its warning line ("Setting accelerator to CPU. If you have
-        # GPU ..."), which the launcher's import of deepspeed prints for a DeepSpeed config (dist.skip_deepspeed_shm_op
+        # GPU ..."), which the launcher's import of deepspeed prints for a DeepSpeed config (dist.make_accelerator
         # sets the same in the ranks, under any launcher)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return run(launch_command, args)

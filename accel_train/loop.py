@@ -11,6 +11,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -189,16 +190,20 @@ def loss_and_logged(model, batch: dict, task: str, job: TrainingJob) -> tuple[to
 
 @dataclass
 class LossSums:
-    """This rank's summed target losses (and dpo's pair metrics) since the last log, and their targets over all
-    ranks."""
+    """This rank's summed target losses (and dpo's pair metrics, grpo's token metrics) since the last log, and their
+    targets over all ranks."""
 
     names: tuple[str, ...]
     sums: torch.Tensor
     targets: int = 0
+    finish: Callable[[dict], dict] | None = None
+    """grpo: the means per target made means per completion token (grpo.finish_means)."""
 
     @classmethod
     def start(cls, job: TrainingJob, task: str, device) -> "LossSums":
-        names = ("loss", *dpo.METRICS) if task == "dpo" else job.policy.names if task == "grpo" else ("loss",)
+        if task == "grpo":
+            return cls(job.policy.names, torch.zeros(len(job.policy.names), device=device), finish=grpo.finish_means)
+        names = ("loss", *dpo.METRICS) if task == "dpo" else ("loss",)
         return cls(names, torch.zeros(len(names), device=device))
 
     def add(self, window_sums: torch.Tensor, targets: int) -> None:
@@ -212,7 +217,7 @@ class LossSums:
                  for k, s in zip(self.names, sums)}
         self.sums.zero_()
         self.targets = 0
-        return grpo.finish_means(means) if "n/tokens" in means else means
+        return self.finish(means) if self.finish else means
 
 
 def log_training(job: TrainingJob, since_log: LossSums, lr: float, grad_norm: float) -> dict:
@@ -347,7 +352,7 @@ def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
     if cfg.task == "dpo":
         return dpo.evaluate(accelerator, model, job.eval_dl, job.preference)
     if cfg.task == "grpo":
-        return grpo.evaluate(cfg, accelerator, model, job.eval_dl, job.rollouts)
+        return grpo.evaluate(accelerator, model, job.eval_dl, job.rollouts)
     model.eval()
     total_loss, total_targets, samples = 0.0, 0, 0
     for batch in job.eval_dl:

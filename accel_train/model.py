@@ -128,8 +128,8 @@ def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
     if cfg.model.adapter_from:
         model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
         if cfg.task == "dpo" and cfg.dpo.reference == "start" or cfg.task == "grpo" and cfg.grpo.beta:
-            # dpo's reference: the same adapter, frozen (adapter-sized: the base is shared); dpo.reference_mode
-            # switches to it (TRL's ref_adapter_name)
+            # the reference of dpo (and of grpo's KL): the same adapter, frozen (adapter-sized: the base is shared);
+            # dpo.reference_mode switches to it (TRL's ref_adapter_name)
             model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         return model
     targets = cfg.lora.target_modules

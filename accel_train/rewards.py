@@ -20,6 +20,7 @@ Importing this module imports no torch: preflight resolves the names with it bef
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -57,6 +58,7 @@ def labels(names: list[str]) -> list[str]:
     return [s if short.count(s) == 1 else n for s, n in zip(short, names)]
 
 
+@functools.cache  # preflight, the first-row check and the run resolve the same names: a file is executed once
 def load_function(name: str) -> Callable:
     """A user's reward function from "package.module:function" (importable from the working directory too) or
     "path/to/file.py:function"."""
