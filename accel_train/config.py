@@ -322,7 +322,7 @@ class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed with grpo.reward_weights: built-ins exact_match (against grpo.answer_field),
     regex_match (grpo.regex), length_penalty; or your own as module:function or path/to/file.py:function, called
-    as TRL's: (prompts, completions, completion_ids, **columns) -> one number per completion (accel_train/rewards.py)."""
+    as TRL's: (prompts, completions, completion_ids, **columns) -> one number per completion (accel_train/tasks/rewards.py)."""
     reward_weights: Optional[list[float]] = None
     """Weight of each reward function, in the order of grpo.rewards; None: 1 each."""
     answer_field: str = "answer"

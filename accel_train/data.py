@@ -17,7 +17,8 @@ from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, Value, l
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
-from accel_train import dpo, formats, grpo
+from accel_train import formats
+from accel_train.tasks import dpo, grpo
 from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.data_sources import builtin_rows, file_builder, is_saved_dataset
 from accel_train.formats import IGNORE_INDEX

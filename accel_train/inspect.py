@@ -175,7 +175,7 @@ def inspect_prompts(cfg: Config, train_raw, eval_raw, streamed: bool, tokenizer,
     """task grpo: the prompts as the model continues them (template and generation prompt applied), what is cut,
     and the columns the reward functions get."""
     from accel_train import data as data_lib
-    from accel_train import grpo
+    from accel_train.tasks import grpo
 
     train = data_lib.tokenize(train_raw, tokenizer, cfg)
     lengths = [len(ids) for ids in train["prompt_ids"]]

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType, send_to_device
 
 from accel_train import data as data_lib
-from accel_train import dpo, faults, grpo
+from accel_train import faults
+from accel_train.tasks import dpo, grpo
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches

@@ -19,7 +19,7 @@ from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
 from accel_train.model_sources import check_model
 from accel_train.metrics import check_metric_for_best, check_metrics
-from accel_train.rewards import check_rewards
+from accel_train.tasks.rewards import check_rewards
 from accel_train.tracking import check_trackers
 
 

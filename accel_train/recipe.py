@@ -22,7 +22,8 @@ from datasets import Dataset, IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
-from accel_train import dpo, faults, grpo
+from accel_train import faults
+from accel_train.tasks import dpo, grpo
 from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)

@@ -125,7 +125,7 @@ def test_metric_for_best_must_be_a_result_of_the_run(overrides, message):
 def test_result_names_are_those_the_metrics_report():
     """The table preflight checks eval.metric_for_best against is what each bundled metric computes, and dpo's
     evaluation results are its METRICS."""
-    from accel_train import dpo
+    from accel_train.tasks import dpo
     from accel_train.metrics import DPO_RESULTS, RESULTS, bundled, load_metric, scores
 
     assert sorted(RESULTS) == bundled() and DPO_RESULTS == dpo.METRICS

@@ -250,7 +250,7 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from accel_train.dpo import PairCollator, PreferenceLoss, tokenize_pair
+    from accel_train.tasks.dpo import PairCollator, PreferenceLoss, tokenize_pair
     from accel_train.model import build_model, build_tokenizer
 
     cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])

@@ -353,7 +353,7 @@ def test_resume_after_a_crash_reproduces_the_run(sft, runs):
 def test_builtin_rewards_score_as_documented():
     """exact_match against the answer column (stripped), regex_match in full on the stripped completion, and DAPO's
     soft overlong penalty: 0 up to max_new_tokens - length_buffer tokens, then down to -1 at max_new_tokens."""
-    from accel_train.rewards import Rewards
+    from accel_train.tasks.rewards import Rewards
 
     cfg = load_config(None, ["task=grpo", "grpo.rewards=[exact_match,regex_match,length_penalty]", "grpo.regex='[a-j]+'",
                              "grpo.answer_field=answer", "grpo.max_new_tokens=8", "grpo.length_buffer=4"])

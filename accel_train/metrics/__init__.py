@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import Config, ConfigError, EvalConfig
-from accel_train.rewards import labels
+from accel_train.tasks.rewards import labels
 
 if TYPE_CHECKING:
     import evaluate

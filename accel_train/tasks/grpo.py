@@ -43,9 +43,9 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from accel_train import formats
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
-from accel_train.dpo import reference_mode
+from accel_train.tasks.dpo import reference_mode
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.rewards import Rewards, smoke_test
+from accel_train.tasks.rewards import Rewards, smoke_test
 
 logger = get_logger(__name__)
 
