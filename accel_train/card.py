@@ -18,10 +18,12 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from accel_train.config import Config, is_embedded_tiny_model, load_config, to_dict
 from accel_train.data_sources import FILE_BUILDERS
+from accel_train.tasks import info
 
 EXPORTS = ("adapter", "model", "merged")  # the folders of a run that hold a loadable model
-PIPELINE_TAGS = {"causal_lm": "text-generation", "dpo": "text-generation", "grpo": "text-generation", "seq_cls": "text-classification"}
-AUTO_CLASSES = {"causal_lm": "CausalLM", "dpo": "CausalLM", "grpo": "CausalLM", "seq_cls": "SequenceClassification"}
+# by the model a task trains (tasks.TaskInfo.head)
+PIPELINE_TAGS = {"causal_lm": "text-generation", "seq_cls": "text-classification"}
+AUTO_CLASSES = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification"}
 
 
 def hub_id(name: str) -> str | None:
@@ -78,7 +80,7 @@ def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None
         base_model=base, library_name="peft" if adapter else "transformers",
         tags=["accel_train", cfg.task, *(["lora"] if cfg.lora.enabled else []),
               *(["merged"] if folder == "merged" else [])],
-        datasets=[dataset] if dataset else None, pipeline_tag=PIPELINE_TAGS[cfg.task])
+        datasets=[dataset] if dataset else None, pipeline_tag=PIPELINE_TAGS[info(cfg.task).head])
     body = [f"# {run_dir.resolve().name}", "",
             f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg, base)}, trained with "
             f"accel_train (task `{cfg.task}`) on {describe_data(cfg)}.", "",
@@ -159,14 +161,14 @@ def hardware_section(summary: dict) -> list[str]:
 
 def usage_section(cfg: Config, folder: str, source: str, local_base: str | None = None) -> list[str]:
     """How to load `source`; an adapter whose base is the local folder `local_base` is loaded on it explicitly."""
-    auto = AUTO_CLASSES[cfg.task]
+    auto = AUTO_CLASSES[info(cfg.task).head]
     package, cls = ("peft", f"AutoPeftModelFor{auto}") if folder == "adapter" else ("transformers", f"AutoModelFor{auto}")
     load = f"from {package} import {cls}\n\nmodel = {cls}.from_pretrained({source!r})"
     if folder == "adapter" and local_base:
         load = (f"from peft import PeftModel\nfrom transformers import AutoModelFor{auto}\n\n"
                 f"base = AutoModelFor{auto}.from_pretrained({local_base!r})  # the local base: your copy of it\n"
                 f"model = PeftModel.from_pretrained(base, {source!r})")
-    elif PIPELINE_TAGS[cfg.task] == "text-generation":
+    elif info(cfg.task).head == "causal_lm":
         load = generation_example(folder, source, package, cls)
     return ["## Usage", "", "```python", load, "```", ""]
 

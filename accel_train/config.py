@@ -21,6 +21,8 @@ from typing import Literal, Optional, Union
 
 import yaml
 
+from accel_train.tasks import NAMES as TASK_NAMES
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Editable installs and checkouts keep configs/ beside the package; wheels carry it inside.
 CONFIGS_DIR = next(
@@ -60,6 +62,7 @@ ALIASES = {
     "data_path": "data.path", "train_file": "data.path", "report_to": "track.log_with",
     "load_in_4bit": "model.quantization", "load_in_8bit": "model.quantization",
 }
+
 
 
 class ConfigError(ValueError):
@@ -362,7 +365,7 @@ class GrpoConfig:
 
 @dataclass
 class Config:
-    task: Literal["causal_lm", "seq_cls", "dpo", "grpo"] = "causal_lm"
+    task: Literal[TASK_NAMES] = "causal_lm"
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
     on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy); grpo:
     reinforcement learning from rewards of sampled completions to prompts (see grpo.*)."""

@@ -25,14 +25,14 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
             raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite or choose --out")
         shutil.rmtree(out_dir)
     from accel_train.generation import stopping_config  # torch: once the arguments are known to be right
-    from accel_train.model import AUTO_CLASS, load_trained
+    from accel_train.model import AUTO_CLASS, head_of, load_trained
 
     cfg = load_config(run_dir / "config.yaml")
     # dtype auto: the merged model keeps the base's dtype
-    model, tokenizer = load_trained(run_dir / "adapter", AUTO_CLASS[cfg.task], dtype="auto",
+    model, tokenizer = load_trained(run_dir / "adapter", AUTO_CLASS[head_of(cfg)], dtype="auto",
                                     trust_remote_code=cfg.model.trust_remote_code)
     merged = model.merge_and_unload()
-    if cfg.task != "seq_cls":
+    if head_of(cfg) == "causal_lm":
         # generate() stops at the template's end of turn with no arguments: transformers loads this folder's
         # generation_config.json (an adapter saved before it held the stop ids gets them here)
         merged.generation_config = stopping_config(merged, tokenizer)

@@ -92,22 +92,17 @@ def describe_format(cfg: Config, columns: list[str]) -> str:
     return f"{text} (data.format=auto; the same as data.format={d.format}{''.join(' ' + k for k in keys)})"
 
 
-def check_columns(cfg: Config, columns: list[str]) -> None:
-    """The columns the task and format read are there; else one line naming the missing and the found ones."""
-    d = cfg.data
-    if cfg.task == "seq_cls":
-        needed = [d.text_field, d.label_field]
-    else:
-        d = resolve(cfg, columns)
-        if d.format == "messages" and messages_column(cfg, columns):
-            return
-        needed = format_columns(d, d.format)
-    missing = [c for c in needed if c not in columns]
+def check_columns(cfg: Config, columns: list[str], source: str | None = None) -> None:
+    """The columns the format reads are in `columns` (of `source`, default data.path); else one line naming the
+    missing and the found ones."""
+    d = resolve(cfg, columns)
+    if d.format == "messages" and messages_column(cfg, columns):
+        return
+    missing = [c for c in format_columns(d, d.format) if c not in columns]
     if missing:
-        fmt = f"format {d.format}; " if cfg.task == "causal_lm" else ""
-        raise ConfigError(f"data: {d.path} lacks column(s) {', '.join(missing)} needed by task {cfg.task}; columns "
-                          f"found: {', '.join(columns)} ({fmt}set data.format and data.*_field to map them, as "
-                          "README's \"Your own data\" shows)")
+        raise ConfigError(f"data: {source or d.path} lacks column(s) {', '.join(missing)} needed by task {cfg.task}; "
+                          f"columns found: {', '.join(columns)} (format {d.format}; set data.format and data.*_field "
+                          "to map them, as README's \"Your own data\" shows)")
 
 
 # ---------------------------------------------------------------------------------------------------- conversations

@@ -1,7 +1,8 @@
 """The training loop (`fit`) and evaluation (`run_evaluation`): single-process code in appearance, with every
 value that could differ between ranks decided together once per step (see the comments in `fit`).
 
-The objects it drives are built by `recipe.py` and handed over in one `TrainingJob`.
+The objects it drives are built by `recipe.py` and handed over in one `TrainingJob`; what depends on the objective
+(batches, loss, evaluation) is asked of `job.task` (accel_train/tasks), never decided here.
 """
 
 from __future__ import annotations
@@ -10,25 +11,19 @@ import functools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from itertools import islice
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import DistributedType, send_to_device
 
 from accel_train import data as data_lib
 from accel_train import faults
-from accel_train.tasks import dpo, grpo
 from accel_train.checkpoint import NonFiniteError, TrainState, save_checkpoint
 from accel_train.config import Config, ConfigError
 from accel_train.dist import Preempted, Preemption, epoch_batches
-from accel_train.generation import GenerationEval, evaluate_generations
-from accel_train.loss import LossHead
-from accel_train.metrics import compute_metrics, greater_is_better, result_name
+from accel_train.metrics import greater_is_better, result_name
+from accel_train.tasks import Task
 from accel_train.tracking import RunLog, current_memory_mb, main_logger
-
-IGNORE = data_lib.IGNORE_INDEX
 
 
 @dataclass
@@ -41,48 +36,22 @@ class TrainingJob:
     scheduler: object
     train_dl: object
     eval_dl: object | None
-    metrics: dict
-    """`evaluate` modules by name."""
+    task: Task
+    """The objective: its batches, loss and evaluation (accel_train/tasks)."""
     state: TrainState
     """Where training stands: restored on resume, saved with each checkpoint."""
     total_steps: int
     run_log: RunLog
     preemption: Preemption
-    loss_head: LossHead | None = None
-    """causal_lm: the output head that computes the loss in chunks (loss.py); None: from full logits."""
-    generation: GenerationEval | None = None
-    """eval.generate: the prompts to answer at each evaluation (generation.py)."""
-    preference: dpo.PreferenceLoss | None = None
-    """dpo: the loss of pairs against the reference, and its reward metrics."""
-    rollouts: grpo.Rollouts | None = None
-    """grpo: each step's micro-batches of sampled completions, scored (grpo.py)."""
-    policy: grpo.PolicyLoss | None = None
-    """grpo: the clipped-ratio loss of completions."""
 
 
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Sum (not mean) of the per-target cross-entropy: next-token for causal_lm, per-sample for seq_cls."""
-    if task == "causal_lm":
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-
-
-def count_targets(batch: dict, task: str) -> torch.Tensor | int:
-    """Targets the loss of this batch is summed over (response tokens after the shift, samples, or pairs)."""
-    if task == "dpo":
-        return batch["labels"].shape[0] // 2  # chosen and rejected rows
-    if task == "grpo":
-        return batch["targets"]  # completion tokens, completions, or completions x max_new_tokens (grpo.loss_type)
-    return (batch["labels"][:, 1:] != IGNORE).sum() if task == "causal_lm" else batch["labels"].numel()
-
-
-def window_stats(window: list[dict], task: str, signum: int, device) -> torch.Tensor:
+def window_stats(window: list[dict], task: Task, signum: int, device) -> torch.Tensor:
     """This rank's [targets, real tokens, computed tokens, rows, micro-batches, signal] for one step (on the
     device: summing there costs no host sync)."""
     stats = torch.zeros(6, dtype=torch.long, device=device)
     for batch in window:
         real, computed = data_lib.token_counts(batch)
-        stats[0] += count_targets(batch, task)
+        stats[0] += task.count_targets(batch)
         stats[1] += real
         stats[2] += computed
         stats[3] += batch["input_ids"].shape[0]
@@ -165,47 +134,20 @@ def judge(cfg: Config, job: TrainingJob, results: dict) -> bool:
     return patience is not None and state.evals_without_improvement >= patience
 
 
-def forward(model, batch: dict, task: str) -> torch.Tensor:
-    """The logits. No KV cache in training: it costs memory, and with one transformers ignores packing."""
-    return model(**data_lib.model_inputs(batch), **({"use_cache": False} if task == "causal_lm" else {})).logits
-
-
-def batch_loss(model, batch: dict, task: str, head: LossHead | None) -> torch.Tensor:
-    """The batch's summed target loss: from the final hidden states in chunks when the model has a LossHead
-    (its output head returns the loss in place of the logits), else from the logits."""
-    if head is None:
-        return summed_cross_entropy(forward(model, batch, task), batch["labels"], task)
-    with head.computing(batch["labels"]):
-        return forward(model, batch, task)
-
-
-def loss_and_logged(model, batch: dict, task: str, job: TrainingJob) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the batch's summed loss, the detached sums to log: that loss, then dpo's METRICS summed over pairs)."""
-    if task == "dpo":
-        return job.preference(model, batch)
-    if task == "grpo":
-        return job.policy(model, batch)
-    loss = batch_loss(model, batch, task, job.loss_head)
-    return loss, loss.detach()[None]
-
-
 @dataclass
 class LossSums:
-    """This rank's summed target losses (and dpo's pair metrics, grpo's token metrics) since the last log, and their
-    targets over all ranks."""
+    """This rank's summed target losses (and what else the task's loss sums: task.logged) since the last log, and
+    their targets over all ranks."""
 
     names: tuple[str, ...]
     sums: torch.Tensor
+    finish: Callable[[dict], dict]
+    """The task's means as logged (task.finish_means)."""
     targets: int = 0
-    finish: Callable[[dict], dict] | None = None
-    """grpo: the means per target made means per completion token (grpo.finish_means)."""
 
     @classmethod
-    def start(cls, job: TrainingJob, task: str, device) -> "LossSums":
-        if task == "grpo":
-            return cls(job.policy.names, torch.zeros(len(job.policy.names), device=device), finish=grpo.finish_means)
-        names = ("loss", *dpo.METRICS) if task == "dpo" else ("loss",)
-        return cls(names, torch.zeros(len(names), device=device))
+    def start(cls, task: Task, device) -> "LossSums":
+        return cls(task.logged, torch.zeros(len(task.logged), device=device), task.finish_means)
 
     def add(self, window_sums: torch.Tensor, targets: int) -> None:
         self.sums += window_sums
@@ -218,14 +160,14 @@ class LossSums:
                  for k, s in zip(self.names, sums)}
         self.sums.zero_()
         self.targets = 0
-        return self.finish(means) if self.finish else means
+        return self.finish(means)
 
 
 def log_training(job: TrainingJob, since_log: LossSums, lr: float, grad_norm: float) -> dict:
     """The training record of this step (metrics.jsonl, trackers, console): the means since the last log."""
     state, accelerator = job.state, job.accelerator
-    rollouts = job.rollouts.means(accelerator) if job.rollouts is not None else {}  # collectives, on every rank
-    record = {"step": state.step, "epoch": state.epoch, **since_log.means(accelerator), **rollouts, "lr": lr,
+    task = job.task.log_means(accelerator)  # collectives, on every rank
+    record = {"step": state.step, "epoch": state.epoch, **since_log.means(accelerator), **task, "lr": lr,
               "grad_norm": float(grad_norm), **job.run_log.throughput(),
               "memory_mb": current_memory_mb(accelerator.device)}
     job.run_log.log(record)
@@ -256,21 +198,21 @@ def empty_pass(cfg: Config) -> ConfigError:
 
 
 def replay_batch(job: TrainingJob) -> dict:
-    """A micro-batch of the first training sample (grpo: rolled out, not logged)."""
+    """A micro-batch of the first training sample, as the task trains on it (grpo: rolled out, not logged)."""
     batch = send_to_device(job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]),
                            job.accelerator.device)
-    return grpo.replay(job.rollouts, batch) if job.rollouts is not None else batch
+    return job.task.replay(batch)
 
 
 def fit(cfg: Config, job: TrainingJob) -> dict:
     """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
-    accum, task, rank = cfg.train.grad_accum_steps, cfg.task, accelerator.process_index
+    accum, task, rank = cfg.train.grad_accum_steps, job.task, accelerator.process_index
     last, evaluation, stopped = {}, {}, None
-    since_log = LossSums.start(job, task, accelerator.device)
+    since_log = LossSums.start(task, accelerator.device)
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: replay_batch(job))
-    reuse = cfg.grpo.num_iterations if task == "grpo" else 1  # optimizer steps per batch of data
+    reuse = task.steps_per_batch  # optimizer steps per batch of data (grpo.num_iterations)
     model.train()
     while state.step < job.total_steps:
         batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch // reuse * accum)
@@ -278,14 +220,14 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             # grpo: the window's prompts become completions here (generated on each rank, no collective).
-            window = job.rollouts.window(batches, state.step) if job.rollouts else list(islice(batches, accum))
+            window = task.window(batches, state.step, accum)
             # One collective and one device-to-host copy per step: every rank learns every rank's counts.
             stats = window_stats(window, task, job.preemption.signum, accelerator.device)
             rows = accelerator.gather(stats[None]).tolist()
             targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
             n_micro, signal = max(r[4] for r in rows), max(r[5] for r in rows)
             if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step
-                # (grpo: between two batches of rollouts)
+                # (between two batches of data: grpo's rollouts are not saved)
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
             if n_micro == 0:  # all ranks agree the epoch is over
                 if state.step_in_epoch == 0:  # and it gave no step: reading it again would never end
@@ -306,7 +248,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 # engine steps (it is true again after the window's last micro-batch, as optimizer.step needs)
                 accelerator.sync_gradients = sync
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    loss, sums = loss_and_logged(model, batch, task, job)
+                    loss, sums = task.loss(model, batch)
                     factor = math.nan if poison else weight
                     accelerator.backward(loss * factor * scale)
                 window_sums += sums * factor
@@ -346,50 +288,6 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             "best": best}
 
 
-@torch.no_grad()
 def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
-    """Loss over every eval target, and `evaluate` metrics on argmax predictions (tokens or classes)."""
-    accelerator, model = job.accelerator, job.model
-    if cfg.task == "dpo":
-        return dpo.evaluate(accelerator, model, job.eval_dl, job.preference)
-    if cfg.task == "grpo":
-        return grpo.evaluate(accelerator, model, job.eval_dl, job.rollouts)
-    model.eval()
-    total_loss, total_targets, samples = 0.0, 0, 0
-    for batch in job.eval_dl:
-        labels = batch["labels"]
-        if cfg.task == "causal_lm":
-            if job.loss_head is not None:  # per-token losses and predictions, chunk by chunk
-                with job.loss_head.computing(labels, evaluation=True) as out:
-                    token_loss = forward(model, batch, cfg.task)
-                preds = out["preds"]
-            else:
-                logits = forward(model, batch, cfg.task)[:, :-1].float()
-                token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=IGNORE,
-                                             reduction="none")
-                preds = logits.argmax(-1)
-            labels = labels[:, 1:]
-            per_sample = token_loss.sum(1)
-            # Sequence lengths differ between ranks: pad to a common length before gathering.
-            preds, labels = (accelerator.pad_across_processes(t, dim=1, pad_index=IGNORE) for t in (preds, labels))
-            n_targets = (labels != IGNORE).sum(1)
-        else:
-            logits = forward(model, batch, cfg.task).float()
-            per_sample = F.cross_entropy(logits, labels, reduction="none")
-            preds, n_targets = logits.argmax(-1), torch.ones_like(labels)
-        # gather_for_metrics drops the samples that were repeated to give every rank a full last batch.
-        per_sample, n_targets, preds, labels = accelerator.gather_for_metrics((per_sample, n_targets, preds, labels))
-        total_loss += float(per_sample.sum())
-        total_targets += int(n_targets.sum())
-        samples += len(per_sample)
-        keep = labels != IGNORE
-        for metric in job.metrics.values():
-            metric.add_batch(predictions=preds[keep].cpu(), references=labels[keep].cpu())
-    results = {"eval_loss": total_loss / max(total_targets, 1), "eval_samples": samples}
-    if cfg.task == "causal_lm":
-        results["eval_perplexity"] = math.exp(min(results["eval_loss"], 50.0))
-    results.update(compute_metrics(job.metrics, cfg.eval.metric_kwargs))
-    if job.generation is not None:
-        results.update(evaluate_generations(cfg, accelerator, model, job.generation, job.state.step))
-    model.train()
-    return results
+    """The task's evaluation over the whole eval split: the same results on every rank."""
+    return job.task.evaluate(job)

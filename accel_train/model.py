@@ -18,10 +18,16 @@ from accel_train.tracking import quiet_libraries
 
 logger = get_logger(__name__)
 
-AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification,
-              "dpo": AutoModelForCausalLM, "grpo": AutoModelForCausalLM}
-PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS, "dpo": peft.TaskType.CAUSAL_LM,
-             "grpo": peft.TaskType.CAUSAL_LM}
+# by the model a task trains (tasks.TaskInfo.head)
+AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification}
+PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS}
+
+
+def head_of(cfg: Config) -> str:
+    """The model the run's task trains: causal_lm or seq_cls."""
+    from accel_train.tasks import info
+
+    return info(cfg.task).head
 
 
 def build_tokenizer(cfg: Config):
@@ -48,15 +54,6 @@ def model_width(cfg: Config) -> int | None:
     return getattr(config.get_text_config(), "hidden_size", None)
 
 
-def head_kwargs(cfg: Config, labels: list | None) -> dict:
-    """seq_cls: the classifier's size and class names (saved in the model's config.json as id2label/label2id)."""
-    if cfg.task != "seq_cls":
-        return {}
-    names = [str(x) for x in labels] if labels else [f"LABEL_{i}" for i in range(cfg.model.num_labels)]
-    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
-            "label2id": {name: i for i, name in enumerate(names)}}
-
-
 def attn_implementation(cfg: Config) -> dict:
     """model.attn_implementation for from_pretrained/from_config; auto picks flash-attn 2 where it can run."""
     choice = cfg.model.attn_implementation
@@ -69,14 +66,14 @@ def attn_implementation(cfg: Config) -> dict:
     return {"attn_implementation": choice}
 
 
-def build_model(cfg: Config, tokenizer, labels: list | None = None, weights_from=None,
+def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights_from=None,
                 device: torch.device | None = None) -> torch.nn.Module:
     """The base model: from `weights_from` when given (a run's saved random base), else as model.* says:
     pretrained weights (quantized on `device` with model.quantization), or random ones built from the config
-    (model.random_init). `labels`: seq_cls class names."""
+    (model.random_init). `head_kwargs`: the task's (tasks.Task.model_kwargs: a classifier's labels)."""
     m = cfg.model
-    auto = AUTO_CLASS[cfg.task]
-    extra = {**head_kwargs(cfg, labels), **attn_implementation(cfg)}
+    auto = AUTO_CLASS[head_of(cfg)]
+    extra = {**(head_kwargs or {}), **attn_implementation(cfg)}
     dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
     if weights_from is not None:
         model = auto.from_pretrained(weights_from, dtype=dtype, **extra)
@@ -86,7 +83,7 @@ def build_model(cfg: Config, tokenizer, labels: list | None = None, weights_from
         model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
         # A pretrained classifier with another number of classes gets a new head (transformers says which).
-        mismatch = {"ignore_mismatched_sizes": True} if cfg.task == "seq_cls" else {}
+        mismatch = {"ignore_mismatched_sizes": True} if head_of(cfg) == "seq_cls" else {}
         model = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
                                      trust_remote_code=m.trust_remote_code, **extra, **mismatch,
                                      **quantization(cfg, device))
@@ -117,24 +114,25 @@ def quantization(cfg: Config, device: torch.device | None) -> dict:
     return {"quantization_config": bnb, "device_map": {"": device.index or 0}}
 
 
-REFERENCE_ADAPTER = "reference"  # dpo with model.adapter_from: the adapter as training starts, frozen
+REFERENCE_ADAPTER = "reference"  # with model.adapter_from: the adapter as training starts, frozen (a reference)
 
 
-def apply_lora(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = False) -> torch.nn.Module:
     """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained): a fresh one, or
-    the one model.adapter_from names, trained further."""
+    the one model.adapter_from names, trained further (with `reference_adapter`, loaded a second time as the
+    task's frozen reference: tasks.Task.frozen_reference_adapter)."""
     if not cfg.lora.enabled:
         return model
     if cfg.model.adapter_from:
         model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
-        if cfg.task == "dpo" and cfg.dpo.reference == "start" or cfg.task == "grpo" and cfg.grpo.beta:
-            # the reference of dpo (and of grpo's KL): the same adapter, frozen (adapter-sized: the base is shared);
-            # dpo.reference_mode switches to it (TRL's ref_adapter_name)
+        if reference_adapter:
+            # the same adapter, frozen (adapter-sized: the base is shared); dpo.reference_mode switches to it (TRL's
+            # ref_adapter_name)
             model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         return model
     targets = cfg.lora.target_modules
     lora = peft.LoraConfig(
-        task_type=PEFT_TASK[cfg.task],
+        task_type=PEFT_TASK[head_of(cfg)],
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,

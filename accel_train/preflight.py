@@ -19,7 +19,7 @@ from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
 from accel_train.model_sources import check_model
 from accel_train.metrics import check_metric_for_best, check_metrics
-from accel_train.tasks.rewards import check_rewards
+from accel_train import tasks
 from accel_train.tracking import check_trackers
 
 
@@ -33,7 +33,7 @@ def preflight(cfg: Config) -> Path | None:
     check_metric_for_best(cfg)  # before check_metrics, which loads a metric that is not bundled
     check_metrics(cfg.eval.metrics)
     check_sharded(cfg)
-    check_rewards(cfg)
+    tasks.info(cfg.task).check(cfg)  # the task's own cheap checks
     if cfg.eval.generate:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
     return resolve_resume(cfg)
@@ -61,7 +61,7 @@ def check_sharded(cfg: Config) -> None:
     zero3_init_flag)."""
     for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
         for key, on in (("eval.generate=true", cfg.eval.generate), ("save.final=best", cfg.save.final == "best"),
-                        ("task=grpo (it generates)", cfg.task == "grpo")):
+                        (f"task={cfg.task} (it generates)", tasks.info(cfg.task).generates)):
             if on and launcher_asks(variable):
                 raise ConfigError(f"{key} is not supported under {kind} (sharded parameters); use DDP "
                                   "(configs/accelerate/2gpu.yaml) or turn it off")

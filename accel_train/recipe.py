@@ -22,20 +22,17 @@ from datasets import Dataset, IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib
-from accel_train import faults
-from accel_train.tasks import dpo, grpo
+from accel_train import faults, tasks
 from accel_train.card import write_cards
 from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
                                     register_hooks, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
                               make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main,
-                              whole_model, zero3)
+                              whole_model)
 from accel_train.export import merge_adapter
-from accel_train.generation import PREDICTIONS_FILE, setup_generation, stopping_config
+from accel_train.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.loop import TrainingJob, fit
-from accel_train.loss import loss_head
-from accel_train.metrics import load_metrics
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.preflight import RUN_MARKER, make_output_dir
@@ -52,19 +49,16 @@ def run(cfg: Config, resume: Path | None) -> dict:
         quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
+        task = tasks.make(cfg)
         data_report = {}  # what tokenizing cut, dropped and refused, per split (summary.json)
-        train_ds, eval_ds, labels = setup_data(cfg, accelerator, tokenizer, data_report)
-        model = setup_model(cfg, accelerator, tokenizer, labels, resume)
+        train_ds, eval_ds = setup_data(cfg, accelerator, task, tokenizer, data_report)
+        model = setup_model(cfg, accelerator, task, tokenizer, resume)
         faults.inject_start(accelerator.process_index)
-        train_dl, eval_dl = setup_loaders(cfg, accelerator, tokenizer, model, train_ds, eval_ds)
-        total_steps = count_steps(cfg, accelerator, train_ds)
+        train_dl, eval_dl = setup_loaders(cfg, accelerator, task, tokenizer, model, train_ds, eval_ds)
+        total_steps = count_steps(cfg, accelerator, task, train_ds)
         optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
-        job = prepare(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
-        if cfg.eval.generate and job.eval_dl is not None:
-            job.generation = setup_generation(cfg, accelerator, tokenizer, eval_ds)
-        if cfg.task == "grpo":
-            job.rollouts, job.policy = grpo.Rollouts(cfg, accelerator, job.model, tokenizer), grpo.PolicyLoss(
-                cfg, accelerator)
+        job = prepare(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
+        task.start(job, tokenizer, eval_ds)
         describe(cfg, job, train_ds, eval_ds)
 
         t0 = time.perf_counter()
@@ -76,8 +70,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
             job.run_log.close()
         results.update(job.run_log.timing())
         train_seconds = time.perf_counter() - t0
-        if job.rollouts is not None:  # a collective, on every rank
-            results["rollouts"] = job.rollouts.summary(accelerator, train_seconds)
+        results.update(task.summary(accelerator, train_seconds))  # a collective, on every rank
         best = cfg.save.final == "best" and job.state.best_metric is not None
         saved_step = job.state.best_step if best else job.state.step
         if saved_step != job.state.step:  # save.final=best: the best evaluation's weights, from its checkpoint
@@ -85,7 +78,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
                            checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
                        effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
-        target = save_model(cfg, accelerator, job.model, tokenizer)
+        target = save_model(cfg, accelerator, task, job.model, tokenizer)
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
                 faults.inject_phase("merge", accelerator.process_index)
@@ -109,37 +102,33 @@ def start_run_dir(cfg: Config, accelerator) -> None:
     wait_for_main(accelerator)
 
 
-def setup_data(cfg: Config, accelerator, tokenizer, report: dict) -> tuple:
-    """(train, eval, class names) tokenized: once per machine (its main process first, the others then read
-    datasets' cache). seq_cls resolves model.num_labels here. A streamed train set is split per rank here.
-    `report` gets what tokenizing cut, dropped and refused, per split."""
-    labels = None
+def setup_data(cfg: Config, accelerator, task, tokenizer, report: dict) -> tuple:
+    """(train, eval) tokenized by the task: once per machine (its main process first, the others then read
+    datasets' cache). Both splits' columns are checked first, and the task sees the raw splits (seq_cls resolves its
+    classes, grpo tries its rewards). A streamed train set is split per rank here. `report` gets what tokenizing
+    cut, dropped and refused, per split."""
     with local_main_process_first(accelerator):  # the others wait for it outside train.dist_timeout_s
         faults.inject_phase("setup", accelerator.process_index)
         train_raw, eval_raw = data_lib.load_splits(cfg)
-        data_lib.check_columns(cfg, train_raw)
-        if cfg.task == "grpo":  # a reward function that fails on the first row stops the run now
-            grpo.check_rewards_on(cfg, train_raw)
-        if cfg.task == "seq_cls":
-            labels = data_lib.label_names(cfg, train_raw, eval_raw)
-            # resolved: predict/export read it
-            cfg.model.num_labels = data_lib.num_labels(cfg, train_raw, eval_raw, names=labels)
-            # a stream's labels are not read ahead (cross-entropy checks them)
-            data_lib.check_labels(cfg, cfg.model.num_labels,
-                                  *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)), names=labels)
-        train_ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels, report=report.setdefault("train", {}))
-        eval_ds = (data_lib.tokenize(eval_raw, tokenizer, cfg, labels, report=report.setdefault("eval", {}), split="eval")
+        chosen = task.columns(data_lib.columns(train_raw), cfg.data.path)
+        if chosen:
+            data_lib.logger.info(f"data: {chosen}")
+        if eval_raw is not None:  # an evaluation that fails after training would come too late
+            task.columns(data_lib.columns(eval_raw), cfg.data.eval_path or f"{cfg.data.path} (evaluation split)")
+        task.prepare_data(train_raw, eval_raw)
+        train_ds = task.tokenize(train_raw, tokenizer, report=report.setdefault("train", {}))
+        eval_ds = (task.tokenize(eval_raw, tokenizer, report=report.setdefault("eval", {}), split="eval")
                    if eval_raw is not None else None)
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
     if isinstance(train_ds, IterableDataset):
-        return shard_stream(accelerator, train_ds, cfg), eval_ds, labels
+        return shard_stream(accelerator, train_ds, cfg), eval_ds
     if len(train_ds) == 0:
         raise ConfigError(f"data: no training sample keeps a target token after truncation to "
                           f"data.max_length={cfg.data.max_length}; raise it")
     if math.ceil(len(train_ds) / batch) < procs:
         raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
                           f"train.per_device_batch_size={batch} for each of the {procs} processes")
-    return train_ds, eval_ds, labels
+    return train_ds, eval_ds
 
 
 # A run's copy of its random base (output_dir/base_model): an adapter trained on it needs it.
@@ -152,19 +141,18 @@ def saved_random_base(name_or_path: str) -> bool:
     return folder.name == BASE_MODEL and (folder.parent / RUN_MARKER).is_file()
 
 
-def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, resume: Path | None
-                ) -> torch.nn.Module:
+def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) -> torch.nn.Module:
     """The base model with its LoRA adapter (or alone, for full fine-tuning). A random base is saved into
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
     base = Path(cfg.output_dir) / BASE_MODEL
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
     with whole_model(accelerator):  # ZeRO-3 shards it in accelerator.prepare
-        model = build_model(cfg, tokenizer, labels, weights_from=base if reuse_base else None,
+        model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
                             device=accelerator.device)
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
-    model = apply_lora(cfg, model)
-    if cfg.data.packing and cfg.task == "causal_lm":
+    model = apply_lora(cfg, model, task.frozen_reference_adapter())
+    if cfg.data.packing and task.packs:
         check_packing(model)  # before any expensive work: one forward of 8 tokens
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -176,32 +164,29 @@ def setup_model(cfg: Config, accelerator, tokenizer, labels: list[str] | None, r
     return model
 
 
-def setup_loaders(cfg: Config, accelerator, tokenizer, model, train_ds, eval_ds) -> tuple:
-    """(train, eval) dataloaders, not yet sharded: packed (causal_lm) or padded batches. With dpo.precompute_ref,
-    the reference log-probs are added to the data first."""
-    pack = cfg.data.packing and cfg.task == "causal_lm"
-    batch = cfg.train.per_device_batch_size
-    if cfg.task == "dpo" and cfg.dpo.precompute_ref:
-        collate = data_lib.make_collator(tokenizer, cfg)
-        train_ds, eval_ds = (ds if ds is None else dpo.add_reference_logps(ds, cfg, accelerator, model, collate)
-                             for ds in (train_ds, eval_ds))
-    train_dl = data_lib.make_dataloader(train_ds, tokenizer, cfg, batch, shuffle=True,
-                                        pack=pack, attention_cost=attention_cost(model),
-                                        multiple=data_lib.width_multiple(cfg, accelerator.mixed_precision, pack),
-                                        step_samples=batch * cfg.train.grad_accum_steps * accelerator.num_processes,
-                                        processes=accelerator.num_processes)
-    eval_dl = (data_lib.make_dataloader(eval_ds, tokenizer, cfg, cfg.train.eval_batch_size, shuffle=False)
-               if eval_ds is not None and len(eval_ds) else None)
+def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, eval_ds) -> tuple:
+    """(train, eval) dataloaders, not yet sharded, through the task's collator (packed where it packs). The task
+    sets up what needs the bare model first (dpo.precompute_ref adds the reference log-probs to the data)."""
+    train_ds, eval_ds = task.setup(accelerator, model, tokenizer, train_ds, eval_ds)
+    pack = cfg.data.packing and task.packs
+    batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
+    collate = task.collator(tokenizer, pack, attention_cost(model),
+                            data_lib.width_multiple(cfg, accelerator.mixed_precision, pack))
+    train_dl = data_lib.make_dataloader(train_ds, collate, cfg, batch, shuffle=True,
+                                        step_samples=batch * cfg.train.grad_accum_steps * procs,
+                                        balance_ranks=procs if task.balance_ranks else 1)
+    eval_dl = (data_lib.make_dataloader(eval_ds, task.collator(tokenizer), cfg, cfg.train.eval_batch_size,
+                                        shuffle=False) if eval_ds is not None and len(eval_ds) else None)
     return train_dl, eval_dl
 
 
-def count_steps(cfg: Config, accelerator, train_ds) -> int:
+def count_steps(cfg: Config, accelerator, task, train_ds) -> int:
     """Optimizer steps of the run: train.max_steps, else epochs x the steps of one epoch over all ranks."""
     if cfg.train.max_steps:
         return cfg.train.max_steps
     micro_batches = math.ceil(len(train_ds) / cfg.train.per_device_batch_size)  # over all ranks, per epoch
     steps = math.ceil(micro_batches / (accelerator.num_processes * cfg.train.grad_accum_steps)) * cfg.train.epochs
-    return steps * cfg.grpo.num_iterations if cfg.task == "grpo" else steps
+    return steps * task.steps_per_batch
 
 
 def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tuple:
@@ -216,21 +201,13 @@ def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tup
     return optimizer, scheduler
 
 
-def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
+def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
             resume: Path | None) -> TrainingJob:
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
-    # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
-    head = choose_loss_head(model, zero3(accelerator)) if cfg.task == "causal_lm" else None
-    # dpo: the reference is this model (its adapter disabled) or a frozen copy of its initial weights
-    preference = dpo.PreferenceLoss(cfg, model, accelerator) if cfg.task == "dpo" else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
-    # tried on ids as the run gives them: tokens (many classes), or the classifier's classes
-    classes = list(range(cfg.model.num_labels or 2 if cfg.task == "seq_cls" else 3))
-    metrics = load_metrics(cfg.eval.metrics, cfg.eval.metric_kwargs, classes, classes[1:] + classes[:1],
-                           "eval.metrics") if cfg.task not in ("dpo", "grpo") else {}
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
     state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
     accelerator.register_for_checkpointing(state)
@@ -241,7 +218,7 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
         if resume:
-            for log in ("metrics.jsonl", PREDICTIONS_FILE, grpo.ROLLOUTS_FILE):  # drop what the interrupted run logged later
+            for log in ("metrics.jsonl", PREDICTIONS_FILE, *task.log_files):  # drop what the interrupted run logged later
                 truncate_log(out / log, state.step)
             set_aside_later(out, state.step)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
@@ -255,20 +232,8 @@ def prepare(cfg: Config, accelerator, model, optimizer, scheduler, train_dl, eva
     peaks = gather_setup(accelerator, measure_peak_flops(accelerator.device, dtype, inner_dims=dims))
     reset_peak_memory(accelerator.device)
     run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peaks)
-    return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, metrics, state, total_steps,
-                       run_log, Preemption(), head, preference=preference)
-
-
-def choose_loss_head(model, sharded: bool):
-    """The causal-LM loss in chunks from the hidden states (loss.loss_head), or None: full logits. Under ZeRO-3
-    (`sharded`) the chunks are recomputed in the head's backward (loss.HeadLoss), which gives no gradient to the
-    head's own weights: a trained head (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits."""
-    head = model.get_output_embeddings()
-    if sharded and head is not None and any(p.requires_grad for p in head.parameters()):
-        main_logger().info("ZeRO-3 with a trained output head: the loss is computed from full logits (batch x "
-                           "length x vocabulary); the chunked loss needs a frozen head under ZeRO-3")
-        return None
-    return loss_head(model, sharded=sharded)
+    return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, task, state, total_steps,
+                       run_log, Preemption())
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
@@ -285,11 +250,11 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
         f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
         f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
-        + (f" prompts x {cfg.grpo.num_generations} completions" if cfg.task == "grpo" else "")
+        + job.task.batch_unit()
         + f"; {job.total_steps} steps")
 
 
-def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
+def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
     """The trained adapter (or full model) into output_dir: written by the main process, gathered by all."""
     out = Path(cfg.output_dir)
     target = out / ("adapter" if cfg.lora.enabled else "model")
@@ -312,11 +277,11 @@ def save_model(cfg: Config, accelerator, model, tokenizer) -> Path:
         only_trained = {"selected_adapters": ["default"]} if cfg.lora.enabled else {}
         unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
         tokenizer.save_pretrained(target)
-        if cfg.task != "seq_cls":
+        if task.info.head == "causal_lm":
             # eos_token_id: the template's end of turn too, so generate() stops where training taught it to (peft
             # loads the base's own generation config, not an adapter's: model.load_trained applies this one)
             stopping_config(unwrapped, tokenizer).save_pretrained(target)
-        if cfg.lora.enabled and cfg.task == "seq_cls":
+        if cfg.lora.enabled and task.info.head == "seq_cls":
             # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be
             # loaded on a base whose own config says otherwise: model.load_trained reads it.
             unwrapped.get_base_model().config.save_pretrained(target)

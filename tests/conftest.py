@@ -214,3 +214,20 @@ def ddp_reference(runs) -> dict:
     """Run C (2 processes, batch 2, no accumulation, plain DDP on one machine): the reference that runs on two
     machines or under FSDP must reproduce step by step."""
     return runs["C"]
+
+
+def tokenized(ds, tokenizer, cfg, labels: list[str] | None = None, **kw):
+    """`ds` tokenized by the run's task (tasks.Task.tokenize) as a run tokenizes it; `labels`: seq_cls class names."""
+    from accel_train import tasks
+
+    task = tasks.make(cfg)
+    task.labels = labels
+    return task.tokenize(ds, tokenizer, **kw)
+
+
+def check_columns(cfg, ds):
+    """The run's task's column check of `ds` (tasks.Task.columns): the format line it logs, or ConfigError."""
+    from accel_train import data as data_lib
+    from accel_train import tasks
+
+    return tasks.make(cfg).columns(data_lib.columns(ds), cfg.data.path)

@@ -14,7 +14,9 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import AutoTokenizer
 
 from accel_train import data as data_lib
-from accel_train import data_sources, formats
+from accel_train import data_sources, formats, tasks
+from accel_train.tasks.classification import check_labels, label_names, num_labels
+from conftest import check_columns, tokenized
 from accel_train.data_sources import check_data_source
 from accel_train.config import TINY_MODEL, ConfigError, load_config
 from accel_train.data import IGNORE_INDEX
@@ -80,7 +82,7 @@ def test_messages_column_labels_only_the_last_assistant_turn(tok):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
     # Through tokenize(), so the messages come back the way `datasets` stores them (a list of structs).
-    out = data_lib.tokenize(Dataset.from_list([{"messages": messages}]), tok, cfg)[0]
+    out = tokenized(Dataset.from_list([{"messages": messages}]), tok, cfg)[0]
 
     assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
     last_assistant = max(i for i, t in enumerate(out["input_ids"]) if t == assistant_id(tok))
@@ -113,7 +115,7 @@ def test_right_truncation_drops_samples_without_targets_and_cuts_long_responses(
     for max_length in (12, long_prompt_len):
         cfg = make_cfg(f"data.max_length={max_length}", "data.truncation=right")
         report = {}
-        out = data_lib.tokenize(raw, tok, cfg, report=report)
+        out = tokenized(raw, tok, cfg, report=report)
         assert len(out) == 1, max_length
         assert targets(out[0]) == ids(tok, "ba") + [tok.eos_token_id]
         assert (report["rows"], report["cut"], report["dropped"], report["refused"]) == (2, 0, 1, 0)
@@ -123,7 +125,7 @@ def test_right_truncation_drops_samples_without_targets_and_cuts_long_responses(
     # and counts it.
     cfg = make_cfg(f"data.max_length={long_prompt_len + 3}", "data.truncation=right")
     report = {}
-    out = data_lib.tokenize(raw, tok, cfg, report=report)
+    out = tokenized(raw, tok, cfg, report=report)
     assert len(out) == 2 and (report["cut"], report["dropped"]) == (1, 0)
     cut = out[1]
     assert len(cut["input_ids"]) == len(cut["labels"]) == len(cut["attention_mask"]) == long_prompt_len + 3
@@ -140,14 +142,14 @@ def test_prompt_first_truncation_keeps_the_whole_answer_and_its_end_of_turn(tok,
     cfg = make_cfg("data.max_length=12")
     report = {}
     with caplog.at_level("WARNING"):
-        out = data_lib.tokenize(raw, tok, cfg, report=report)
+        out = tokenized(raw, tok, cfg, report=report)
     assert len(out) == 2 and (report["cut"], report["dropped"]) == (1, 0)
     assert out[1]["input_ids"] == whole["input_ids"][-12:]  # the generation prompt and the whole answer
     assert targets(out[1]) == ids(tok, "jihgfedcba") + [tok.eos_token_id]
     assert "1 of 2 samples cut and 0 dropped at data.max_length=12 (data.truncation=prompt_first)" in caplog.text
 
     report = {}
-    out = data_lib.tokenize(raw, tok, make_cfg("data.max_length=11"), report=report)  # no room for one prompt token
+    out = tokenized(raw, tok, make_cfg("data.max_length=11"), report=report)  # no room for one prompt token
     assert len(out) == 1 and (report["cut"], report["dropped"]) == (0, 1)
     assert report["first_dropped"] == "row 1: the last answer alone is 11 tokens"
 
@@ -159,7 +161,7 @@ def test_numeric_looking_csv_values_are_tokenized_as_text(tmp_path, tok):
     path.write_text("prompt,response\nwhat is 2+2,4\nwhat is 3+4,7\n")
     cfg = make_cfg(f"data.path={path}", "data.eval_fraction=0")
     train, _ = data_lib.load_splits(cfg)
-    out = data_lib.tokenize(train, tok, cfg)
+    out = tokenized(train, tok, cfg)
     assert [targets(s) for s in out] == [ids(tok, "4") + [tok.eos_token_id], ids(tok, "7") + [tok.eos_token_id]]
 
 
@@ -290,26 +292,26 @@ def test_hub_only_keys_with_local_or_builtin_data_are_refused_not_ignored(tmp_pa
 def test_check_columns_names_missing_and_found_columns():
     ds = Dataset.from_list([{"text": "good film", "score": 1}])
     with pytest.raises(ConfigError) as e:
-        data_lib.check_columns(make_cfg("task=seq_cls", "data.path=reviews.csv"), ds)
+        check_columns(make_cfg("task=seq_cls", "data.path=reviews.csv"), ds)
     message = str(e.value)
     assert "lacks column(s) label" in message and "columns found: text, score" in message and "reviews.csv" in message
 
-    data_lib.check_columns(make_cfg("task=seq_cls", "data.label_field=score"), ds)  # mapped: no error
-    data_lib.check_columns(make_cfg(), Dataset.from_list([{"messages": [{"role": "user", "content": "x"}]}]))
+    check_columns(make_cfg("task=seq_cls", "data.label_field=score"), ds)  # mapped: no error
+    check_columns(make_cfg(), Dataset.from_list([{"messages": [{"role": "user", "content": "x"}]}]))
     with pytest.raises(ConfigError, match="lacks column\\(s\\) response"):
-        data_lib.check_columns(make_cfg(), Dataset.from_list([{"prompt": "x"}]))
+        check_columns(make_cfg(), Dataset.from_list([{"prompt": "x"}]))
 
 
 def test_num_labels_from_classlabel_max_label_or_override():
     features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "neutral", "pos"])})
     with_classlabel = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}, features=features)
-    assert data_lib.num_labels(make_cfg("task=seq_cls"), with_classlabel) == 3  # the feature, not the labels seen
+    assert num_labels(make_cfg("task=seq_cls"), with_classlabel) == 3  # the feature, not the labels seen
 
     plain = Dataset.from_dict({"text": ["a", "b", "c"], "label": [0, 4, 1]})
-    assert data_lib.num_labels(make_cfg("task=seq_cls"), plain) == 5
+    assert num_labels(make_cfg("task=seq_cls"), plain) == 5
 
-    assert data_lib.num_labels(make_cfg("task=seq_cls", "model.num_labels=7"), with_classlabel) == 7
-    assert data_lib.num_labels(make_cfg("task=seq_cls", "model.num_labels=7"), plain) == 7
+    assert num_labels(make_cfg("task=seq_cls", "model.num_labels=7"), with_classlabel) == 7
+    assert num_labels(make_cfg("task=seq_cls", "model.num_labels=7"), plain) == 7
 
 
 def test_num_labels_sees_every_class_when_max_samples_caps_a_sorted_train_split(tmp_path):
@@ -322,7 +324,7 @@ def test_num_labels_sees_every_class_when_max_samples_caps_a_sorted_train_split(
     cfg = make_cfg("task=seq_cls", f"data.path={path}", "data.eval_split=test", "data.max_samples=10")
     train, evaluation = data_lib.load_splits(cfg)
     assert len(train) == 10
-    assert data_lib.num_labels(cfg, train) == 2
+    assert num_labels(cfg, train) == 2
 
 
 # ---------------------------------------------------------------------------------------------------- dataloaders
@@ -332,11 +334,11 @@ def test_causal_batches_are_padded_per_batch(tok):
     cfg = make_cfg()
     rows = [{"prompt": "ab", "response": "b"}, {"prompt": "abcd", "response": "dc"},
             {"prompt": "abcdefgh", "response": "hg"}, {"prompt": "abcdefghij", "response": "jihgf"}]
-    ds = data_lib.tokenize(Dataset.from_list(rows), tok, cfg)
+    ds = tokenized(Dataset.from_list(rows), tok, cfg)
     lengths = [len(x) for x in ds["input_ids"]]
     assert lengths == sorted(set(lengths))  # distinct lengths, so padding shows
 
-    batches = list(data_lib.make_dataloader(ds, tok, cfg, batch_size=2, shuffle=False))
+    batches = list(data_lib.make_dataloader(ds, tasks.make(cfg).collator(tok), cfg, batch_size=2, shuffle=False))
     assert len(batches) == 2
     for b, batch in enumerate(batches):
         samples = [ds[2 * b], ds[2 * b + 1]]
@@ -357,8 +359,8 @@ def test_causal_batches_are_padded_per_batch(tok):
 def test_seq_cls_batches_are_padded_per_batch(tok):
     cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment", "data.group_by_length=false")
     raw = data_lib.builtin_dataset("sentiment", 8)
-    ds = data_lib.tokenize(raw, tok, cfg)
-    batch = next(iter(data_lib.make_dataloader(ds, tok, cfg, batch_size=4, shuffle=False)))
+    ds = tokenized(raw, tok, cfg)
+    batch = next(iter(data_lib.make_dataloader(ds, tasks.make(cfg).collator(tok), cfg, batch_size=4, shuffle=False)))
     assert batch["labels"].tolist() == raw["label"][:4]
     lengths = [len(x) for x in ds["input_ids"][:4]]
     assert batch["input_ids"].shape == (4, max(lengths))
@@ -405,8 +407,8 @@ def test_grouped_evaluation_batches_are_longest_first_and_complete(tok):
     cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment")
     assert cfg.data.group_by_length and not make_cfg().data.group_by_length  # the defaults per task
     raw = data_lib.builtin_dataset("sentiment", 30)
-    ds = data_lib.tokenize(raw, tok, cfg)
-    batches = list(data_lib.make_dataloader(ds, tok, cfg, batch_size=4, shuffle=False))
+    ds = tokenized(raw, tok, cfg)
+    batches = list(data_lib.make_dataloader(ds, tasks.make(cfg).collator(tok), cfg, batch_size=4, shuffle=False))
     widths = [b["input_ids"].shape[1] for b in batches]
     assert widths == sorted(widths, reverse=True)
     real = [int(n) for b in batches for n in b["attention_mask"].sum(1)]
@@ -463,7 +465,8 @@ def test_grouped_classification_training_batches_are_90_percent_real_tokens_unde
                             "labels": [0] * len(lengths)})
     multiple = data_lib.width_multiple(cfg, "bf16", pack=False)
     real = computed = 0
-    for batch in data_lib.make_dataloader(ds, tok, cfg, 16, shuffle=True, multiple=multiple, step_samples=16):
+    collate = tasks.make(cfg).collator(tok, multiple=multiple)
+    for batch in data_lib.make_dataloader(ds, collate, cfg, 16, shuffle=True, step_samples=16):
         assert batch["input_ids"].shape[1] % multiple == 0
         real, computed = real + int(batch["attention_mask"].sum()), computed + batch["input_ids"].numel()
     assert real == sum(lengths)
@@ -518,7 +521,7 @@ def test_messages_with_text_parts_and_a_tool_call_turn_are_rendered_intact(tok):
     messages = formats.conversation(ds[0], make_cfg(), "messages", 0)
     assert [m["content"] for m in messages] == ["abcd", "", "ef", "gh"]
     report = {}
-    out = data_lib.tokenize(ds, tok, make_cfg(), report=report)
+    out = tokenized(ds, tok, make_cfg(), report=report)
     assert report["refused"] == 1 and report["first_refused"] == (
         "row 0: the chat template renders assistant turn 1 empty (it does not show tool calls)")
     plain = [{"role": "user", "content": "abcd"}, {"role": "assistant", "content": "gh"}]
@@ -529,7 +532,7 @@ def test_messages_with_text_parts_and_a_tool_call_turn_are_rendered_intact(tok):
 
 def test_sharegpt_conversations_map_speakers_to_roles(tok):
     rows = [{"conversations": [{"from": "human", "value": "ab"}, {"from": "gpt", "value": "ba"}]}]
-    out = data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg())[0]
+    out = tokenized(Dataset.from_list(rows), tok, make_cfg())[0]
     messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
     assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
     assert targets(out) == ids(tok, "ba") + [tok.eos_token_id]
@@ -555,9 +558,9 @@ def test_train_on_all_assistant_turns_or_all_tokens(tok, template):
     if not template:
         tokenizer.chat_template = None
     ds = Dataset.from_list([{"messages": MULTI_TURN}])
-    every = data_lib.tokenize(ds, tokenizer, make_cfg("data.train_on=all_assistant"))[0]
-    last = data_lib.tokenize(ds, tokenizer, make_cfg("data.train_on=last_assistant"))[0]
-    everything = data_lib.tokenize(ds, tokenizer, make_cfg("data.train_on=all"))[0]
+    every = tokenized(ds, tokenizer, make_cfg("data.train_on=all_assistant"))[0]
+    last = tokenized(ds, tokenizer, make_cfg("data.train_on=last_assistant"))[0]
+    everything = tokenized(ds, tokenizer, make_cfg("data.train_on=all"))[0]
     assert every["input_ids"] == last["input_ids"] == everything["input_ids"]
     eos = [tokenizer.eos_token_id]
     assert targets(every) == ids(tokenizer, "yo") + eos + ids(tokenizer, "cd") + eos
@@ -572,16 +575,16 @@ def test_train_on_all_assistant_turns_or_all_tokens(tok, template):
 def test_a_conversation_not_ending_with_the_assistant_names_the_row(tok):
     rows = [{"messages": MULTI_TURN}, {"messages": MULTI_TURN[:3]}]
     with pytest.raises(ConfigError) as e:
-        data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg())
+        tokenized(Dataset.from_list(rows), tok, make_cfg())
     message = str(e.value)
     assert "row 1" in message and "ends with 'user'" in message and "\n" not in message
-    data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg("data.train_on=all"))  # all tokens: nothing to find
+    tokenized(Dataset.from_list(rows), tok, make_cfg("data.train_on=all"))  # all tokens: nothing to find
 
 
 def test_plain_text_is_split_into_max_length_chunks_with_loss_on_every_token(tok):
     text = "the quick brown fox jumps over the lazy dog"
     ds = Dataset.from_list([{"text": text}, {"text": "ab"}])
-    out = data_lib.tokenize(ds, tok, make_cfg("data.max_length=16"))
+    out = tokenized(ds, tok, make_cfg("data.max_length=16"))
     whole = tok(text)["input_ids"] + [tok.eos_token_id]
     assert [s["input_ids"] for s in out][:3] == [whole[:16], whole[16:32], whole[32:]]
     assert all(s["labels"] == s["input_ids"] for s in out)
@@ -596,9 +599,9 @@ def test_format_is_chosen_by_config_and_missing_columns_are_named():
     assert formats.resolve_format(make_cfg(), ["conversations"]) == "messages"
     assert formats.resolve_format(make_cfg("data.format=text", "data.text_field=output"), cols) == "text"
     with pytest.raises(ConfigError, match="lacks column\\(s\\) output"):
-        data_lib.check_columns(make_cfg(), Dataset.from_list([{"instruction": "x"}]))
+        check_columns(make_cfg(), Dataset.from_list([{"instruction": "x"}]))
     with pytest.raises(ConfigError, match="lacks column\\(s\\) body"):
-        data_lib.check_columns(make_cfg("data.format=text", "data.text_field=body"), Dataset.from_list([{"x": "y"}]))
+        check_columns(make_cfg("data.format=text", "data.text_field=body"), Dataset.from_list([{"x": "y"}]))
 
 
 # ---------------------------------------------------------------------------------------------------- labels
@@ -609,16 +612,16 @@ def test_string_labels_are_mapped_to_ids_in_sorted_order(tok):
                                {"text": "ef", "label": "neutral"}])
     evaluation = Dataset.from_list([{"text": "gh", "label": "positive"}])
     cfg = make_cfg("task=seq_cls")
-    names = data_lib.label_names(cfg, train, evaluation)
-    assert names == ["negative", "neutral", "positive"] and data_lib.num_labels(cfg, train, evaluation) == 3
-    data_lib.check_labels(cfg, 3, train, evaluation)
-    out = data_lib.tokenize(train, tok, cfg, names)
+    names = label_names(cfg, train, evaluation)
+    assert names == ["negative", "neutral", "positive"] and num_labels(cfg, train, evaluation) == 3
+    check_labels(cfg, 3, train, evaluation)
+    out = tokenized(train, tok, cfg, names)
     assert out["labels"] == [2, 0, 1]
     with pytest.raises(ConfigError, match="3 classes"):
-        data_lib.check_labels(make_cfg("task=seq_cls", "model.num_labels=2"), 2, train, evaluation)
+        check_labels(make_cfg("task=seq_cls", "model.num_labels=2"), 2, train, evaluation)
     with_classlabel = train.cast_column("label", ClassLabel(names=["negative", "neutral", "positive"]))
-    assert data_lib.label_names(cfg, with_classlabel) == ["negative", "neutral", "positive"]
-    assert data_lib.label_names(cfg, Dataset.from_list([{"text": "x", "label": 1}])) is None
+    assert label_names(cfg, with_classlabel) == ["negative", "neutral", "positive"]
+    assert label_names(cfg, Dataset.from_list([{"text": "x", "label": 1}])) is None
 
 
 # ---------------------------------------------------------------------------------------------------- hub options
@@ -733,13 +736,12 @@ def test_data_files_without_a_builder_in_data_path_is_refused(tmp_path):
     ({"prompt": "what is 2+3", "completion": "5"}, "prompt_response", "what is 2+3", "prompt, completion",
      "data.response_field=completion"),  # TRL's
 ], ids=["gpteacher", "dolly", "question-answer", "prompt-completion"])
-def test_auto_format_recognises_common_column_sets_and_names_its_choice(tok, caplog, row, fmt, prompt, read, keys):
+def test_auto_format_recognises_common_column_sets_and_names_its_choice(tok, row, fmt, prompt, read, keys):
+    """(The run logs the line: test_checkpoint's first run.)"""
     ds, cfg = Dataset.from_list([row]), make_cfg()
-    with caplog.at_level("INFO"):
-        chosen = data_lib.check_columns(cfg, ds)
+    chosen = check_columns(cfg, ds)
     assert chosen == f"format {fmt} from column(s) {read} (data.format=auto; the same as data.format={fmt} {keys})"
-    assert f"data: {chosen}" in caplog.text
-    out = data_lib.tokenize(ds, tok, cfg)[0]
+    out = tokenized(ds, tok, cfg)[0]
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "5"}]
     assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
     assert targets(out) == ids(tok, "5") + [tok.eos_token_id]
@@ -751,7 +753,7 @@ def test_unk_tokens_and_samples_without_a_trained_token_are_counted_and_logged(t
                           {"role": "assistant", "content": "yo"}]}]
     report = {}
     with caplog.at_level("WARNING"):
-        data_lib.tokenize(Dataset.from_list(rows), tok, make_cfg(), report=report)
+        tokenized(Dataset.from_list(rows), tok, make_cfg(), report=report)
     # "system: " is in the vocabulary; Y, \n, B and H are not: 4 of 7 + 38 tokens, one per character or marker
     assert (report["unk"], report["tokens"]) == (4, 45)
     assert report["first_unk"] == "row 1: system: «Y»ou are kind.«\\nB»e brief.<|user|>«H»i<|assistant|>yo</s>"
@@ -761,7 +763,7 @@ def test_unk_tokens_and_samples_without_a_trained_token_are_counted_and_logged(t
     # format text, max_length 3: "abc" + eos is 2 chunks, the second (eos alone) has nothing to predict
     report = {}
     with caplog.at_level("WARNING"):
-        out = data_lib.tokenize(Dataset.from_list([{"text": "abc"}, {"text": "ab"}]), tok,
+        out = tokenized(Dataset.from_list([{"text": "abc"}, {"text": "ab"}]), tok,
                                 make_cfg("data.format=text", "data.max_length=3"), report=report)
     assert len(out) == 2 and (report["untrained"], report["samples"]) == (1, 3) and "unk" not in report
     assert report["first_untrained"] == "sample 1: '</s>'"
@@ -798,6 +800,6 @@ def test_readme_own_data_examples_resolve_and_read_their_format(tmp_path, monkey
         check_data_source(cfg)
         train, evaluation = data_lib.load_splits(cfg)
         assert len(train) == 4 and len(evaluation) == 4, command
-        data_lib.check_columns(cfg, train)
+        check_columns(cfg, train)
         formats_seen.append(formats.resolve_format(cfg, train.column_names) if cfg.task == "causal_lm" else cfg.task)
     assert formats_seen == ["messages", "messages", "alpaca", "prompt_response", "text", "seq_cls"]

@@ -18,19 +18,23 @@ BAD_KEY_ERROR = "accel_train: error: unknown config key train.lrr; did you mean 
 
 
 def package_imports() -> dict[str, set[str]]:
-    """module -> the accel_train modules it imports, at top level or inside functions (from the source)."""
-    names = {p.stem for p in PACKAGE.glob("*.py")} | {"metrics"}
+    """module -> the accel_train modules it imports, at top level or inside functions (from the source); the
+    modules of accel_train/tasks are named tasks.NAME, its registry tasks."""
+    paths = {p.stem: p for p in PACKAGE.glob("*.py")} | {"metrics": PACKAGE / "metrics" / "__init__.py",
+                                                          "tasks": PACKAGE / "tasks" / "__init__.py"}
+    paths |= {f"tasks.{p.stem}": p for p in (PACKAGE / "tasks").glob("*.py") if p.stem != "__init__"}
     graph = {}
-    for path in [*PACKAGE.glob("*.py"), PACKAGE / "metrics" / "__init__.py"]:
-        module = "metrics" if path.parent.name == "metrics" else path.stem
+    for module, path in paths.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "accel_train":
-                found |= {a.name for a in node.names if a.name in names}
+            if isinstance(node, ast.ImportFrom) and node.module in ("accel_train", "accel_train.tasks"):
+                prefix = "" if node.module == "accel_train" else "tasks."
+                found |= {prefix + a.name if prefix + a.name in paths else node.module.removeprefix("accel_train.")
+                          for a in node.names if prefix + a.name in paths or prefix}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_train."):
-                found.add(node.module.split(".")[1])
+                found.add(".".join(node.module.split(".")[1:3]))
             elif isinstance(node, ast.Import):
-                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("accel_train.")}
+                found |= {".".join(a.name.split(".")[1:3]) for a in node.names if a.name.startswith("accel_train.")}
         graph[module] = found - {module}
     return graph
 
@@ -51,6 +55,9 @@ def test_imports_point_one_way():
     # Only the entry points (and inspect, which reads the same command line) import it; the training code never does.
     assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__", "train", "inspect"}
     assert "cli" not in reachable(graph, "recipe")
+    # Nor do the tasks; and the code around the loop imports no task module (it asks the registry: tasks.make).
+    assert not {"cli", "inspect"} & set().union(*(reachable(graph, m) for m in graph if m.startswith("tasks")))
+    assert not {m for m in reachable(graph, "recipe") | reachable(graph, "loop") if m.startswith("tasks.")}
     # The launch script holds no training code: it reaches the package only through the command line.
     assert graph["train"] == {"cli"}
 

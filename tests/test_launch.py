@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from accel_train import data as data_lib
 from accel_train import launch
 from accel_train.config import load_config
-from accel_train.loop import summed_cross_entropy
+from accel_train import tasks
+from accel_train.tasks.sft import summed_cross_entropy
 
 
 def eval_loss_from_saved(out) -> float:
@@ -29,12 +30,13 @@ def eval_loss_from_saved(out) -> float:
     model = PeftModel.from_pretrained(base, out / "adapter").eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "adapter")
     _, eval_raw = data_lib.load_splits(cfg)
-    dl = data_lib.make_dataloader(data_lib.tokenize(eval_raw, tokenizer, cfg), tokenizer, cfg, 64, shuffle=False)
+    task = tasks.make(cfg)
+    dl = data_lib.make_dataloader(task.tokenize(eval_raw, tokenizer), task.collator(tokenizer), cfg, 64, shuffle=False)
     total, targets = 0.0, 0
     with torch.no_grad():
         for b in dl:
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            total += float(summed_cross_entropy(logits, b["labels"], cfg.task))
+            total += float(summed_cross_entropy(logits, b["labels"]))
             targets += int((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum())
     return total / targets
 

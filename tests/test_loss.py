@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from accel_train.config import TINY_MODEL
 from accel_train.data import IGNORE_INDEX, PackingCollator
-from accel_train.loop import batch_loss
+from accel_train.tasks.sft import batch_loss
 from accel_train.loss import loss_head
 
 VOCAB = 2048  # larger than the tiny model's 52, so that full logits dwarf every other tensor
@@ -52,7 +52,7 @@ def lora_model(targets: list[str] | str) -> torch.nn.Module:
 
 def loss_and_grads(model, batch: dict, head) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
-    loss = batch_loss(model, batch, "causal_lm", head)
+    loss = batch_loss(model, batch, head)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -92,7 +92,7 @@ def logits_kept_for_backward(model, batch: dict, head) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = batch_loss(model, batch, "causal_lm", head)
+        loss = batch_loss(model, batch, head)
     loss.backward()
     return sum(kept.values())
 
@@ -116,7 +116,7 @@ def test_zero3_head_loss_needs_no_module_call_in_backward_and_a_trained_head_kee
     gradients of full logits there; a trained head under ZeRO-3 gets full logits, with the line that says so."""
     from accelerate import PartialState
 
-    from accel_train.recipe import choose_loss_head
+    from accel_train.tasks.sft import choose_loss_head
 
     PartialState(cpu=True)
     rng = random.Random(2)

@@ -14,6 +14,7 @@ from datasets import Dataset
 import chat_templates as ct
 from accel_train import data as data_lib
 from accel_train import formats
+from conftest import tokenized
 from accel_train.config import ConfigError, load_config
 from accel_train.formats import IGNORE_INDEX
 
@@ -117,12 +118,12 @@ def test_a_conversation_the_template_refuses_is_a_row_refused_with_the_reason(na
     cfg = load_config(None, [])
     good = ct.conversation("single")
     report = {}
-    out = data_lib.tokenize(Dataset.from_list([{"messages": good}, {"messages": ct.conversation(shape)}]), tok, cfg,
+    out = tokenized(Dataset.from_list([{"messages": good}, {"messages": ct.conversation(shape)}]), tok, cfg,
                             report=report)
     assert len(out) == 1 and report["refused"] == 1
     assert report["first_refused"].startswith("row 1: the chat template refuses this conversation: ")
     with pytest.raises(ConfigError, match="every row of .* is refused .*; fix or drop those rows") as e:
-        data_lib.tokenize(Dataset.from_list([{"messages": ct.conversation(shape)}]), tok, cfg)
+        tokenized(Dataset.from_list([{"messages": ct.conversation(shape)}]), tok, cfg)
     assert "\n" not in str(e.value)
 
 
@@ -218,7 +219,7 @@ def test_train_on_all_is_cut_from_the_start_not_dropped():
 
 
 def test_an_empty_split_tokenizes_to_an_empty_split():
-    out = data_lib.tokenize(Dataset.from_list([{"prompt": "a", "response": "b"}]).select([]), ct.tokenizer_for("qwen2.5"),
+    out = tokenized(Dataset.from_list([{"prompt": "a", "response": "b"}]).select([]), ct.tokenizer_for("qwen2.5"),
                             load_config(None, []))
     assert len(out) == 0
 

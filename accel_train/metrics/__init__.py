@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import Config, ConfigError, EvalConfig
-from accel_train.tasks.rewards import labels
+from accel_train.tasks import info
 
 if TYPE_CHECKING:
     import evaluate
@@ -72,10 +72,6 @@ def compute_metrics(metrics: dict, kwargs: dict, **inputs) -> dict:
 # name. A metric from the hub is taken to report one result named after itself, as most do (bleu, meteor, ter).
 RESULTS = {"accuracy": ("accuracy",), "f1": ("f1",), "exact_match": ("exact_match",),
            "rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"), "sacrebleu": ("sacrebleu",), "chrf": ("chrf",)}
-# task dpo's evaluation results besides loss: dpo.METRICS (dpo.py imports torch; tests/test_config.py checks that
-# the two agree)
-DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
-               "logps/rejected")
 
 
 def results_of(name: str, kwargs: dict) -> tuple[str, ...]:
@@ -86,14 +82,14 @@ def results_of(name: str, kwargs: dict) -> tuple[str, ...]:
 
 
 def run_results(cfg: Config) -> list[str]:
-    """The results (eval_ omitted) every evaluation of this run reports, eval_samples aside: loss, then perplexity
-    (causal_lm) or dpo's rewards, then those of eval.metrics, then of eval.generation_metrics with eval.generate."""
-    if cfg.task == "dpo":  # eval.metrics are not computed on pairs
-        return ["loss", *DPO_RESULTS]
-    if cfg.task == "grpo":  # the rewards of greedy answers (grpo.evaluate)
-        return ["reward", *(f"rewards/{name}/mean" for name in labels(cfg.grpo.rewards)), "completions/mean_length"]
-    names = ["loss", "perplexity"] if cfg.task == "causal_lm" else ["loss"]
-    for metric in cfg.eval.metrics + (cfg.eval.generation_metrics if cfg.eval.generate else []):
+    """The results (eval_ omitted) every evaluation of this run reports, eval_samples aside: the task's own (loss,
+    perplexity, dpo's rewards, grpo's rewards: tasks.TaskInfo.results), then those of eval.metrics, then of
+    eval.generation_metrics with eval.generate, where the task computes them."""
+    task = info(cfg.task)
+    names = task.result_names(cfg)
+    metrics = (cfg.eval.metrics if task.metrics else []) + (
+        cfg.eval.generation_metrics if task.generation and cfg.eval.generate else [])
+    for metric in metrics:
         names += [n for n in results_of(metric, cfg.eval.metric_kwargs.get(metric, {})) if n not in names]
     return names
 
@@ -113,16 +109,17 @@ def check_metric_for_best(cfg: Config) -> None:
 
 def _source(cfg: Config, name: str) -> str:
     """Where a result the run does not produce would come from, as a hint in parentheses ("" if unknown)."""
+    task = info(cfg.task)
     generation = [m for m in cfg.eval.generation_metrics if name in results_of(m, cfg.eval.metric_kwargs.get(m, {}))]
-    if cfg.task == "causal_lm" and generation:
+    if task.generation and generation:
         return f" ({name} comes from eval.generation_metrics with eval.generate=true)"
     metric = next((m for m, results in RESULTS.items() if name in results), None)
     if metric is None:
         return ""
-    if cfg.task == "dpo":
-        return f" ({name} is a result of metric {metric}: task dpo computes no eval.metrics)"
+    if not task.metrics:
+        return f" ({name} is a result of metric {metric}: task {cfg.task} computes no eval.metrics)"
     # the default generation metrics are the bundled ones that score texts
-    where = ("eval.generation_metrics, with eval.generate=true" if cfg.task == "causal_lm"
+    where = ("eval.generation_metrics, with eval.generate=true" if task.generation
              and metric in EvalConfig().generation_metrics else "eval.metrics")
     return f" ({name} is a result of metric {metric}: add it to {where})"
 

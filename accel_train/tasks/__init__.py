@@ -1,0 +1,188 @@
+"""Training objectives: one module per task, behind one interface (`Task`), registered in one table (`REGISTRY`).
+
+    causal_lm  sft.py             supervised fine-tuning on responses (or plain text)
+    seq_cls    classification.py  sequence classification
+    dpo        dpo.py             preference pairs against a reference
+    grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
+
+The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
+only through `Task`: they never ask which task it is. A new objective is one module with a `Task` subclass named
+`TASK` and one `REGISTRY` row; registering it puts it under the conformance suite (tests/test_conformance.py).
+
+This module imports no torch: the registry's cheap facts (`TaskInfo`) answer the checks that run before the
+training code is imported (config, preflight, the model card). The task's module is imported by `make`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What the cheap checks need to know of a task, without importing its module."""
+
+    module: str
+    """The module under accel_train/tasks holding its `TASK` class."""
+    head: str
+    """The model it trains: "causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
+    summary: str
+    """One line for `--help`."""
+    results: tuple[str, ...] | str = ("loss",)
+    """The names of its own evaluation results (eval_ omitted), before those of eval.metrics: what
+    eval.metric_for_best may name; or "module:function" of a torch-free function cfg -> those names."""
+    metrics: bool = False
+    """Whether it scores its predictions with eval.metrics."""
+    generation: bool = False
+    """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
+    generates: bool = False
+    """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed)."""
+    preflight: str | None = None
+    """"module:function" of its own cheap checks (torch-free, cfg -> None), run by preflight; ConfigError on a
+    mistake."""
+
+    def result_names(self, cfg) -> list[str]:
+        return list(_function(self.results)(cfg) if isinstance(self.results, str) else self.results)
+
+    def check(self, cfg) -> None:
+        if self.preflight is not None:
+            _function(self.preflight)(cfg)
+
+
+def _function(ref: str):
+    """A function named "module:function" (imported now: the registry imports no task code of its own)."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# dpo's evaluation results besides loss (tasks/dpo.py METRICS; tests/test_config.py checks that the two agree)
+DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+               "logps/rejected")
+
+REGISTRY: dict[str, TaskInfo] = {
+    "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
+                          results=("loss", "perplexity"), metrics=True, generation=True),
+    "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True),
+    "dpo": TaskInfo("dpo", "causal_lm", "preference tuning on chosen/rejected pairs against a reference",
+                    results=("loss", *DPO_RESULTS)),
+    "grpo": TaskInfo("grpo", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
+                     results="accel_train.tasks.rewards:eval_results", generates=True,
+                     preflight="accel_train.tasks.rewards:check_rewards"),
+}
+NAMES = tuple(REGISTRY)
+
+
+def info(name: str) -> TaskInfo:
+    return REGISTRY[name]
+
+
+def make(cfg) -> "Task":
+    """The run's task object (its module imported now: torch and all)."""
+    module = importlib.import_module(f"accel_train.tasks.{REGISTRY[cfg.task].module}")
+    return module.TASK(cfg)
+
+
+class Task:
+    """The interface the loop, the recipe, the data pipeline, `inspect` and the bench call. One object per run,
+    built by `make(cfg)`; it keeps what the task builds along the way (class names, a reference model, rollouts).
+
+    A subclass must write: `columns`, `tokenize`, `collator`, `count_targets`, `loss`, `evaluate`, `inspect`. The
+    rest has defaults that fit a task which reads its batches as they come and logs only its loss.
+    """
+
+    logged: tuple[str, ...] = ("loss",)
+    """Names of the sums `loss` returns (means over the log interval: each sum / the interval's targets)."""
+    steps_per_batch: int = 1
+    """Optimizer steps on each batch of data (grpo.num_iterations); checkpoints fall between batches."""
+    packs: bool = False
+    """Whether data.packing applies (its collator packs sequences into rows)."""
+    balance_ranks: bool = False
+    """Whether several processes get batches balanced in tokens (data.RankBalancedSampler)."""
+    log_files: tuple[str, ...] = ()
+    """Files of output_dir with one row per step that a resume cuts back to its step."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.info = REGISTRY[cfg.task]
+
+    # ------------------------------------------------------------------------------------------------ data
+
+    def columns(self, columns: list[str], source: str) -> str | None:
+        """Check that the columns the task reads are in `columns` (of the data at `source`): ConfigError naming
+        the missing ones. May return a line describing the format read (logged for the training split)."""
+        raise NotImplementedError
+
+    def prepare_data(self, train_raw, eval_raw) -> None:
+        """After loading, before tokenizing: what the raw splits decide (class names), and checks on their rows."""
+
+    def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
+        """The split as samples the collator takes; what was cut, dropped or refused counted into `report`."""
+        raise NotImplementedError
+
+    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+        raise NotImplementedError
+
+    def count_targets(self, batch: dict):
+        """What the summed loss of `batch` is divided by, summed over the step on every rank."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------ model
+
+    def model_kwargs(self) -> dict:
+        """from_pretrained/from_config arguments of its model (a classifier's labels)."""
+        return {}
+
+    def frozen_reference_adapter(self) -> bool:
+        """With model.adapter_from: load that adapter a second time, frozen, as the reference."""
+        return False
+
+    def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
+        """Before accelerate wraps `model`: what needs the bare model (a frozen copy, the output head, data computed
+        with the initial weights); returns the (train, eval) datasets the loaders read."""
+        return train_ds, eval_ds
+
+    def start(self, job, tokenizer, eval_ds) -> None:
+        """After accelerate prepared the job: what needs the wrapped model or the prepared loaders."""
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def window(self, batches, step: int, accum: int) -> list[dict]:
+        """This step's micro-batches from the data iterator (grpo: its prompts' completions)."""
+        from itertools import islice
+
+        return list(islice(batches, accum))
+
+    def replay(self, batch: dict) -> dict:
+        """A micro-batch made from a collated data batch, run with weight 0 on a rank out of data."""
+        return batch
+
+    def loss(self, model, batch: dict):
+        """(the batch's summed loss, the detached sums named by `logged`)."""
+        raise NotImplementedError
+
+    def finish_means(self, means: dict) -> dict:
+        """The logged means, as the log shows them."""
+        return means
+
+    def log_means(self, accelerator) -> dict:
+        """Statistics of the log interval kept outside the loss (a collective: every rank calls it)."""
+        return {}
+
+    def evaluate(self, job) -> dict:
+        """eval_* results over the whole eval split, the same on every rank."""
+        raise NotImplementedError
+
+    def summary(self, accelerator, fit_seconds: float) -> dict:
+        """Extra entries of summary.json (a collective: every rank calls it)."""
+        return {}
+
+    def batch_unit(self) -> str:
+        """What one sample of the effective batch is, for the start line ("" or " prompts x 8 completions")."""
+        return ""
+
+    # ------------------------------------------------------------------------------------------------ inspect
+
+    def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+        """Print what `python -m accel_train.inspect` shows of the data as training sees it; returns its figures."""
+        raise NotImplementedError

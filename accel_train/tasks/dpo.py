@@ -27,6 +27,7 @@ micro-batches), as it does with target tokens for causal_lm.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from contextlib import contextmanager, nullcontext
 
@@ -38,25 +39,26 @@ from datasets import Dataset, IterableDataset
 
 from accel_train import faults, formats
 from accel_train.config import Config, ConfigError, DataConfig, DpoConfig
+from accel_train.data import columns as data_columns
 from accel_train.dist import gather_setup
 from accel_train.formats import IGNORE_INDEX
 from accel_train.model import REFERENCE_ADAPTER
+from accel_train.tasks import DPO_RESULTS, Task
 
 logger = get_logger(__name__)
 
 # Logged per pair, after the loss: means over the pairs of the log interval, gathered over all ranks.
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
-           "logps/rejected")
+METRICS = DPO_RESULTS  # (tasks/__init__.py holds them: eval.metric_for_best may name them before torch is loaded)
 
 
 # ---------------------------------------------------------------------------------------------------- data
 
 
-def pair_columns(cfg: Config, columns: list[str]) -> None:
+def pair_columns(cfg: Config, columns: list[str], source: str | None = None) -> None:
     """The chosen and rejected columns are there (the prompt is optional: conversations carry it)."""
     missing = [c for c in (cfg.dpo.chosen_field, cfg.dpo.rejected_field) if c not in columns]
     if missing:
-        raise ConfigError(f"data: {cfg.data.path} lacks column(s) {', '.join(missing)} needed by task dpo; columns "
+        raise ConfigError(f"data: {source or cfg.data.path} lacks column(s) {', '.join(missing)} needed by task dpo; columns "
                           f"found: {', '.join(columns)} (set dpo.chosen_field, dpo.rejected_field, "
                           f"data.prompt_field to map them)")
 
@@ -303,3 +305,97 @@ def add_reference_logps(ds: Dataset, cfg: Config, accelerator, model, collate) -
         ds = ds.add_column(name, [v for part in shares for v in part[name]],
                            new_fingerprint=hashlib.sha256(f"{key} {name}".encode()).hexdigest()[:32])
     return ds
+
+
+# ---------------------------------------------------------------------------------------------------- the task
+
+
+class DPO(Task):
+    logged = ("loss", *METRICS)
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.preference: PreferenceLoss | None = None
+
+    def columns(self, columns: list[str], source: str) -> None:
+        pair_columns(self.cfg, columns, source)
+
+    def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
+        return tokenize_pairs(ds, tokenizer, self.cfg, data_columns(ds))
+
+    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+        return PairCollator(tokenizer.pad_token_id, multiple)
+
+    def count_targets(self, batch: dict):
+        return batch["labels"].shape[0] // 2  # pairs: chosen and rejected rows
+
+    def frozen_reference_adapter(self) -> bool:
+        return self.cfg.dpo.reference == "start"
+
+    def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
+        """The reference: this model with its adapter disabled, or a frozen copy of its initial weights; with
+        dpo.precompute_ref, its log-probs added to the data now."""
+        self.preference = PreferenceLoss(self.cfg, model, accelerator)
+        if self.cfg.dpo.precompute_ref:
+            collate = self.collator(tokenizer)
+            train_ds, eval_ds = (ds if ds is None else add_reference_logps(ds, self.cfg, accelerator, model, collate)
+                                 for ds in (train_ds, eval_ds))
+        return train_ds, eval_ds
+
+    def loss(self, model, batch: dict):
+        return self.preference(model, batch)
+
+    def evaluate(self, job) -> dict:
+        return evaluate(job.accelerator, job.model, job.eval_dl, self.preference)
+
+    def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+        """task dpo: the pairs as the run sees them (prompt, chosen and rejected tokens, what truncation cuts and drops,
+        how much padding the batches of 2 x per_device_batch_size rows hold)."""
+        from accel_train.views import STREAM_ROWS, distribution, show_tokens
+
+        cfg = self.cfg
+        train = self.tokenize(train_raw, tokenizer)
+        # The same pairs without truncation: how many max_length cuts (identical pairs are dropped from both).
+        whole = type(self)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_length=10**9))).tokenize(
+            train_raw, tokenizer)
+        cut = sum(max(len(c), len(r)) > cfg.data.max_length
+                  for c, r in zip(whole["chosen_input_ids"], whole["rejected_input_ids"]))
+        prompts = [next(i for i, t in enumerate(labels) if t != IGNORE_INDEX) for labels in train["chosen_labels"]]
+        chosen = [len(ids) - n for ids, n in zip(train["chosen_input_ids"], prompts)]
+        rejected = [len(ids) - n for ids, n in zip(train["rejected_input_ids"], prompts)]
+        figures = {"train_rows": len(train_raw), "train_pairs": len(train), "cut": cut,
+                   "dropped": len(train_raw) - len(train), "prompt_lengths": prompts, "chosen_lengths": chosen,
+                   "rejected_lengths": rejected}
+
+        color, d, p = out.isatty(), cfg.data, cfg.dpo
+        print(f"data: {d.path} (task dpo, pairs {d.prompt_field}/{p.chosen_field}/{p.rejected_field}, max_length "
+              f"{d.max_length}); tokenizer {cfg.model.name_or_path}", file=out)
+        print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+              f"{len(eval_raw) if eval_raw is not None else 0} eval", file=out)
+        print(f"pairs: {len(train)} kept; {figures['dropped']} dropped (chosen and rejected identical after truncation), "
+              f"{cut} cut to max_length (the prompt first)", file=out)
+        for i in range(min(samples, len(train))):
+            pair = train[i]
+            print(f"--- pair {i}: prompt {prompts[i]} tokens; chosen {chosen[i]}, rejected {rejected[i]} with loss, in "
+                  "[[ ]]", file=out)
+            for name in ("chosen", "rejected"):
+                print(f"{name}: {show_tokens(pair[f'{name}_input_ids'], pair[f'{name}_labels'], tokenizer, color)}",
+                      file=out)
+        print("---", file=out)
+        if not len(train):
+            return figures
+        for name, lengths in (("prompt", prompts), ("chosen", chosen), ("rejected", rejected)):
+            print(f"{name} tokens: {distribution(lengths)}", file=out)
+        # Training batches: per_device_batch_size pairs in a seeded random order, 2 rows each, padded to the longest.
+        batch = cfg.train.per_device_batch_size
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        rows = [(prompts[i] + chosen[i], prompts[i] + rejected[i]) for i in order]
+        batches = [rows[start: start + batch] for start in range(0, len(rows), batch)]
+        real = sum(c + r for c, r in rows)
+        padded = sum(2 * len(b) * max(max(pair) for pair in b) for b in batches)
+        print(f"padding (batch {batch} pairs, {2 * batch} rows): efficiency {real / padded:.3f} (chosen and rejected "
+              "rows padded to the batch's longest)", file=out)
+        return figures
+
+
+TASK = DPO

@@ -28,6 +28,7 @@ every mu steps); checkpoints are written between batches of rollouts only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -43,8 +44,10 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from accel_train import formats
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
+from accel_train.data import columns as data_columns
 from accel_train.tasks.dpo import reference_mode
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
+from accel_train.tasks import Task
 from accel_train.tasks.rewards import Rewards, smoke_test
 
 logger = get_logger(__name__)
@@ -56,22 +59,22 @@ ADVANTAGE_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantag
 # ---------------------------------------------------------------------------------------------------- data
 
 
-def prompt_column(cfg: Config, columns: list[str]) -> str:
+def prompt_column(cfg: Config, columns: list[str], source: str | None = None) -> str:
     """The column holding the prompts: data.prompt_field, else data.messages_field."""
     for name in (cfg.data.prompt_field, cfg.data.messages_field):
         if name in columns:
             return name
-    raise ConfigError(f"data: {cfg.data.path} has no {cfg.data.prompt_field!r} or {cfg.data.messages_field!r} column "
+    raise ConfigError(f"data: {source or cfg.data.path} has no {cfg.data.prompt_field!r} or {cfg.data.messages_field!r} column "
                       f"of prompts needed by task grpo; columns found: {', '.join(columns)} (set data.prompt_field "
                       "or data.messages_field)")
 
 
-def prompt_columns(cfg: Config, columns: list[str]) -> None:
+def prompt_columns(cfg: Config, columns: list[str], source: str | None = None) -> None:
     """The prompts are there, and the answers exact_match compares with."""
-    prompt_column(cfg, columns)
+    prompt_column(cfg, columns, source)
     if "exact_match" in cfg.grpo.rewards and cfg.grpo.answer_field not in columns:
         raise ConfigError(f"grpo.rewards: exact_match compares with the column grpo.answer_field="
-                          f"{cfg.grpo.answer_field}, which {cfg.data.path} lacks; columns found: {', '.join(columns)}")
+                          f"{cfg.grpo.answer_field}, which {source or cfg.data.path} lacks; columns found: {', '.join(columns)}")
 
 
 def prompt_turns(value, row: int) -> list[dict]:
@@ -443,3 +446,100 @@ def replay(rollouts: Rollouts, batch: dict) -> dict:
     """A micro-batch of completions to run with weight 0 (loop.fit's replay, on a rank out of data): not logged."""
     return rollouts.roll([batch], 0, log=False)[0]
 
+
+# ---------------------------------------------------------------------------------------------------- the task
+
+
+class GRPO(Task):
+    log_files = (ROLLOUTS_FILE,)
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.steps_per_batch = cfg.grpo.num_iterations
+        self.rollouts: Rollouts | None = None
+        self.policy: PolicyLoss | None = None
+
+    def columns(self, columns: list[str], source: str) -> None:
+        prompt_columns(self.cfg, columns, source)
+
+    def prepare_data(self, train_raw, eval_raw) -> None:
+        """A reward function that fails on the first row of either split stops the run now, before any model is
+        built (the eval split's at the end of training would lose it)."""
+        for split in (train_raw, eval_raw):
+            if split is not None and (not isinstance(split, Dataset) or len(split)):
+                check_rewards_on(self.cfg, split)
+
+    def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
+        return tokenize_prompts(ds, tokenizer, self.cfg, data_columns(ds))
+
+    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+        return PromptCollator(self.cfg)
+
+    def count_targets(self, batch: dict):
+        return batch["targets"]  # completion tokens, completions, or completions x max_new_tokens (grpo.loss_type)
+
+    def frozen_reference_adapter(self) -> bool:
+        return bool(self.cfg.grpo.beta)
+
+    def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
+        self.policy = PolicyLoss(self.cfg, accelerator)
+        self.logged = self.policy.names
+        return train_ds, eval_ds
+
+    def start(self, job, tokenizer, eval_ds) -> None:
+        self.rollouts = Rollouts(self.cfg, job.accelerator, job.model, tokenizer)
+
+    def window(self, batches, step: int, accum: int) -> list[dict]:
+        return self.rollouts.window(batches, step)
+
+    def replay(self, batch: dict) -> dict:
+        return replay(self.rollouts, batch)
+
+    def loss(self, model, batch: dict):
+        return self.policy(model, batch)
+
+    def finish_means(self, means: dict) -> dict:
+        return finish_means(means)
+
+    def log_means(self, accelerator) -> dict:
+        return self.rollouts.means(accelerator)
+
+    def evaluate(self, job) -> dict:
+        return evaluate(job.accelerator, job.model, job.eval_dl, self.rollouts)
+
+    def summary(self, accelerator, fit_seconds: float) -> dict:
+        return {"rollouts": self.rollouts.summary(accelerator, fit_seconds)}
+
+    def batch_unit(self) -> str:
+        return f" prompts x {self.cfg.grpo.num_generations} completions"
+
+    def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+        """task grpo: the prompts as the model continues them (template and generation prompt applied), what is cut,
+        and the columns the reward functions get."""
+        from accel_train.views import STREAM_ROWS, distribution
+
+        cfg = self.cfg
+        train = self.tokenize(train_raw, tokenizer)
+        lengths = [len(ids) for ids in train["prompt_ids"]]
+        keep = cfg.max_prompt_length()
+        whole = type(self)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_length=10**9))).tokenize(
+            train_raw, tokenizer)
+        cut = sum(len(ids) > keep for ids in whole["prompt_ids"])
+        column = prompt_column(cfg, data_columns(train_raw))
+        others = [c for c in data_columns(train_raw) if c != column]
+        g = cfg.grpo
+        print(f"data: {cfg.data.path} (task grpo, prompts from {column}; rewards {', '.join(g.rewards)} get the columns "
+              f"{', '.join(others) or '(none)'}); tokenizer {cfg.model.name_or_path}", file=out)
+        print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to their last {keep} tokens "
+              f"(data.max_length - grpo.max_new_tokens)", file=out)
+        for i in range(min(samples, len(train))):
+            print(f"--- prompt {i}: {lengths[i]} tokens, then up to {g.max_new_tokens} generated", file=out)
+            print(tokenizer.decode(train[i]["prompt_ids"]), file=out)
+        print("---", file=out)
+        if lengths:
+            print(f"prompt tokens: {distribution(lengths)}", file=out)
+        return {"train_rows": len(train_raw), "train_prompts": len(train), "cut": cut, "prompt_lengths": lengths}
+
+
+TASK = GRPO

@@ -158,3 +158,8 @@ def smoke_test(rewards: Rewards, example: dict, prompt, answer_columns: list[str
     function that raises or returns the wrong number of values stops the run now, naming it."""
     columns = {k: [example[k]] * 2 for k in answer_columns}
     rewards([prompt] * 2, ["", ""], [[], []], columns)
+
+
+def eval_results(cfg: Config) -> list[str]:
+    """task grpo's evaluation results (grpo.evaluate: the rewards of greedy answers), for eval.metric_for_best."""
+    return ["reward", *(f"rewards/{name}/mean" for name in labels(cfg.grpo.rewards)), "completions/mean_length"]

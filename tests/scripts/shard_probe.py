@@ -21,6 +21,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from accel_train import data as data_lib  # noqa: E402
+from accel_train import tasks  # noqa: E402
 from accel_train.config import load_config  # noqa: E402
 from accel_train.cli import exit_process  # noqa: E402
 from accel_train.dist import epoch_batches, make_accelerator, prepare_dataloaders, shard_stream, teardown  # noqa: E402
@@ -48,9 +49,10 @@ def probe(accelerator, out: Path, n_train: int, n_eval: int, batch: int, options
     if cfg.data.streaming:  # as train.run does with a stream
         train = shard_stream(accelerator, train.to_iterable_dataset(int(options["shards"])), cfg)
     step = batch * cfg.train.grad_accum_steps * accelerator.num_processes  # the effective batch
-    train_dl = data_lib.make_dataloader(train, tokenizer, cfg, batch, shuffle=True, step_samples=step,
-                                        processes=accelerator.num_processes)
-    eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), tokenizer, cfg, batch, shuffle=False)
+    collate = tasks.make(cfg).collator(tokenizer)
+    train_dl = data_lib.make_dataloader(train, collate, cfg, batch, shuffle=True, step_samples=step,
+                                        balance_ranks=accelerator.num_processes)
+    eval_dl = data_lib.make_dataloader(ds(range(1000, 1000 + n_eval)), collate, cfg, batch, shuffle=False)
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     epochs = []
     for epoch in range(2):  # the batches the training loop gets
