@@ -38,6 +38,9 @@ class TaskInfo:
     """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
     generates: bool = False
     """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed)."""
+    example: tuple[str, ...] = ()
+    """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on
+    every topology; the built-in data comes from data_sources.BUILTIN)."""
     preflight: str | None = None
     """"module:function" of its own cheap checks (torch-free, cfg -> None), run by preflight; ConfigError on a
     mistake."""
@@ -62,12 +65,16 @@ DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/
 
 REGISTRY: dict[str, TaskInfo] = {
     "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
-                          results=("loss", "perplexity"), metrics=True, generation=True),
-    "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True),
+                          results=("loss", "perplexity"), metrics=True, generation=True,
+                          example=("data.path=builtin:reverse",)),
+    "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True,
+                        example=("data.path=builtin:sentiment",)),
     "dpo": TaskInfo("dpo", "causal_lm", "preference tuning on chosen/rejected pairs against a reference",
-                    results=("loss", *DPO_RESULTS)),
+                    results=("loss", *DPO_RESULTS), example=("data.path=builtin:reverse_pref",)),
     "grpo": TaskInfo("grpo", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
                      results="accel_train.tasks.rewards:eval_results", generates=True,
+                     example=("data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=6",
+                              "grpo.rewards=[length_penalty]"),
                      preflight="accel_train.tasks.rewards:check_rewards"),
 }
 NAMES = tuple(REGISTRY)
