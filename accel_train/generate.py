@@ -2,8 +2,13 @@
 end of turn or eos. Greedy unless --do-sample. The model is loaded once; the prompts are generated in batches.
 
     python -m accel_train.generate PATH --prompt "reverse abcd" [--prompt ...] [--prompts-file FILE]
-        [--system TEXT] [--max-new-tokens 64] [--do-sample [--temperature T] [--top-p P] [--seed N]]
-        [--output FILE.jsonl | --jsonl]
+        [--system TEXT] [--max-new-tokens 64] [--do-sample [--temperature T] [--top-p P]] [--seed N]
+        [--model-defaults] [--output FILE.jsonl | --jsonl]
+
+Decoding is exactly what the flags say: no top-k, repetition penalty or other setting of the model's own
+generation_config.json applies (Qwen2.5-Instruct's, for one, sets a repetition penalty of 1.05).
+--model-defaults decodes as the model's file says (as model.generate() with no arguments does: its
+do_sample, temperature, top_p, top_k, repetition_penalty, ...), with --do-sample, --temperature and --top-p on top.
 
 One prompt prints its response as plain text; several prompts (or --jsonl) print one JSON row per prompt on stdout,
 and --output writes them to a file: the prompt's row ({"prompt": ...} or {"messages": [...]}) with "generation".
@@ -60,33 +65,32 @@ def prompt_ids(tokenizer, row: dict, system: str | None) -> list[int]:
 
 
 def generate_rows(path: str, rows: list[dict], system: str | None = None, max_new_tokens: int = 64,
-                  batch_size: int = 8, **sampling) -> list[str]:
-    """One response per row (see read_prompts), in order. `sampling`: do_sample, temperature, top_p (generate()'s
-    arguments; greedy without them)."""
+                  batch_size: int = 8, model_defaults: bool = False, **sampling) -> list[str]:
+    """One response per row (see read_prompts), in order. `sampling`: do_sample, temperature, top_p (greedy without
+    them); model_defaults: start from the model's own generation_config.json (generation.generation_config)."""
     folder = trained_folder(path)
     check_task(folder, "causal_lm")
     # torch and transformers only once PATH is known to hold the right kind of model
     import torch
     from transformers import AutoModelForCausalLM
 
-    from accel_train.formats import stop_token_ids
-    from accel_train.generation import until_stop
+    from accel_train.generation import generation_config, until_stop
     from accel_train.model import load_trained
 
     model, tokenizer = load_trained(folder, AutoModelForCausalLM)
     prompts = [prompt_ids(tokenizer, row, system) for row in rows]
-    # a run saved before its generation_config.json held them, or a model/ folder of another tool: the same stops
-    stops = stop_token_ids(tokenizer, model.generation_config)
+    # the stops also for a run saved before its generation_config.json held them, or a model/ folder of another tool
+    config = generation_config(model, tokenizer, max_new_tokens, from_model=model_defaults, **sampling)
     answers = []
     for start in range(0, len(prompts), batch_size):
         # left-padded: every row continues from its own last token
         batch = tokenizer.pad([{"input_ids": p} for p in prompts[start: start + batch_size]], padding=True,
                               padding_side="left", return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                                 pad_token_id=tokenizer.pad_token_id, **{"do_sample": False, **sampling})
+            out = model.generate(**batch, generation_config=config)
         new = out[:, batch["input_ids"].shape[1]:].tolist()
-        answers += tokenizer.batch_decode([until_stop(t, stops) for t in new], skip_special_tokens=True)
+        answers += tokenizer.batch_decode([until_stop(t, config.eos_token_id, keep=False) for t in new],
+                                          skip_special_tokens=True)
     return answers
 
 
@@ -109,7 +113,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, help="sampling temperature (with --do-sample)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling: keep the tokens of this probability mass "
                                                     "(with --do-sample)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --do-sample; default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --do-sample or --model-defaults; "
+                                                            "default 0)")
+    parser.add_argument("--model-defaults", action="store_true",
+                        help="decode with the model's own generation_config.json (its sampling, top-k, repetition "
+                             "penalty, ...), not only what these flags say")
     parser.add_argument("--output", help="write the rows with their generation to this JSONL file")
     parser.add_argument("--jsonl", action="store_true", help="print JSON rows on stdout even for one prompt")
     args = parser.parse_args(argv)
@@ -127,13 +135,15 @@ def main(argv: list[str] | None = None) -> None:
         if not rows:
             raise ConfigError(f"--prompts-file {args.prompts_file} holds no prompt")
         sampling = {}
-        if args.do_sample:
+        if args.do_sample or args.model_defaults:  # the model's file may sample
             from transformers import set_seed
 
             set_seed(args.seed)
+        if args.do_sample:
             given = {"temperature": args.temperature, "top_p": args.top_p}
             sampling = {"do_sample": True, **{k: v for k, v in given.items() if v is not None}}
-        answers = generate_rows(args.path, rows, args.system, args.max_new_tokens, args.batch_size, **sampling)
+        answers = generate_rows(args.path, rows, args.system, args.max_new_tokens, args.batch_size,
+                                args.model_defaults, **sampling)
     except ConfigError as e:
         print(f"accel_train.generate: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -13,6 +13,14 @@ An answer ends at the chat template's end of turn as well as at eos (formats.sto
 generation eos is <|endoftext|>, trained to end turns with <|im_end|>, would otherwise run every answer to
 max_new_tokens. The same stop ids are saved as eos_token_id in the trained model's generation_config.json
 (`stopping_config`), so that `generate()` stops there with no arguments.
+
+Every generate() call of accel_train (eval.generate, the generate tool, grpo's rollouts and greedy evaluation) gets
+its settings from `generation_config`, which gives every setting that changes which token is picked: generate()
+fills each field a passed config leaves unset from the model's own generation_config.json, before its defaults, and
+applies a repetition penalty or n-gram ban found there even to greedy decoding and before any LogitsProcessor of
+ours. Qwen2.5-Instruct ships repetition_penalty=1.05: grpo's rollouts were drawn from scores up to 0.115 away from
+the logits its loss takes as the sampling distribution. The model's file applies only when asked (the generate
+tool's --model-defaults).
 """
 
 from __future__ import annotations
@@ -85,19 +93,59 @@ def setup_generation(cfg: Config, accelerator, tokenizer, eval_ds) -> Generation
                              ["the cat sat down", "a dog"], "eval.generation_metrics"))
 
 
-def generation_kwargs(cfg: Config, tokenizer, model) -> dict:
-    """generate() arguments of eval.*; answers stop at the template's end of turn, eos, or the model's own eos."""
+# generate()'s fields that change which tokens are picked (or how many sequences come back), at the values that
+# switch them off; the sampling-only ones are given when sampling (greedy decoding never reads them).
+OFF = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+       "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "early_stopping": False, "min_length": 0,
+       "min_new_tokens": 0, "guidance_scale": 1.0, "renormalize_logits": False, "remove_invalid_values": False,
+       "token_healing": False, "penalty_alpha": 0.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
+       "use_mtp": False, "num_return_sequences": 1, "return_dict_in_generate": False}
+SAMPLING_OFF = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0}
+# Fields that transformers treats as off only when None, which generate() then fills from the model's file: no
+# value given here switches them off, so a model whose generation_config.json sets one is refused.
+UNSWITCHABLE = ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "sequence_bias", "suppress_tokens",
+                "begin_suppress_tokens", "exponential_decay_length_penalty", "top_h", "watermarking_config",
+                "stop_strings", "max_time", "dola_layers", "constraints", "force_words_ids",
+                "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def generation_config(model, tokenizer, max_new_tokens: int, do_sample: bool | None = None,
+                      temperature: float | None = None, top_p: float | None = None, num_beams: int | None = None,
+                      from_model: bool = False) -> GenerationConfig:
+    """generate()'s settings, for every caller: answers stop at the stop ids (formats.stop_token_ids: the template's
+    end of turn, eos, the model's own eos) and are padded with the tokenizer's pad, with the KV cache; greedy unless
+    do_sample (then temperature and top_p, 1.0 unless given, and no top-k); beam search with num_beams > 1; no
+    penalty, n-gram ban or other logits processor. from_model: the model's generation_config.json instead (its
+    sampling, penalties, ...), with the stops and the arguments given (None: the file's)."""
+    own = getattr(model, "generation_config", None)
+    given = {k: v for k, v in {"do_sample": do_sample, "num_beams": num_beams, "temperature": temperature,
+                               "top_p": top_p}.items() if v is not None}
+    fixed = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_token_ids(tokenizer, own),
+             "pad_token_id": tokenizer.pad_token_id, "use_cache": True}
+    if from_model:
+        config = copy.deepcopy(own) if own is not None else GenerationConfig()
+        config.update(**given, **fixed)
+        return config
+    if leaks := [f"{k}={getattr(own, k)!r}" for k in UNSWITCHABLE if getattr(own, k, None) is not None]:
+        raise ConfigError(f"the model's generation_config.json sets {', '.join(leaks)}, which generate() would apply "
+                          "and accel_train cannot switch off: remove it from the file")
+    sampling = SAMPLING_OFF if do_sample else {}
+    return GenerationConfig(**{**OFF, **sampling, "do_sample": False, "num_beams": 1, **given, **fixed})
+
+
+def eval_generation_config(cfg: Config, tokenizer, model) -> GenerationConfig:
+    """eval.generate's settings (eval.*)."""
     e = cfg.eval
     sampling = {"temperature": e.temperature, "top_p": e.top_p} if e.do_sample else {}
-    return {"max_new_tokens": e.max_new_tokens, "num_beams": e.num_beams, "do_sample": e.do_sample, **sampling,
-            "eos_token_id": stop_token_ids(tokenizer, model.generation_config),
-            "pad_token_id": tokenizer.pad_token_id, "use_cache": True}
+    return generation_config(model, tokenizer, e.max_new_tokens, do_sample=e.do_sample, num_beams=e.num_beams,
+                             **sampling)
 
 
-def until_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
-    """An answer's tokens before its first stop token: what follows it (the padding of a finished row) is not
-    part of it, whether or not the tokenizer calls it special."""
-    return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
+def until_stop(tokens: list[int], stop_ids: list[int], *, keep: bool) -> list[int]:
+    """An answer's tokens up to its first stop token, with it (keep) or without: what follows it (the padding of a
+    finished row) is not part of it, whether or not the tokenizer calls it special."""
+    return next((tokens[:i + 1 if keep else i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
 
 
 def stopping_config(model, tokenizer) -> GenerationConfig:
@@ -116,14 +164,15 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
     # Generate with the bare model: DDP's wrapper would add nothing but its forward hooks. The autocast of the
     # training's precision still applies.
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    kwargs = generation_kwargs(cfg, gen.tokenizer, unwrapped)
+    config = eval_generation_config(cfg, gen.tokenizer, unwrapped)
     indices, tokens = [], []
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # Sampling draws from its own generator state: the training's random streams (dropout) are left as they were.
     with torch.random.fork_rng(devices=devices), accelerator.autocast():
         torch.manual_seed(cfg.seed + accelerator.process_index)
         for batch in gen.loader:
-            out = unwrapped.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+            out = unwrapped.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     generation_config=config)
             new = out[:, batch["input_ids"].shape[1]:]  # the answer, without the prompt
             # Answers end at different lengths on different ranks: one width before gathering.
             new = accelerator.pad_across_processes(new, dim=1, pad_index=gen.tokenizer.pad_token_id)
@@ -132,7 +181,7 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
             indices += index.tolist()
     # In sample order: the same order on any number of processes, hence the same sums to the last digit.
     indices, tokens = zip(*sorted(zip(indices, tokens))) if indices else ((), ())
-    answers = [until_stop(t, kwargs["eos_token_id"]) for t in tokens]
+    answers = [until_stop(t, config.eos_token_id, keep=False) for t in tokens]
     predictions = [t.strip() for t in gen.tokenizer.batch_decode(answers, skip_special_tokens=True)]
     references = [gen.references[i] for i in indices]
     results = compute_metrics(gen.metrics, cfg.eval.metric_kwargs, predictions=predictions, references=references)

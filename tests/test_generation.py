@@ -230,19 +230,24 @@ def test_a_base_eos_and_a_chatml_template_stop_at_both():
 
 def test_eval_generation_stops_at_the_end_of_turn():
     from accel_train.config import load_config
-    from accel_train.generation import generation_kwargs, until_stop
+    from accel_train.generation import eval_generation_config, until_stop
 
     tokenizer = base_chatml_tokenizer()
     model = answering_model(tokenizer)
     prompt = chat_prompt(tokenizer)
     # the base's eos alone: the answer runs on to max_new_tokens
     assert tokenizer.decode(new_tokens(model, prompt, pad_token_id=0)) == "abc<|im_end|>abc<|im_end|>abc<|im_end|>"
-    kwargs = generation_kwargs(load_config(overrides=[f"eval.max_new_tokens={MAX_NEW}"]), tokenizer, model)
-    out = new_tokens(model, prompt, **kwargs)
+    config = eval_generation_config(load_config(overrides=[f"eval.max_new_tokens={MAX_NEW}"]), tokenizer, model)
+    out = new_tokens(model, prompt, generation_config=config)
     assert tokenizer.convert_ids_to_tokens(out) == ["a", "b", "c", "<|im_end|>"]
     # what evaluate_generations scores: a gathered row padded past the answer, cut at its first stop
     row = out + [tokenizer.pad_token_id] * 3
-    assert tokenizer.batch_decode([until_stop(row, kwargs["eos_token_id"])], skip_special_tokens=True) == ["abc"]
+    assert tokenizer.batch_decode([until_stop(row, config.eos_token_id, keep=False)],
+                                  skip_special_tokens=True) == ["abc"]
+    # grpo keeps the stop token in a completion (it is trained on)
+    assert tokenizer.convert_ids_to_tokens(until_stop(row, config.eos_token_id, keep=True)) == ["a", "b", "c",
+                                                                                               "<|im_end|>"]
+    assert until_stop([5, 6], config.eos_token_id, keep=True) == [5, 6]
 
 
 def test_generate_cli_stops_at_the_end_of_turn(tmp_path):
@@ -350,3 +355,174 @@ def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, 
           "4", "--do-sample", "--temperature", "0.8", "--seed", "1"])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [set(r) for r in printed] == [{"prompt", "generation"}] * 2
+
+
+# ---------------------------------------------------------------------------- the model's generation_config.json
+
+# What a hub model's generation_config.json may hold (Qwen2.5-Instruct's has repetition_penalty=1.05 and
+# sampling settings), stronger: generate() applies each to any call that leaves it unset, the penalty and the
+# n-gram ban even to greedy decoding and before any LogitsProcessor of ours.
+LEAKY = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "top_k": 3, "do_sample": True, "temperature": 0.5,
+         "top_p": 0.5, "min_new_tokens": 2}
+PROMPTS = ["aaaa abab", "reverse aabbaabb"]
+
+
+def leaky_model(folder):
+    """The tiny model (random, seed 0) and its tokenizer, saved to `folder` with a generation_config.json of LEAKY,
+    and loaded back from it as from the Hub."""
+    import torch
+    from conftest import REPO
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tiny = REPO / "configs" / "model" / "tiny-llama"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny))
+    model.generation_config = GenerationConfig(**LEAKY, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert model.generation_config.repetition_penalty == 1.3
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)[
+        "input_ids"]
+
+
+def raw_logits(model, ids: list[int]):
+    """The next token's logits after `ids`, by a plain forward."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def argmax_answer(model, ids: list[int], stops: list[int], max_new: int, keep: bool = False) -> list[int]:
+    """Greedy decoding by plain forwards: the answer up to its first stop token, with it (keep) or without."""
+    out = []
+    while len(out) < max_new:
+        token = int(raw_logits(model, ids + out).argmax())
+        if token in stops:
+            return out + [token] * keep
+        out.append(token)
+    return out
+
+
+class Recorder:
+    """A LogitsProcessor's calls: each (input_ids, scores) it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, scores):
+        self.calls.append((input_ids.tolist(), scores.clone()))
+        return scores
+
+
+def assert_raw(model, calls, prompts: list[list[int]], stops: list[int]) -> int:
+    """Every unfinished row's scores in `calls` (left-padded rows continuing `prompts`) are the model's logits;
+    the number of rows compared."""
+    import torch
+
+    compared, width = 0, max(map(len, prompts))
+    for input_ids, scores in calls:
+        for row, (ids, prompt) in enumerate(zip(input_ids, prompts)):
+            assert ids[width - len(prompt): width] == prompt
+            new = ids[width:]
+            if any(t in stops for t in new):
+                continue  # a finished row: generate pads it
+            torch.testing.assert_close(scores[row], raw_logits(model, prompt + new), rtol=0, atol=1e-4)
+            compared += 1
+    return compared
+
+
+def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
+    """What SeededSampler draws from is what the loss takes as the sampling distribution (the ratio starts at 1):
+    the model's logits, with no repetition penalty or n-gram ban of its generation_config.json in between."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from accel_train.config import load_config
+    from accel_train.tasks import grpo
+
+    model, tokenizer = leaky_model(tmp_path / "model")
+    recorder = Recorder()
+
+    class RecordingSampler(grpo.SeededSampler):
+        def __call__(self, input_ids, scores):
+            recorder(input_ids, scores)
+            return super().__call__(input_ids, scores)
+
+    monkeypatch.setattr(grpo, "SeededSampler", RecordingSampler)
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
+                                  autocast=contextlib.nullcontext)
+    cfg = load_config(overrides=["task=grpo", "grpo.num_generations=2", "grpo.max_new_tokens=8"])
+    rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    completions = rollouts.generate(model, {"prompt_ids": prompts, "index": torch.tensor([0, 1])}, step=0)
+    assert len(completions) == 4 and recorder.calls
+    assert assert_raw(model, recorder.calls, [p for p in prompts for _ in range(2)], rollouts.stop_ids) >= 8
+    # grpo's greedy evaluation (no sampler): argmax of the logits, with its stop token
+    assert rollouts.complete(model, prompts) == [argmax_answer(model, p, rollouts.stop_ids, 8, keep=True)
+                                                 for p in prompts]
+
+
+def test_generate_cli_greedy_is_the_argmax_of_the_logits(tmp_path, capsys):
+    """The generate tool decodes as its flags say; --model-defaults as the model's generation_config.json does."""
+    from accel_train.formats import stop_token_ids
+    from accel_train.generate import generate_rows, main
+
+    model, tokenizer = leaky_model(tmp_path / "model")
+    stops = stop_token_ids(tokenizer, model.generation_config)
+    rows = [{"prompt": p} for p in PROMPTS]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    argmax = tokenizer.batch_decode([argmax_answer(model, p, stops, 10) for p in prompts], skip_special_tokens=True)
+    assert generate_rows(str(tmp_path), rows, max_new_tokens=10) == argmax
+    # the file's penalty and n-gram ban, asked for, with greedy decoding: as transformers' own generate() does
+    own = model.generate(**tokenizer.pad([{"input_ids": p} for p in prompts], padding_side="left",
+                                         return_tensors="pt"), max_new_tokens=10, do_sample=False)
+    own = tokenizer.batch_decode([t[:next((i for i, x in enumerate(t) if x in stops), len(t))]
+                                  for t in own[:, max(map(len, prompts)):].tolist()], skip_special_tokens=True)
+    assert generate_rows(str(tmp_path), rows, max_new_tokens=10, model_defaults=True, do_sample=False) == own != argmax
+    main([str(tmp_path), "--prompt", PROMPTS[0], "--max-new-tokens", "4", "--model-defaults"])  # samples: runs
+    assert capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--model-defaults decodes as the model's file says" in capsys.readouterr().out
+
+
+def test_eval_generation_samples_from_the_models_logits(tmp_path):
+    """eval.generate with do_sample at temperature 1 and top_p 1: no top-k, penalty or minimum length of the model's
+    file between the logits and the draw (a LogitsProcessor of the caller runs after generate()'s own)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from accel_train.config import load_config
+    from accel_train.generation import eval_generation_config
+
+    model, tokenizer = leaky_model(tmp_path / "model")
+    config = eval_generation_config(load_config(overrides=["eval.do_sample=true", "eval.max_new_tokens=6"]),
+                                    tokenizer, model)
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    batch = tokenizer.pad([{"input_ids": p} for p in prompts], padding_side="left", return_tensors="pt")
+    recorder = Recorder()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+    assert assert_raw(model, recorder.calls, prompts, config.eos_token_id) >= 6
+
+
+def test_a_generation_setting_that_cannot_be_switched_off_is_refused(tmp_path):
+    from transformers import GenerationConfig
+
+    from accel_train.config import ConfigError
+    from accel_train.generation import generation_config
+
+    model, tokenizer = leaky_model(tmp_path / "model")
+    model.generation_config = GenerationConfig(forced_eos_token_id=3, bad_words_ids=[[5]])
+    with pytest.raises(ConfigError, match=r"sets forced_eos_token_id=3, bad_words_ids=\[\[5\]\], which generate"):
+        generation_config(model, tokenizer, 4)
+    assert generation_config(model, tokenizer, 4, from_model=True).forced_eos_token_id == 3

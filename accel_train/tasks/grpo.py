@@ -40,13 +40,14 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from accel_train import formats
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.data import columns as data_columns
 from accel_train.tasks.dpo import reference_mode
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
+from accel_train.generation import generation_config, until_stop
 from accel_train.tasks import Task
 from accel_train.tasks.rewards import Rewards, smoke_test
 
@@ -198,10 +199,8 @@ class Rollouts:
         self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
         self.rewards = Rewards(cfg)
         self.stop_ids = stop_token_ids(tokenizer, getattr(accelerator.unwrap_model(model), "generation_config", None))
-        # greedy (the sampled rollouts draw their tokens in SeededSampler); no model-default warpers or penalties
-        self.generation_config = GenerationConfig(max_new_tokens=self.g.max_new_tokens, do_sample=False,
-                                                  eos_token_id=self.stop_ids, pad_token_id=tokenizer.pad_token_id,
-                                                  use_cache=True)
+        # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
+        self.generation_config = generation_config(accelerator.unwrap_model(model), tokenizer, self.g.max_new_tokens)
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
@@ -262,7 +261,7 @@ class Rollouts:
         processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
         new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
                              logits_processor=processors)[:, input_ids.shape[1]:].tolist()
-        return [next((t[:i + 1] for i, x in enumerate(t) if x in self.stop_ids), t) for t in new]
+        return [until_stop(t, self.stop_ids, keep=True) for t in new]
 
     def decode(self, completions: list[list[int]]) -> list[str]:
         """The completions' texts, as the reward functions get them: special tokens removed, stripped."""
