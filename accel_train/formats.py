@@ -29,7 +29,7 @@ IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding 
 # What conversations tokenize to, in datasets' cache key (data.tokenize, dpo.tokenize_pairs): the key hashes the map
 # function's arguments, not its code, so a change to the masking or truncation here bumps this, or a rerun after an
 # upgrade would read the old labels from the cache.
-TOKENIZE_VERSION = 2
+TOKENIZE_VERSION = 3
 SHAREGPT_COLUMN = "conversations"
 # ShareGPT's speaker names -> chat-template roles
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -341,19 +341,28 @@ def _split_reasoning(m: dict, tokenizer) -> dict:
 
 
 def _labels_by_prefixes(text: str, ids: list[int], spans: list[tuple[int, int]], tokenizer) -> list[int]:
-    """A slow tokenizer (no offsets): each span's edges as token positions, where the text up to the edge
-    tokenizes to a prefix of the whole."""
+    """A slow tokenizer (no offsets): each span's edges as token positions. A token boundary is where the text up
+    to it tokenizes to a prefix of the whole. A token may hold white space beyond the span's edge (SentencePiece's
+    `▁We` holds the space Mistral writes after `[/INST]`): the span then starts at the boundary before that space
+    and ends at the one after it, as the fast path trains a token that overlaps the span."""
     labels = [IGNORE_INDEX] * len(ids)
     for s, e in spans:
-        edges = []
-        for c in (s, e):
-            prefix = tokenizer(text[:c], add_special_tokens=False)["input_ids"]
-            if ids[: len(prefix)] != prefix:
-                raise UnmaskableRow("the tokenizer splits the text differently at an answer's edge (a slow tokenizer "
-                                    "without character offsets)")
-            edges.append(len(prefix))
-        labels[edges[0]: edges[1]] = ids[edges[0]: edges[1]]
+        before = len(text[:s]) - len(text[:s].rstrip())  # white space just before the start, just after the end
+        after = len(text[e:]) - len(text[e:].lstrip())
+        start = _boundary(text, ids, tokenizer, range(s, s - before - 1, -1))
+        end = _boundary(text, ids, tokenizer, range(e, e + after + 1))
+        labels[start:end] = ids[start:end]
     return labels
+
+
+def _boundary(text: str, ids: list[int], tokenizer, points: range) -> int:
+    """The number of tokens before the first of `points` (character positions) that is a token boundary."""
+    for c in points:
+        prefix = tokenizer(text[:c], add_special_tokens=False)["input_ids"]
+        if ids[: len(prefix)] == prefix:
+            return len(prefix)
+    raise UnmaskableRow("the tokenizer splits the text differently at an answer's edge (a slow tokenizer without "
+                        "character offsets)")
 
 
 def _core(text: str, a: int, b: int) -> tuple[int, int]:
