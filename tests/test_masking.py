@@ -211,6 +211,25 @@ def trained_runs(tok, sample: dict) -> list[str]:
     return [tok.decode(r) for r in runs + ([run] if run else [])]
 
 
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1", "mistral-v0.3"])
+@pytest.mark.parametrize("train_on", ["last_assistant", "all_assistant"])
+def test_trl_conversational_prompt_completion_rows_train_on_the_completion(name, train_on):
+    """TRL's conversational prompt-completion rows (prompt and completion each a list of turns) are one conversation
+    through the chat template, trained on the completion's answer and its end of turn: not on an assistant turn of
+    the prompt, whatever data.train_on."""
+    tok = ct.tokenizer_for(name)
+    prompt = [{"role": "user", "content": "What time do you open on Sundays?"},
+              {"role": "assistant", "content": "We open at 7:30."},
+              {"role": "user", "content": "And when do you close?"}]
+    completion = [{"role": "assistant", "content": "We close at 13:00."}]
+    cfg = load_config(None, [f"data.train_on={train_on}"])
+    ds = Dataset.from_list([{"prompt": prompt, "completion": completion}] * 2)
+    assert data_lib.check_columns(cfg, ds).startswith("format prompt_response from column(s) prompt, completion")
+    out = data_lib.tokenize(ds, tok, cfg)[0]
+    assert out["input_ids"] == tok.apply_chat_template(prompt + completion)["input_ids"]
+    assert trained_runs(tok, out) == ["We close at 13:00." + ct.TEMPLATES[name]["end_of_turn"]]
+
+
 def sentencepiece_tokenizer(folder, name: str):
     """A slow (Python, no character offsets) SentencePiece tokenizer as transformers builds one from a
     tokenizer.model, trained here on a few hundred sentences (BPE, 400 pieces, byte fallback) with the normalizer of
