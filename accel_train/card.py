@@ -4,12 +4,14 @@ Hugging Face hub shows once the folder is pushed (`python -m accel_train.push`).
 A card is made from what the run left on disk (config.yaml and summary.json), so it can be written again for any
 finished run: YAML front-matter the hub reads (base_model, library_name, tags, datasets when the data is a hub
 dataset, pipeline_tag), then the results (final and best evaluation), the training hyper-parameters, the
-hardware and time, how to load it, and the full configuration.
+hardware and time, how to load it, and the full configuration. A card is published: it names no folder of the
+training machine (`public_path`); only a card made for no repository loads the model from its local folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -24,6 +26,30 @@ EXPORTS = ("adapter", "model", "merged")  # the folders of a run that hold a loa
 # by the model a task trains (tasks.TaskInfo.head)
 PIPELINE_TAGS = {"causal_lm": "text-generation", "seq_cls": "text-classification"}
 AUTO_CLASSES = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification"}
+
+
+LOCAL = "<local>"  # what a published file says in place of a folder of the training machine
+
+
+def public_path(value: str, run_dir: str | Path) -> str:
+    """A path as published files (the card, its config, adapter_config.json) show it: an absolute one inside the run
+    relative to the run (`base_model`, `.`), any other absolute one as `<local>/NAME`, so that neither the training
+    machine's folders nor the user's name in them are published; a relative path, a hub id or other text as it is."""
+    if "\n" in value or not os.path.isabs(os.path.expanduser(value)):
+        return value
+    path, run = Path(value).expanduser().resolve(), Path(run_dir).expanduser().resolve()
+    if path.is_relative_to(run):
+        return path.relative_to(run).as_posix()
+    return f"{LOCAL}/{path.name}"
+
+
+def public_paths(tree, run_dir: str | Path):
+    """`tree` (a config's dict, lists, strings) with every string that is an absolute path made public_path."""
+    if isinstance(tree, dict):
+        return {k: public_paths(v, run_dir) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [public_paths(v, run_dir) for v in tree]
+    return public_path(tree, run_dir) if isinstance(tree, str) else tree
 
 
 def hub_id(name: str) -> str | None:
@@ -67,12 +93,13 @@ def _value(v) -> str:
 def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None = None) -> ModelCard:
     """The card of `run_dir/folder` from the run's config.yaml and summary.json; its usage example loads it from
     `repo_id` (once pushed: an adapter whose base is not on the hub is then said to need that base), else from the
-    folder."""
+    folder. Local paths of the configuration are shown as `public_path` shows them."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     summary = json.loads((run_dir / "summary.json").read_text())
     adapter = folder == "adapter"
     recorded, base = trained_base(run_dir, cfg)
+    recorded = public_path(recorded, run_dir)
     # Pushed, an adapter on a local base loads only where that base is: the card says so and loads it explicitly.
     pushed_local_base = adapter and repo_id is not None and base is None
     dataset = hub_id(cfg.data.path)
@@ -82,20 +109,21 @@ def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None
               *(["merged"] if folder == "merged" else [])],
         datasets=[dataset] if dataset else None, pipeline_tag=PIPELINE_TAGS[info(cfg.task).head])
     body = [f"# {run_dir.resolve().name}", "",
-            f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg, base)}, trained with "
-            f"accel_train (task `{cfg.task}`) on {describe_data(cfg)}.", "",
+            f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg, base, run_dir)}, trained "
+            f"with accel_train (task `{cfg.task}`) on {describe_data(cfg, run_dir)}.", "",
             *(local_base_section(recorded) if pushed_local_base else []),
             *results_section(cfg, summary), *hyperparameters_section(cfg, summary), *hardware_section(summary),
             *usage_section(cfg, folder, repo_id or str(run_dir / folder), recorded if pushed_local_base else None),
             "<details><summary>accel_train configuration (config.yaml)</summary>", "",
-            "```yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "```", "", "</details>", ""]
+            "```yaml", yaml.safe_dump(public_paths(to_dict(cfg), run_dir), sort_keys=False).rstrip(), "```", "",
+            "</details>", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
 
 
-def describe_base(cfg: Config, base: str | None) -> str:
+def describe_base(cfg: Config, base: str | None, run_dir: Path) -> str:
     if is_embedded_tiny_model(cfg.model.name_or_path):
         return "accel_train's embedded tiny Llama (random weights, saved with the run in base_model/)"
-    return f"[{base}](https://huggingface.co/{base})" if base else f"`{cfg.model.name_or_path}`"
+    return f"[{base}](https://huggingface.co/{base})" if base else f"`{public_path(cfg.model.name_or_path, run_dir)}`"
 
 
 def local_base_section(recorded: str) -> list[str]:
@@ -104,11 +132,11 @@ def local_base_section(recorded: str) -> list[str]:
             "adapter on it, as in Usage below.", ""]
 
 
-def describe_data(cfg: Config) -> str:
+def describe_data(cfg: Config, run_dir: Path) -> str:
     dataset = hub_id(cfg.data.path)
     if dataset:
         return f"[{dataset}](https://huggingface.co/datasets/{dataset})" + (f" ({cfg.data.name})" if cfg.data.name else "")
-    return f"`{cfg.data.path}`"
+    return f"`{public_path(cfg.data.path, run_dir)}`"
 
 
 def results_section(cfg: Config, summary: dict) -> list[str]:

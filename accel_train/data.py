@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from accel_train import formats
 from accel_train.config import Config, ConfigError
-from accel_train.data_sources import builtin_rows, file_builder, is_saved_dataset
+from accel_train.data_sources import builtin_rows, check_one_split, file_builder, is_saved_dataset
 from accel_train.formats import IGNORE_INDEX
 
 logger = get_logger(__name__)
@@ -49,7 +49,7 @@ def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]
             raise ConfigError(f"{key}: split {split!r} not in {d.path}; splits found: {', '.join(loaded)}"
                               + _split_hint(key))
     train = loaded[d.train_split]
-    evaluation = _read(d.eval_path, "data.eval_path")["train"] if d.eval_path else None
+    evaluation = _eval_rows(d.eval_path) if d.eval_path else None
     if isinstance(train, IterableDataset):
         return _stream_splits(cfg, loaded, evaluation)
     if len(train) == 0:
@@ -89,6 +89,16 @@ def _read(path: str, key: str, other=None, streaming: bool = False):
             root = root.__cause__ or root.__context__
         first = (str(root).strip().splitlines() or [""])[0][:300]
         raise ConfigError(f"{key}: cannot read {path}: {type(root).__name__}: {first}") from e
+
+
+def _eval_rows(path: str) -> Dataset:
+    """data.eval_path's rows: a data file's (datasets names its one split train), or a save_to_disk folder's, of a
+    Dataset or of a DatasetDict with one split."""
+    loaded = _read(path, "data.eval_path")
+    if isinstance(loaded, Dataset):
+        return loaded
+    check_one_split("data.eval_path", path, list(loaded))
+    return next(iter(loaded.values()))
 
 
 def _split_hint(key: str) -> str:

@@ -7,6 +7,7 @@ here.
 from __future__ import annotations
 
 import glob
+import json
 import random
 from pathlib import Path
 
@@ -23,6 +24,20 @@ SAVED_MARKERS = ("dataset_dict.json", "dataset_info.json")
 
 def is_saved_dataset(folder: Path) -> bool:
     return any((folder / marker).is_file() for marker in SAVED_MARKERS)
+
+
+def saved_splits(folder: Path) -> list[str] | None:
+    """The splits of a DatasetDict's save_to_disk folder (its dataset_dict.json lists them); None for another."""
+    index = folder / SAVED_MARKERS[0]
+    return json.loads(index.read_text(encoding="utf-8")).get("splits") if index.is_file() else None
+
+
+def check_one_split(key: str, path: str, splits: list[str] | None) -> None:
+    """An evaluation source is one set of rows: a DatasetDict of several splits is refused, naming them."""
+    if splits is not None and len(splits) != 1:
+        raise ConfigError(f"{key}: {path} is a DatasetDict of {len(splits)} splits ({', '.join(splits)}); an "
+                          "evaluation source is one set of rows: save the split to evaluate on alone "
+                          "(dataset_dict[NAME].save_to_disk(FOLDER)), or give a data file")
 
 
 def file_builder(path: Path) -> tuple[str, dict]:
@@ -72,7 +87,8 @@ def builtin_rows(name: str, size: int) -> list[dict]:
 
 def check_data_source(cfg: Config) -> None:
     """data.path names a built-in dataset, a readable local file of a known type, a folder, or a hub id;
-    data.eval_path a readable local file; data.eval_split a split, not a file; and data.data_files fits data.path."""
+    data.eval_path a readable local file or a save_to_disk folder of one split; data.eval_split a split, not a file;
+    and data.data_files fits data.path."""
     path = cfg.data.path
     local = Path(path).expanduser()
     if path.startswith("builtin:"):
@@ -83,6 +99,7 @@ def check_data_source(cfg: Config) -> None:
         check_local_file("data.path", path)
     if cfg.data.eval_path:
         check_local_file("data.eval_path", cfg.data.eval_path, only_files=True)
+        check_one_split("data.eval_path", cfg.data.eval_path, saved_splits(Path(cfg.data.eval_path).expanduser()))
     split = cfg.data.eval_split
     if split and (Path(split).suffix in FILE_BUILDERS or Path(split).expanduser().is_file()):
         raise ConfigError(f"data.eval_split names a split of data.path; for an evaluation file use "

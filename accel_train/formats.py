@@ -5,7 +5,8 @@ causal_lm formats (data.format; `auto` picks one from the columns, in this order
     messages         {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]}: OpenAI
                      style (content a string, a list of text parts, or None for a tool-call turn), or ShareGPT's
                      {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}
-    prompt_response  {"prompt": ..., "response": ...}
+    prompt_response  {"prompt": ..., "response": ...}: each a text, or chat turns (TRL's conversational
+                     prompt-completion: {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]})
     alpaca           {"instruction": ..., "input": ..., "output": ...}  (input may be empty)
     (then the column sets of KNOWN_COLUMNS: Dolly, GPTeacher, prompt/completion, question/answer)
     text             {"text": ...}: continued pre-training, loss on every token; a long text is split into
@@ -13,7 +14,8 @@ causal_lm formats (data.format; `auto` picks one from the columns, in this order
 
 The first three are conversations, rendered with the tokenizer's chat template (or, without one, as lines of text
 with an eos after each answer); data.train_on chooses which tokens carry loss: the last assistant turn (and its
-end-of-turn tokens), every assistant turn, or all tokens.
+end-of-turn tokens), every assistant turn, or all tokens. A prompt's own turns are never trained (but with
+data.train_on=all): only the response's.
 seq_cls rows are {"text": ..., "label": ...}, the label an integer or a class name.
 """
 
@@ -29,7 +31,7 @@ IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding 
 # What conversations tokenize to, in datasets' cache key (data.tokenize, dpo.tokenize_pairs): the key hashes the map
 # function's arguments, not its code, so a change to the masking or truncation here bumps this, or a rerun after an
 # upgrade would read the old labels from the cache.
-TOKENIZE_VERSION = 2
+TOKENIZE_VERSION = 3
 SHAREGPT_COLUMN = "conversations"
 # ShareGPT's speaker names -> chat-template roles
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -143,25 +145,43 @@ def _message(raw: dict, row: int) -> dict:
     return message
 
 
-def conversation(example: dict, cfg: Config, fmt: str, row: int) -> list[dict]:
-    """The row as chat turns."""
+def turns(value, row: int, role: str) -> list[dict]:
+    """A column's value as chat turns: a list of turns (TRL's conversational format) as they are, else its text as
+    one turn of `role`."""
+    if isinstance(value, list):
+        return [_message(m, row) for m in value]
+    return [{"role": role, "content": str(value)}]
+
+
+def conversation_parts(example: dict, cfg: Config, fmt: str, row: int) -> tuple[list[dict], list[dict]]:
+    """The row as chat turns, in two parts: the prompt's (never trained, but with data.train_on=all) and the
+    response's (all of a messages row), which must end with the assistant's answer."""
     d = cfg.data
     if fmt == "prompt_response":
-        return [{"role": "user", "content": str(example[d.prompt_field])},
-                {"role": "assistant", "content": str(example[d.response_field])}]
-    if fmt == "alpaca":
+        prompt = turns(example[d.prompt_field], row, "user")
+        response = turns(example[d.response_field], row, "assistant")
+    elif fmt == "alpaca":
         extra = example.get(d.input_field)
-        prompt = str(example[d.instruction_field]) + (f"\n\n{extra}" if extra not in (None, "") else "")
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(example[d.output_field])}]
-    raw = example[messages_column(cfg, list(example))]
-    messages = [_message(m, row) for m in raw or []]
-    if cfg.data.train_on != "all" and (not messages or messages[-1]["role"] != "assistant"):
-        last = repr(messages[-1]["role"]) if messages else "nothing"
+        text = str(example[d.instruction_field]) + (f"\n\n{extra}" if extra not in (None, "") else "")
+        prompt = [{"role": "user", "content": text}]
+        response = [{"role": "assistant", "content": str(example[d.output_field])}]
+    else:
+        prompt, response = [], [_message(m, row) for m in example[messages_column(cfg, list(example))] or []]
+    if d.train_on != "all" and (not response or response[-1]["role"] != "assistant"):
+        messages = prompt + response
+        last = repr(response[-1]["role"]) if response else "nothing"
         first = (messages[0]["content"][:40] + "...") if messages else ""
-        raise ConfigError(f"data: row {row} ({first!r}): the conversation ends with {last}, not an assistant turn, so "
-                          f"there is no answer to train on (data.train_on={cfg.data.train_on}); end it with the "
+        what = "conversation" if fmt == "messages" else f"response ({d.response_field})"
+        raise ConfigError(f"data: row {row} ({first!r}): the {what} ends with {last}, not an assistant turn, so "
+                          f"there is no answer to train on (data.train_on={d.train_on}); end it with the "
                           "assistant's answer or drop the row")
-    return messages
+    return prompt, response
+
+
+def conversation(example: dict, cfg: Config, fmt: str, row: int) -> list[dict]:
+    """The row as chat turns."""
+    prompt, response = conversation_parts(example, cfg, fmt, row)
+    return prompt + response
 
 
 _PROBE = "Zq7probeZq7"  # an answer no template changes (no spaces to trim, no tags to split on)
@@ -251,14 +271,15 @@ def _header(tokenizer, messages: list[dict], i: int, tools: list | None) -> str:
     return prompt[len(plain):] if prompt.startswith(plain) else ""
 
 
-def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str, tools: list | None = None
-                    ) -> list[tuple[int, int]]:
+def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str, tools: list | None = None,
+                    context: int = 0) -> list[tuple[int, int]]:
     """Character spans of the trained assistant turns in `text` (the template's rendering of `messages`): each
     from the start of its answer (its content; for a turn with no content, such as a tool call, or with a reasoning
     block, what follows the assistant header) to the end of the end-of-turn marker that follows it. Template
     scaffolding (headers, the empty `<think>` block Qwen3 writes) and every other role's text stay outside. Each
     turn is searched after the previous one, anchored on the text before it, so a repeated phrase cannot match
-    an earlier turn. Raises UnmaskableRow where the rendering does not contain a turn."""
+    an earlier turn. The first `context` turns are the prompt's: found, not trained. Raises UnmaskableRow where the
+    rendering does not contain a turn."""
     marker, spans, pos = end_of_turn(tokenizer), [], 0
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for i in turns:
@@ -294,7 +315,7 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str, t
             # Phi-3, Phi-4, SmolLM2 render a tool-call turn as an empty answer: it would teach answering nothing
             raise UnmaskableRow(f"the chat template renders assistant turn {i} empty"
                                 + (" (it does not show tool calls)" if m.get("tool_calls") else ""))
-        if train_on == "all_assistant" or i == turns[-1]:
+        if i >= context and (train_on == "all_assistant" or i == turns[-1]):
             spans.append((start, end))
         pos = end
     return spans
@@ -303,19 +324,19 @@ def assistant_spans(messages: list[dict], tokenizer, text: str, train_on: str, t
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # what templates with <think> blocks read
 
 
-def tokens_with_template(messages: list[dict], tokenizer, train_on: str, tools: list | None = None
-                         ) -> tuple[list[int], list[int]]:
+def tokens_with_template(messages: list[dict], tokenizer, train_on: str, tools: list | None = None,
+                         context: int = 0) -> tuple[list[int], list[int]]:
     """(input ids, labels) of a conversation rendered once by the chat template, the ids exactly those of
     `apply_chat_template`. Trained tokens are those whose characters fall in an assistant span
-    (`assistant_spans`), mapped through the fast tokenizer's offsets (a slow tokenizer's, by tokenizing the text up
-    to each span's edge)."""
+    (`assistant_spans`; the first `context` turns, the prompt's, are not), mapped through the fast tokenizer's
+    offsets (a slow tokenizer's, by tokenizing the text up to each span's edge)."""
     messages = [_split_reasoning(m, tokenizer) for m in messages]
     text = _render(tokenizer, messages, tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
     ids = encoded["input_ids"]
     if train_on == "all":
         return ids, list(ids)
-    spans = assistant_spans(messages, tokenizer, text, train_on, tools)
+    spans = assistant_spans(messages, tokenizer, text, train_on, tools, context)
     if not tokenizer.is_fast:
         return ids, _labels_by_prefixes(text, ids, spans, tokenizer)
     labels = [t if any(a < e and b > s for s, e in spans) else IGNORE_INDEX
@@ -336,19 +357,28 @@ def _split_reasoning(m: dict, tokenizer) -> dict:
 
 
 def _labels_by_prefixes(text: str, ids: list[int], spans: list[tuple[int, int]], tokenizer) -> list[int]:
-    """A slow tokenizer (no offsets): each span's edges as token positions, where the text up to the edge
-    tokenizes to a prefix of the whole."""
+    """A slow tokenizer (no offsets): each span's edges as token positions. A token boundary is where the text up
+    to it tokenizes to a prefix of the whole. A token may hold white space beyond the span's edge (SentencePiece's
+    `▁We` holds the space Mistral writes after `[/INST]`): the span then starts at the boundary before that space
+    and ends at the one after it, as the fast path trains a token that overlaps the span."""
     labels = [IGNORE_INDEX] * len(ids)
     for s, e in spans:
-        edges = []
-        for c in (s, e):
-            prefix = tokenizer(text[:c], add_special_tokens=False)["input_ids"]
-            if ids[: len(prefix)] != prefix:
-                raise UnmaskableRow("the tokenizer splits the text differently at an answer's edge (a slow tokenizer "
-                                    "without character offsets)")
-            edges.append(len(prefix))
-        labels[edges[0]: edges[1]] = ids[edges[0]: edges[1]]
+        before = len(text[:s]) - len(text[:s].rstrip())  # white space just before the start, just after the end
+        after = len(text[e:]) - len(text[e:].lstrip())
+        start = _boundary(text, ids, tokenizer, range(s, s - before - 1, -1))
+        end = _boundary(text, ids, tokenizer, range(e, e + after + 1))
+        labels[start:end] = ids[start:end]
     return labels
+
+
+def _boundary(text: str, ids: list[int], tokenizer, points: range) -> int:
+    """The number of tokens before the first of `points` (character positions) that is a token boundary."""
+    for c in points:
+        prefix = tokenizer(text[:c], add_special_tokens=False)["input_ids"]
+        if ids[: len(prefix)] == prefix:
+            return len(prefix)
+    raise UnmaskableRow("the tokenizer splits the text differently at an answer's edge (a slow tokenizer without "
+                        "character offsets)")
 
 
 def _core(text: str, a: int, b: int) -> tuple[int, int]:
@@ -360,12 +390,14 @@ def _core(text: str, a: int, b: int) -> tuple[int, int]:
     return a + len(piece) - len(piece.lstrip()), b - (len(piece) - len(piece.rstrip()))
 
 
-def tokens_without_template(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[int]]:
+def tokens_without_template(messages: list[dict], tokenizer, train_on: str, context: int = 0
+                            ) -> tuple[list[int], list[int]]:
     """(input ids, labels) without a chat template: the turns before each answer as lines of text, each answer
-    followed by eos."""
+    followed by eos; the first `context` turns (the prompt's) not trained."""
     trained = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
     if train_on == "last_assistant":
         trained = {max(trained)} if trained else set()
+    trained = {i for i in trained if i >= context}
     ids, labels, context = [], [], []
 
     def add(tokens: list[int], target: bool):
@@ -393,12 +425,14 @@ def tokenize_causal(example: dict, tokenizer, cfg: Config, fmt: str | None = Non
     if fmt is None:
         cfg = dataclasses.replace(cfg, data=resolve(cfg, list(example)))
         fmt = cfg.data.format
-    messages = conversation(example, cfg, fmt, row)
+    prompt, response = conversation_parts(example, cfg, fmt, row)
+    messages, train_on = prompt + response, cfg.data.train_on
     try:
         if tokenizer.chat_template:
-            ids, labels = tokens_with_template(messages, tokenizer, cfg.data.train_on, row_tools(example.get("tools")))
+            ids, labels = tokens_with_template(messages, tokenizer, train_on, row_tools(example.get("tools")),
+                                               context=len(prompt))
         else:
-            ids, labels = tokens_without_template(messages, tokenizer, cfg.data.train_on)
+            ids, labels = tokens_without_template(messages, tokenizer, train_on, context=len(prompt))
     except UnmaskableRow as e:
         return {"input_ids": [], "attention_mask": [], "labels": [], "status": f"refused: {e}"}
     ids, labels, status = truncate(ids, labels, cfg, tokenizer.bos_token_id)

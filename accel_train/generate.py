@@ -27,7 +27,8 @@ from accel_train.model_sources import PATH_HELP, check_task, trained_folder
 
 def read_prompts(path: str | Path) -> list[dict]:
     """The rows of a prompts file: JSON lines (.jsonl) with a "prompt" string or a "messages" list (role/content,
-    as training data has them), or plain text, one prompt per non-empty line."""
+    as training data has them; TRL's conversational "prompt" list too), or plain text, one prompt per non-empty
+    line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--prompts-file: no such file: {path}")
@@ -42,16 +43,26 @@ def read_prompts(path: str | Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--prompts-file {path}, line {number}: not JSON ({e.msg})") from None
-        if not (isinstance(row, dict) and (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list))):
+        if not (isinstance(row, dict) and (isinstance(row.get("prompt"), (str, list))
+                                           or isinstance(row.get("messages"), list))):
             raise ConfigError(f"--prompts-file {path}, line {number}: needs a \"prompt\" string or a \"messages\" list")
+        if not conversation(row, None):
+            raise ConfigError(f"--prompts-file {path}, line {number}: the conversation has no turn before its "
+                              "assistant turns: nothing to answer")
         rows.append(row)
     return rows
 
 
 def conversation(row: dict, system: str | None) -> list[dict]:
-    """The messages a row asks to continue, with the --system message first unless the row has its own."""
-    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-    if system is not None and messages[0].get("role") != "system":
+    """The messages a row asks to continue, with the --system message first unless the row has its own. A
+    conversation that ends with the assistant's answer (as training and evaluation rows do) is answered afresh
+    from the turn before it: the trailing assistant turns are dropped, so that it ends as grpo's prompts do, with
+    the user's (or a tool's) turn."""
+    prompt = row.get("prompt")
+    messages = row.get("messages") or (prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+    while messages and messages[-1].get("role") == "assistant":
+        messages = messages[:-1]
+    if system is not None and messages and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": system}, *messages]
     return messages
 
@@ -59,7 +70,7 @@ def conversation(row: dict, system: str | None) -> list[dict]:
 def prompt_ids(tokenizer, row: dict, system: str | None) -> list[int]:
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(conversation(row, system), add_generation_prompt=True)["input_ids"]
-    if system is not None or "messages" in row:
+    if system is not None or not isinstance(row.get("prompt"), str):
         raise ConfigError("--system and \"messages\" rows need a chat template; this model's tokenizer has none")
     return tokenizer(row["prompt"] + "\n")["input_ids"]
 

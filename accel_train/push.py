@@ -4,7 +4,9 @@
 
 The folder (default: adapter/, or model/ for full fine-tuning) is uploaded in one commit with a model card made for
 the repository (its name in the usage example), and for an adapter trained on a local copy of a hub model, an
-adapter_config.json naming that hub model: both are made in memory, no file of the run is changed. Authentication
+adapter_config.json naming that hub model: both are made in memory, no file of the run is changed. No folder of this
+machine is published: the card's and the saved configs' local paths (a local base's) are shown relative to the run
+or as <local>/NAME (card.public_path). Authentication
 is huggingface_hub's (HF_TOKEN, or `hf auth login`); it and the hub's reachability are checked before anything
 else, so that a push that cannot work says why in one line.
 """
@@ -20,7 +22,7 @@ from huggingface_hub import CommitOperationAdd, HfApi, constants, get_session
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import get_token, validate_repo_id
 
-from accel_train.card import EXPORTS, model_card, trained_base
+from accel_train.card import EXPORTS, model_card, public_path, trained_base
 from accel_train.config import ConfigError, load_config
 
 
@@ -66,17 +68,21 @@ def push(run_dir: str | Path, repo_id: str, folder: str | None = None, private: 
     api = HfApi()
     check_hub(api)
     # What the upload holds in place of the folder's own files (made here, in memory): the card for this repository,
-    # and an adapter_config.json naming the hub id of a local base.
+    # and saved configs without local paths, an adapter_config.json naming the hub id of a local base.
     replaced = {"README.md": str(model_card(run_dir, folder, repo_id)).encode()}
+    base = None
     if folder == "adapter":
         recorded, base = trained_base(run_dir, load_config(run_dir / "config.yaml"))
         if base is None:
             warn(f"the base model {recorded} is local, not on the hub: the card says that whoever loads the adapter "
                  "must supply it")
-        elif base != recorded:
-            adapter_config = json.loads((path / "adapter_config.json").read_text())
-            replaced["adapter_config.json"] = json.dumps({**adapter_config, "base_model_name_or_path": base},
-                                                         indent=2, sort_keys=True).encode()
+    for config in sorted(path.glob("*config.json")):
+        saved = json.loads(config.read_text())
+        public = public_config(saved, run_dir)
+        if config.name == "adapter_config.json" and base is not None:
+            public["base_model_name_or_path"] = base
+        if public != saved:
+            replaced[config.name] = json.dumps(public, indent=2, sort_keys=True).encode()
     files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path / name)) for name in files
@@ -89,6 +95,17 @@ def push(run_dir: str | Path, repo_id: str, folder: str | None = None, private: 
     except HfHubHTTPError as e:
         raise ConfigError(f"the hub refused the upload to {repo_id}: {(str(e).splitlines() or [''])[0]}") from None
     return str(commit)
+
+
+# The keys of saved configs (adapter_config.json, config.json, tokenizer_config.json) whose values may be local paths:
+# base_model_name_or_path, _name_or_path, name_or_path, vocab_file, ...
+PATH_KEYS = ("name_or_path", "_path", "_dir", "_file")
+
+
+def public_config(saved: dict, run_dir: Path) -> dict:
+    """A saved config with its local paths as card.public_path shows them."""
+    return {k: public_path(v, run_dir) if isinstance(v, str) and k.endswith(PATH_KEYS) else v
+            for k, v in saved.items()}
 
 
 def warn(line: str) -> None:

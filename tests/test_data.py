@@ -704,6 +704,34 @@ def test_a_file_and_a_separate_eval_file_of_any_type(tmp_path):
         make_cfg("data.eval_paht=x.jsonl")
 
 
+@pytest.mark.parametrize("saved", ["Dataset", "DatasetDict of one split"])
+def test_a_save_to_disk_folder_as_eval_path_is_evaluated_on(tmp_path, saved):
+    """data.eval_path naming a save_to_disk folder (of a Dataset, or of a DatasetDict whatever its one split's
+    name): a run evaluates on its rows; a DatasetDict of several splits is one line naming them, before anything
+    is written."""
+    from conftest import python_m, read_metrics
+
+    train = _write_rows(tmp_path / "train.jsonl", ROWS)
+    held_out = Dataset.from_list([{"prompt": f"t{i}", "response": f"u{i}"} for i in range(6)])
+    folder = tmp_path / "held_out"
+    (held_out if saved == "Dataset" else DatasetDict(test=held_out)).save_to_disk(folder)
+    quick = [f"data.path={train}", f"data.eval_path={folder}", "train.max_steps=2", "train.eval_every=2",
+             "track.log_with=[]"]
+    proc = python_m(*quick, f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, evals = read_metrics(tmp_path / "run")
+    assert evals and math.isfinite(evals[-1]["eval_loss"]) and evals[-1]["step"] == 2
+
+    DatasetDict(validation=held_out, test=held_out).save_to_disk(tmp_path / "two")
+    proc = python_m(*quick, f"data.eval_path={tmp_path / 'two'}", f"output_dir={tmp_path / 'refused'}")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert lines == [f"accel_train: error: data.eval_path: {tmp_path / 'two'} is a DatasetDict of 2 splits "
+                     "(validation, test); an evaluation source is one set of rows: save the split to evaluate on "
+                     "alone (dataset_dict[NAME].save_to_disk(FOLDER)), or give a data file"]
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_folder_of_train_and_eval_files_names_the_split_datasets_gives_eval(tmp_path, caplog):
     _write_rows(tmp_path / "train.jsonl", ROWS)
     _write_rows(tmp_path / "eval.jsonl", ROWS[:3])

@@ -201,6 +201,84 @@ def test_a_slow_tokenizer_is_masked_through_prefixes():
         {"messages": messages}, fast, cfg)
 
 
+def trained_runs(tok, sample: dict) -> list[str]:
+    """Each run of consecutive trained tokens, decoded."""
+    runs, run = [], []
+    for t, label in zip(sample["input_ids"], sample["labels"]):
+        if label != IGNORE_INDEX:
+            run.append(t)
+        elif run:
+            runs, run = runs + [run], []
+    return [tok.decode(r) for r in runs + ([run] if run else [])]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1", "mistral-v0.3"])
+@pytest.mark.parametrize("train_on", ["last_assistant", "all_assistant"])
+def test_trl_conversational_prompt_completion_rows_train_on_the_completion(name, train_on):
+    """TRL's conversational prompt-completion rows (prompt and completion each a list of turns) are one conversation
+    through the chat template, trained on the completion's answer and its end of turn: not on an assistant turn of
+    the prompt, whatever data.train_on."""
+    tok = ct.tokenizer_for(name)
+    prompt = [{"role": "user", "content": "What time do you open on Sundays?"},
+              {"role": "assistant", "content": "We open at 7:30."},
+              {"role": "user", "content": "And when do you close?"}]
+    completion = [{"role": "assistant", "content": "We close at 13:00."}]
+    cfg = load_config(None, [f"data.train_on={train_on}"])
+    ds = Dataset.from_list([{"prompt": prompt, "completion": completion}] * 2)
+    assert data_lib.check_columns(cfg, ds).startswith("format prompt_response from column(s) prompt, completion")
+    out = data_lib.tokenize(ds, tok, cfg)[0]
+    assert out["input_ids"] == tok.apply_chat_template(prompt + completion)["input_ids"]
+    assert trained_runs(tok, out) == ["We close at 13:00." + ct.TEMPLATES[name]["end_of_turn"]]
+
+
+def sentencepiece_tokenizer(folder, name: str):
+    """A slow (Python, no character offsets) SentencePiece tokenizer as transformers builds one from a
+    tokenizer.model, trained here on a few hundred sentences (BPE, 400 pieces, byte fallback) with the normalizer of
+    Llama's and Mistral's models (no whitespace clean-up, no dummy prefix after a special token: legacy=False), and
+    the chat template `name` with its special tokens. Its pieces carry the space before a word (`▁We`), so an answer's
+    first token holds the space the template writes before it."""
+    import random
+
+    import sentencepiece as spm
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+    rng = random.Random(0)
+    words = ("We open at seven on Sundays and close at one . The shop on Rue Mercière reopens in June after its "
+             "renovation , What time do you open ? Is it still closed ?").split()
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(400)]
+    model = folder / "tokenizer.model"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_prefix=str(model.with_suffix("")),
+                                   vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    spec = ct.TEMPLATES[name]
+    named = {k: spec[k] for k in ct.NAMED if spec[k]}
+    tok = SentencePieceBackend(vocab_file=str(model), legacy=False, **named, additional_special_tokens=[
+        t for t in spec["additional_special_tokens"] if t not in named.values()])
+    tok.chat_template = spec["chat_template"]
+    return tok
+
+
+def test_a_slow_sentencepiece_tokenizer_trains_an_answer_whose_first_token_holds_the_space_before_it(tmp_path):
+    """Mistral writes `[/INST] ` + answer: SentencePiece tokenizes the text up to the answer with a lone `▁` at its
+    end, the whole with `▁We`. The row is trained (not refused), on the answer's tokens and the end of turn."""
+    tok = sentencepiece_tokenizer(tmp_path, "mistral-v0.3")
+    assert not tok.is_fast
+    messages = [{"role": "user", "content": "What time do you open on Sundays?"},
+                {"role": "assistant", "content": "We open at seven."},
+                {"role": "user", "content": "Is the shop on Rue Mercière still closed?"},
+                {"role": "assistant", "content": "The shop reopens in June, after its renovation."}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    up_to_answer = tok(text[:text.index("We open")], add_special_tokens=False)["input_ids"]
+    assert whole[:len(up_to_answer)] != up_to_answer  # the case: the text up to the answer is no prefix of the whole
+    for train_on, answers in (("last_assistant", messages[3:]), ("all_assistant", messages[1::2])):
+        out = formats.tokenize_causal({"messages": messages}, tok, load_config(None, [f"data.train_on={train_on}"]))
+        assert out["status"] == ""
+        assert out["input_ids"] == tok.apply_chat_template(messages)["input_ids"]
+        assert trained_runs(tok, out) == [m["content"] + "</s>" for m in answers]
+
+
 def test_stop_ids_keep_eos_where_it_is_also_unk():
     """GPT-2, Pythia, SmolLM2 base: bos = eos = unk = <|endoftext|>; generation must still stop at it."""
     from transformers import GenerationConfig

@@ -117,12 +117,14 @@ def test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so(run_dir, 
                        "that whoever loads the adapter must supply it\n")
     files = uploads["files"]
     assert sorted(files) == sorted(digest(out / "adapter"))  # every file of the folder, in one commit
-    assert files["adapter_config.json"] == (out / "adapter" / "adapter_config.json").read_bytes()
+    # the base is named as the run's folder base_model/, not by this machine's absolute path
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert json.loads(files["adapter_config.json"]) == {**saved, "base_model_name_or_path": "base_model"}
     card = files["README.md"].decode()
     assert "base_model" not in front_matter(card)
-    assert (f"**The base model is local, not on the hub: supply it.** The adapter was trained on `{base}`, a folder on "
-            "the training machine") in card
-    assert f"base = AutoModelForCausalLM.from_pretrained('{base}')  # the local base: your copy of it" in card
+    assert ("**The base model is local, not on the hub: supply it.** The adapter was trained on `base_model`, a folder "
+            "on the training machine") in card
+    assert "base = AutoModelForCausalLM.from_pretrained('base_model')  # the local base: your copy of it" in card
     assert "model = PeftModel.from_pretrained(base, 'me/reverse')" in card
     assert digest(out) == before  # the card and config are made for the upload, not written into the run
 
@@ -145,3 +147,47 @@ def test_an_adapter_on_a_local_copy_of_a_hub_model_is_pushed_naming_the_hub_mode
     assert "A LoRA adapter for [someone/tiny-llama](https://huggingface.co/someone/tiny-llama)" in card
     assert "model = AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in card and "supply it" not in card
     assert digest(out) == before
+
+
+def test_nothing_pushed_names_a_folder_of_this_machine(run_dir, tmp_path, uploads):
+    """The card's configuration, its text and the saved configs name the run's own folders relative to the run and
+    other local paths as <local>/NAME: no uploaded byte holds this machine's folders (the user's name in them)."""
+    from pathlib import Path
+
+    from conftest import REPO
+
+    from accel_train import push
+
+    out, _ = trained_on_local_folder(run_dir, tmp_path)
+    base = tmp_path / "models" / "my-llama"  # a local base outside the run
+    shutil.move(out / "base_model", base)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg["model"]["name_or_path"] = str(base)
+    cfg["data"].update(path=str(tmp_path / "data" / "train.jsonl"), eval_path="~/held_out.jsonl")
+    cfg["output_dir"] = str(out)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    (out / "adapter" / "adapter_config.json").write_text(json.dumps({**adapter_config,
+                                                                     "base_model_name_or_path": str(base)}))
+    # a model folder as transformers before v5 saved it: config.json names where the model was loaded from
+    shutil.copytree(base, out / "merged")
+    config = json.loads((out / "merged" / "config.json").read_text())
+    (out / "merged" / "config.json").write_text(json.dumps({**config, "_name_or_path": str(base)}))
+
+    local = [str(tmp_path), str(REPO), str(Path.home()) + "/", "~/held_out"]
+    for folder in ("adapter", "merged"):
+        push.main([str(out), "--repo-id", "me/reverse", "--folder", folder])
+        files = uploads["files"]
+        assert sorted(files) == sorted(digest(out / folder) | {"README.md": ""})
+        for name, content in files.items():
+            assert not [path for path in local if path.encode() in content], name
+        card = files["README.md"].decode()
+        published = yaml.safe_load(card.split("```yaml\n")[1].split("```")[0])
+        assert published["output_dir"] == "." and published["model"]["name_or_path"] == "<local>/my-llama"
+        assert (published["data"]["path"], published["data"]["eval_path"]) == ("<local>/train.jsonl",
+                                                                              "<local>/held_out.jsonl")
+        assert f"{'A LoRA adapter for' if folder == 'adapter' else 'A fine-tune of'} `<local>/my-llama`" in card
+        assert "trained with accel_train (task `causal_lm`) on `<local>/train.jsonl`." in card
+        name, key, saved = (("adapter_config.json", "base_model_name_or_path", adapter_config) if folder == "adapter"
+                            else ("config.json", "_name_or_path", config))
+        assert json.loads(files[name]) == {**saved, key: "<local>/my-llama"}

@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from conftest import free_port, run
+from conftest import free_port, python_m, run
 
 TOOLS = ["generate", "predict", "export", "push", "inspect", "plot", "bench"]
 # each tool's positional argument, as --help names it
@@ -100,6 +100,40 @@ def test_prompts_files_jsonl_and_text(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(ConfigError, match=r'bad.jsonl, line 2: needs a "prompt" string or a "messages" list'):
         read_prompts(tmp_path / "bad.jsonl")
+
+
+def test_a_conversation_that_ends_with_its_answer_is_answered_from_its_last_user_turn(tmp_path):
+    """A prompts file of training or evaluation rows: a "messages" conversation that ends with the reference answer
+    (and TRL's conversational prompt/completion) is answered as the conversation up to its last user turn, not
+    continued after the reference; the rows come back as they were, with the generation."""
+    from transformers import AutoTokenizer
+
+    from accel_train.generate import prompt_ids
+
+    run_dir = tmp_path / "run"
+    proc = python_m("data.builtin_size=100", "train.max_steps=2", "track.log_with=[]", f"output_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    question = [{"role": "system", "content": "reverse words"}, {"role": "user", "content": "reverse abcd"}]
+    answer = [{"role": "assistant", "content": "dcba"}]
+    rows = [{"messages": question + answer}, {"messages": question}, {"prompt": question, "completion": answer},
+            {"messages": question + answer + [{"role": "assistant", "content": "again: dcba"}]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "adapter")
+    asked = tokenizer.apply_chat_template(question, add_generation_prompt=True)["input_ids"]
+    assert [prompt_ids(tokenizer, r, None) for r in rows] == [asked] * 4
+
+    proc = python_m(run_dir, "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "6", "--output",
+                    tmp_path / "out.jsonl", module="accel_train.generate")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k != "generation"} for r in out] == rows
+    assert len({r["generation"] for r in out}) == 1
+
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"messages": answer}) + "\n")
+    proc = python_m(run_dir, "--prompts-file", tmp_path / "answers.jsonl", module="accel_train.generate")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"accel_train.generate: error: --prompts-file {tmp_path / 'answers.jsonl'}, line 1: the conversation has no "
+        "turn before its assistant turns: nothing to answer\n")
 
 
 def test_sampling_options_without_do_sample_are_refused(capsys):
