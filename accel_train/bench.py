@@ -92,6 +92,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from accel_train import tasks
+
 SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the char tokenizer uses the first 52 ids)
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=4, vocab_size=8192),
@@ -104,7 +106,9 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
     "large-vocab": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True),
 }
-WORKLOADS = ("skewed", "fixed", "cls", "grpo")
+TASK_OF = {"skewed": "causal_lm", "fixed": "causal_lm", "cls": "seq_cls", "grpo": "grpo"}
+"""The task each workload trains (ours' task=): every contender asks it (tasks.make, tasks.info), never its name."""
+WORKLOADS = tuple(TASK_OF)
 CONTENDERS = ("ours", "trainer", "bare", "trl")
 TRL_OPTIONS = {"skewed": ["padding_free"], "fixed": []}  # where ours packs rows of varied samples: no padding
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
@@ -260,12 +264,11 @@ def batch_of(args, workload: str) -> int:
 def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: str, steps: int) -> list[str]:
     """The training config every contender follows (ours takes it as its command line)."""
     total = args.warmup + steps
-    task = {"cls": "seq_cls", "grpo": "grpo"}.get(workload, "causal_lm")
     # grpo: `batch` prompts a step, each sampled --generations times; TRL's options spelled out where ours' defaults
     # could drift from them (GRPO_SETTINGS)
     grpo = [f"grpo.num_generations={args.generations}", f"grpo.max_new_tokens={args.new_tokens}",
-            *(f"grpo.{k}={v}" for k, v in GRPO_SETTINGS.items())] if task == "grpo" else []
-    return [f"task={task}", f"model.name_or_path={wd / 'model'}", "model.random_init=true",
+            *(f"grpo.{k}={v}" for k, v in GRPO_SETTINGS.items())] if workload == "grpo" else []
+    return [f"task={TASK_OF[workload]}", f"model.name_or_path={wd / 'model'}", "model.random_init=true",
             f"data.path={wd / f'{workload}.jsonl'}", *grpo,
             "data.eval_fraction=0", f"data.max_length={args.max_len}", *LORA, f"train.per_device_batch_size={batch}",
             f"train.max_steps={total}", f"train.warmup_steps={args.warmup}", "train.lr=2e-4",
@@ -334,9 +337,10 @@ def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=
             "threads_per_process": _threads(), **json.loads(Path(spec["result"]).read_text())}
 
 
-def _setup(spec: dict):
-    """(config, tokenizer, tokenized train set, model with LoRA) exactly as `ours` builds them, same seed;
-    seq_cls class names in sorted order, as ours maps them; grpo: the train set's rows untokenized."""
+def _setup(spec: dict, tokenize: bool = True):
+    """(config, task, tokenizer, train set, model with LoRA) exactly as `ours` builds them, same seed, through the
+    task (tasks.Task: class names from the raw rows, in ours' order; its tokenization; its model's head); the train
+    set tokenized, or with `tokenize` false its rows as they are (GRPOTrainer applies the chat template itself)."""
     from accelerate.utils import set_seed
 
     from accel_train import data as data_lib
@@ -344,26 +348,25 @@ def _setup(spec: dict):
     from accel_train.model import apply_lora, build_model, build_tokenizer
 
     cfg = load_config(None, spec["overrides"])
+    task = tasks.make(cfg)
     set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.recipe.run
     tokenizer = build_tokenizer(cfg)
     train_raw, _ = data_lib.load_splits(cfg)
-    if cfg.task == "grpo":  # the prompts as they are: the trainer applies the chat template
-        return cfg, tokenizer, train_raw, apply_lora(cfg, build_model(cfg, tokenizer))
-    labels = data_lib.label_names(cfg, train_raw) if cfg.task == "seq_cls" else None
-    ds = data_lib.tokenize(train_raw, tokenizer, cfg, labels)
-    model = apply_lora(cfg, build_model(cfg, tokenizer, labels))
-    return cfg, tokenizer, ds, model
+    task.prepare_data(train_raw, None)
+    ds = task.tokenize(train_raw, tokenizer) if tokenize else train_raw
+    model = apply_lora(cfg, build_model(cfg, tokenizer, task.model_kwargs()))
+    return cfg, task, tokenizer, ds, model
 
 
 def child_trainer(spec: dict) -> dict:
-    """transformers.Trainer on the same samples: dynamic padding (DataCollatorForSeq2Seq for causal LM,
-    DataCollatorWithPadding for classification), bf16 as ours; with spec["group_by_length"] its length-grouped
-    sampler (train_sampling_strategy="group_by_length", the name of group_by_length=True in transformers 5)."""
-    from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, Trainer, TrainingArguments
+    """transformers.Trainer on the same samples: dynamic padding (the task's collator unpacked: DataCollatorForSeq2Seq
+    for causal LM, DataCollatorWithPadding for classification), bf16 as ours; with spec["group_by_length"] its
+    length-grouped sampler (train_sampling_strategy="group_by_length", the name of group_by_length=True in
+    transformers 5)."""
+    from transformers import Trainer, TrainingArguments
 
-    cfg, tokenizer, ds, model = _setup(spec)
-    collator = (DataCollatorWithPadding(tokenizer, return_tensors="pt") if cfg.task == "seq_cls" else
-                DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt"))
+    cfg, task, tokenizer, ds, model = _setup(spec)
+    collator = task.collator(tokenizer)
     targs = TrainingArguments(**_trainer_args(spec, cfg), remove_unused_columns=False,
                               train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random")
     return _train(Trainer, spec, model, targs, dict(train_dataset=ds, data_collator=collator))
@@ -379,7 +382,7 @@ def child_trl(spec: dict) -> dict:
     max_length=None (the rows are cut to data.max_length already)."""
     from trl import SFTConfig, SFTTrainer
 
-    cfg, tokenizer, ds, model = _setup(spec)
+    cfg, _, tokenizer, ds, model = _setup(spec)
     targs = SFTConfig(**_trainer_args(spec, cfg), gradient_checkpointing=False, padding_free=spec["padding_free"],
                       max_length=None if spec["padding_free"] else cfg.data.max_length, completion_only_loss=True)
     return _train(SFTTrainer, spec, model, targs, dict(train_dataset=ds, processing_class=tokenizer))
@@ -397,7 +400,7 @@ def child_trl_grpo(spec: dict) -> dict:
     only where ours has it (GRPOConfig turns both on by default); no vLLM; no completion logging."""
     from trl import GRPOConfig, GRPOTrainer
 
-    cfg, tokenizer, prompts, model = _setup(spec)
+    cfg, _, tokenizer, prompts, model = _setup(spec, tokenize=False)
     g, answer_field = cfg.grpo, cfg.grpo.answer_field
     assert g.rewards == ["exact_match"], g.rewards  # GRPO_SETTINGS': the one reward mirrored here
 
@@ -518,12 +521,13 @@ def child_bare(spec: dict) -> dict:
     from accel_train.model import attention_cost
     from accel_train.tracking import reset_peak_memory
 
-    cfg, tokenizer, ds, model = _setup(spec)
+    cfg, task, tokenizer, ds, model = _setup(spec)
     t = cfg.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()
-    collate = data_lib.make_collator(tokenizer, cfg, cfg.data.packing, attention_cost(model),
-                                     data_lib.width_multiple(cfg, t.mixed_precision, cfg.data.packing))
+    pack = cfg.data.packing and task.packs  # as ours (recipe)
+    collate = task.collator(tokenizer, pack, attention_cost(model),
+                            data_lib.width_multiple(cfg, t.mixed_precision, pack))
     dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")
@@ -536,7 +540,7 @@ def child_bare(spec: dict) -> dict:
     for _, batch in zip(range(t.max_steps), dl):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         labels = batch["labels"][:, 1:]
-        targets = (labels != data_lib.IGNORE_INDEX).sum()
+        targets = task.count_targets(batch)  # ours' loss normaliser
         with autocast:
             logits = model(**data_lib.model_inputs(batch), use_cache=False).logits[:, :-1]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
@@ -631,8 +635,8 @@ GRPO_MEDIANS = ("steps_per_sec", "generated_tokens_per_sec", "generation_share",
 
 def model_flops(wd: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
     """(parameters, LoRA parameters, (matmul weights, trainable ones, attention size)) of the bench model with its
-    adapter, for `task` (causal_lm: the vocabulary's output head; seq_cls: a 3-class one): tracking.flops_per_token's
-    arguments but the width."""
+    adapter, with the head `task` trains (causal_lm: the vocabulary's output head; seq_cls: a 3-class one):
+    tracking.flops_per_token's arguments but the width."""
     import torch
     from transformers import AutoConfig
 
@@ -641,11 +645,18 @@ def model_flops(wd: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
 
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(wd / "model", num_labels=len(CLASSES))
-        model = AUTO_CLASS[task].from_config(config)
+        model = AUTO_CLASS[tasks.info(task).head].from_config(config)
     model = apply_lora(load_config(None, [f"task={task}", *LORA]), model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return total, trainable, (*matmul_parameters(model), attention_size(model))
+
+
+def model_figures(wd: Path, workloads: list[str]) -> dict:
+    """model_flops of each workload's model, built once per head (grpo trains the same causal LM as skewed)."""
+    heads = {w: tasks.info(TASK_OF[w]).head for w in workloads}
+    built = {h: model_flops(wd, next(TASK_OF[w] for w in workloads if heads[w] == h)) for h in set(heads.values())}
+    return {w: built[h] for w, h in heads.items()}
 
 
 def machine() -> dict:
@@ -702,30 +713,16 @@ def main(argv=None) -> dict | None:
     import torch
 
     from accel_train.dist import native_bf16
-    from accel_train.tracking import matmul_dims, measure_peak_flops
 
     t_start = time.perf_counter()
     precision = {"auto": "bf16" if native_bf16() else "no"}.get(args.precision, args.precision)
     wd = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="accel_train_bench_"))
     wd.mkdir(parents=True, exist_ok=True)
     info = machine()
-    print(f"bench: {args.size} model, precision {precision}, batch {args.batch}, max_len {args.max_len}, "
-          f"fixed_len {args.fixed_len}, {args.warmup} warm-up + {args.steps} measured steps"
-          + (f" ({measured_steps(args, 'cls', True)}, one epoch, where cls is grouped by length)"
-             if "cls" in args.workloads else "")
-          + (f"; grpo: {args.prompts} prompts x {args.generations} completions of {args.new_tokens} tokens a step, "
-             f"{args.grpo_steps} measured steps" if "grpo" in args.workloads else "") + ", "
-          f"{args.repeat} run(s) each; work folder {wd}", flush=True)
+    announce(args, precision, wd)
     write_workload(args, wd)
-    tasks = {w: "seq_cls" if w == "cls" else "causal_lm" for w in args.workloads}  # the model's head (grpo: an LM)
-    flops = {task: model_flops(wd, task) for task in set(tasks.values())}
-    device = torch.device("cuda" if _cuda() else "cpu")
-    # Measured here, before any contender starts and in none of their processes (their peak memory stays theirs),
-    # with the model's matmul shapes: hidden x hidden, hidden x intermediate, hidden x vocabulary.
-    size = SIZES[args.size]
-    dims = matmul_dims([(size["intermediate_size"], size["hidden_size"]), (size["vocab_size"], size["hidden_size"])])
-    peak = measure_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32,
-                              seconds=0.25 if args.quick else 0.5, inner_dims=dims)  # per shape
+    flops = model_figures(wd, args.workloads)
+    peak = peak_flops(args, precision)
 
     # One round per workload: each contender once. Rounds are repeated back to back, so that a contender's runs
     # are spread over the same stretch of time as the others' (ours, trainer, bare, ours, trainer, bare, ...).
@@ -735,78 +732,20 @@ def main(argv=None) -> dict | None:
                  and (not _cuda() or torch.cuda.device_count() >= 2))
     runs: dict[tuple, list[dict]] = {}
     for workload in args.workloads:
-        jobs = []
-        for contender in args.contenders:
-            if contender == "ours":
-                jobs.append(lambda w=workload: run_ours(args, wd, w, precision, 1))
-            elif workload == "grpo":  # TRL's GRPOTrainer; Trainer and the bare loop have no rollouts
-                if contender == "trl":
-                    jobs.append(lambda w=workload: run_child("trl", args, wd, w, precision))
-            elif contender == "trainer":
-                jobs.append(lambda w=workload: run_child("trainer", args, wd, w, precision))
-                if workload == "cls":
-                    jobs.append(lambda w=workload: run_child("trainer", args, wd, w, precision, ["group_by_length"]))
-            elif workload != "cls":  # the bare loop and TRL's SFTTrainer: causal LM
-                jobs.append(lambda w=workload, c=contender: run_child(c, args, wd, w, precision,
-                                                                      TRL_OPTIONS[w] if c == "trl" else []))
-        for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
-            if flag and "ours" in args.contenders and workload != "grpo":
-                jobs.append(lambda w=workload, o=option: run_ours(args, wd, w, precision, 1, [o]))
-        if can_scale and workload == first:
-            jobs.append(lambda w=workload: run_ours(args, wd, w, precision, 2))
+        jobs = contender_jobs(args, wd, workload, precision, can_scale and workload == first)
         for _ in range(args.repeat):
             for job in jobs:
                 r = (grpo_figures(job(), args.warmup) if workload == "grpo" else
-                     figures(job(), args.warmup, flops[tasks[workload]][2], peak, _cuda()))
+                     figures(job(), args.warmup, flops[workload][2], peak, _cuda()))
                 runs.setdefault((r["contender"], r["workload"], r["processes"], tuple(r["options"])), []).append(r)
     results = [merge(rs) for rs in runs.values()]
-
-    def find(contender, workload, procs=1, options=()):
-        return next((r for r in results if (r["contender"], r["workload"], r["processes"], tuple(r["options"]))
-                     == (contender, workload, procs, tuple(options))), None)
-
-    def ratio(a, b, key="tokens_per_sec"):
-        return round(a[key] / b[key], 4) if a and b else None
-
-    ratios = {}
-    for w in args.workloads:
-        ours, trainer, bare = find("ours", w), find("trainer", w), find("bare", w)
-        if w == "grpo":  # the same work a step (prompts, group size, generation length) on both sides
-            trl = find("trl", w)
-            ratios["ours_vs_trl_grpo"] = ratio(ours, trl, "steps_per_sec")
-            ratios["generated_tokens_ours_vs_trl_grpo"] = ratio(ours, trl, "generated_tokens_per_sec")
-            ratios["train_tokens_ours_vs_trl_grpo"] = ratio(ours, trl)
-            # 1 where both generated as many tokens a completion (both stop at max_new_tokens on a random model)
-            ratios["completion_length_ours_vs_trl_grpo"] = ratio(ours, trl, "completion_mean_length")
-            ratios["memory_ours_vs_trl_grpo"] = ratio(ours, trl, "peak_memory_mb")
-            continue
-        ratios[f"ours_vs_trainer_{w}"] = ratio(ours, trainer)
-        if w == "cls":
-            grouped = find("trainer", w, 1, ["group_by_length"])
-            ratios["ours_vs_trainer_grouped_cls"] = ratio(ours, grouped)
-            # the two measured epochs' real tokens: 1 where they hold the same samples (module docstring)
-            ratios["measured_tokens_ours_vs_trainer_grouped_cls"] = ratio(ours, grouped, "real_tokens_measured")
-        else:
-            trl = find("trl", w, 1, TRL_OPTIONS[w])
-            ratios[f"ours_vs_bare_{w}"] = ratio(ours, bare)
-            ratios[f"ours_vs_trl_{w}"] = ratio(ours, trl)
-            for name, other in ((f"same_batches_{w}", bare), (f"same_batches_trl_{w}", trl)):
-                if ours and other:  # the bare loop and TRL must have trained on exactly the batches ours did
-                    ratios[name] = float(ours["real_tokens_per_step"] == other["real_tokens_per_step"])
-        ratios[f"padding_efficiency_{w}"] = ours["padding_efficiency"] if ours else None
-        ratios[f"memory_ours_vs_trainer_{w}"] = ratio(ours, trainer, "peak_memory_mb")
-    if find("ours", first):
-        ratios["mfu_of_peak"] = find("ours", first)["mfu"]
-    if can_scale:  # targets(): which of the two the target is on
-        two, one = find("ours", first, 2), find("ours", first)
-        ratios["scaling_efficiency"] = ratio(two, one)
-        ratios["scaling_efficiency_per_device"] = round(ratios["scaling_efficiency"] / 2, 4)
+    ratios = compare(args.workloads, results, first, can_scale)
     for r in results:
         r.pop("real_tokens_per_step")
-    n_params, n_lora, model_figures = flops[tasks[first or "grpo"]]
+    n_params, n_lora, (matmul_weights, _, attention) = flops[first or args.workloads[0]]
     report = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("child", "spec")},
               "precision": precision, "model": {"parameters": n_params, "lora_parameters": n_lora,
-                                                "matmul_weights": model_figures[0], "attention_size": model_figures[2],
+                                                "matmul_weights": matmul_weights, "attention_size": attention,
                                                 **SIZES[args.size]},
               "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(_cuda()),
               "targets_at_most": TARGETS_AT_MOST, "wall_seconds": round(time.perf_counter() - t_start, 1)}
@@ -816,6 +755,104 @@ def main(argv=None) -> dict | None:
     if not args.workdir:
         shutil.rmtree(wd, ignore_errors=True)
     return report
+
+
+def announce(args, precision: str, wd: Path) -> None:
+    """The bench's settings, in one line before anything runs."""
+    print(f"bench: {args.size} model, precision {precision}, batch {args.batch}, max_len {args.max_len}, "
+          f"fixed_len {args.fixed_len}, {args.warmup} warm-up + {args.steps} measured steps"
+          + (f" ({measured_steps(args, 'cls', True)}, one epoch, where cls is grouped by length)"
+             if "cls" in args.workloads else "")
+          + (f"; grpo: {args.prompts} prompts x {args.generations} completions of {args.new_tokens} tokens a step, "
+             f"{args.grpo_steps} measured steps" if "grpo" in args.workloads else "") + ", "
+          f"{args.repeat} run(s) each; work folder {wd}", flush=True)
+
+
+def peak_flops(args, precision: str) -> float:
+    """The matmul peak MFU divides by. Measured here, before any contender starts and in none of their processes
+    (their peak memory stays theirs), with the model's matmul shapes: hidden x hidden, hidden x intermediate,
+    hidden x vocabulary."""
+    import torch
+
+    from accel_train.tracking import matmul_dims, measure_peak_flops
+
+    device = torch.device("cuda" if _cuda() else "cpu")
+    size = SIZES[args.size]
+    dims = matmul_dims([(size["intermediate_size"], size["hidden_size"]), (size["vocab_size"], size["hidden_size"])])
+    return measure_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32,
+                              seconds=0.25 if args.quick else 0.5, inner_dims=dims)  # per shape
+
+
+def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list:
+    """One round of `workload`: each contender's run (a function returning its record), in --contenders' order,
+    then ours' gradient-checkpointing and compile variants, then (`scale`) ours on 2 processes."""
+    jobs = []
+    for contender in args.contenders:
+        if contender == "ours":
+            jobs.append(lambda: run_ours(args, wd, workload, precision, 1))
+        elif workload == "grpo":  # TRL's GRPOTrainer; Trainer and the bare loop have no rollouts
+            if contender == "trl":
+                jobs.append(lambda: run_child("trl", args, wd, workload, precision))
+        elif contender == "trainer":
+            jobs.append(lambda: run_child("trainer", args, wd, workload, precision))
+            if workload == "cls":
+                jobs.append(lambda: run_child("trainer", args, wd, workload, precision, ["group_by_length"]))
+        elif workload != "cls":  # the bare loop and TRL's SFTTrainer: causal LM
+            jobs.append(lambda c=contender: run_child(c, args, wd, workload, precision,
+                                                      TRL_OPTIONS[workload] if c == "trl" else []))
+    for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
+        if flag and "ours" in args.contenders and workload != "grpo":
+            jobs.append(lambda o=option: run_ours(args, wd, workload, precision, 1, [o]))
+    if scale:
+        jobs.append(lambda: run_ours(args, wd, workload, precision, 2))
+    return jobs
+
+
+def _find(results: list[dict], contender: str, workload: str, procs: int = 1, options=()) -> dict | None:
+    return next((r for r in results if (r["contender"], r["workload"], r["processes"], tuple(r["options"]))
+                 == (contender, workload, procs, tuple(options))), None)
+
+
+def _ratio(a: dict | None, b: dict | None, key: str = "tokens_per_sec") -> float | None:
+    return round(a[key] / b[key], 4) if a and b else None
+
+
+def compare(workloads: list[str], results: list[dict], first: str | None, scaled: bool) -> dict:
+    """The ratios between the contenders' rows (and `first` workload's MFU and, where `scaled`, its scaling)."""
+    ratios = {}
+    for w in workloads:
+        ours, trainer, bare = _find(results, "ours", w), _find(results, "trainer", w), _find(results, "bare", w)
+        if w == "grpo":  # the same work a step (prompts, group size, generation length) on both sides
+            trl = _find(results, "trl", w)
+            ratios["ours_vs_trl_grpo"] = _ratio(ours, trl, "steps_per_sec")
+            ratios["generated_tokens_ours_vs_trl_grpo"] = _ratio(ours, trl, "generated_tokens_per_sec")
+            ratios["train_tokens_ours_vs_trl_grpo"] = _ratio(ours, trl)
+            # 1 where both generated as many tokens a completion (both stop at max_new_tokens on a random model)
+            ratios["completion_length_ours_vs_trl_grpo"] = _ratio(ours, trl, "completion_mean_length")
+            ratios["memory_ours_vs_trl_grpo"] = _ratio(ours, trl, "peak_memory_mb")
+            continue
+        ratios[f"ours_vs_trainer_{w}"] = _ratio(ours, trainer)
+        if w == "cls":
+            grouped = _find(results, "trainer", w, 1, ["group_by_length"])
+            ratios["ours_vs_trainer_grouped_cls"] = _ratio(ours, grouped)
+            # the two measured epochs' real tokens: 1 where they hold the same samples (module docstring)
+            ratios["measured_tokens_ours_vs_trainer_grouped_cls"] = _ratio(ours, grouped, "real_tokens_measured")
+        else:
+            trl = _find(results, "trl", w, 1, TRL_OPTIONS[w])
+            ratios[f"ours_vs_bare_{w}"] = _ratio(ours, bare)
+            ratios[f"ours_vs_trl_{w}"] = _ratio(ours, trl)
+            for name, other in ((f"same_batches_{w}", bare), (f"same_batches_trl_{w}", trl)):
+                if ours and other:  # the bare loop and TRL must have trained on exactly the batches ours did
+                    ratios[name] = float(ours["real_tokens_per_step"] == other["real_tokens_per_step"])
+        ratios[f"padding_efficiency_{w}"] = ours["padding_efficiency"] if ours else None
+        ratios[f"memory_ours_vs_trainer_{w}"] = _ratio(ours, trainer, "peak_memory_mb")
+    if _find(results, "ours", first):
+        ratios["mfu_of_peak"] = _find(results, "ours", first)["mfu"]
+    if scaled:  # targets(): which of the two the target is on
+        two, one = _find(results, "ours", first, 2), _find(results, "ours", first)
+        ratios["scaling_efficiency"] = _ratio(two, one)
+        ratios["scaling_efficiency_per_device"] = round(ratios["scaling_efficiency"] / 2, 4)
+    return ratios
 
 
 def _run(cmd: list[str], tag: str) -> None:
