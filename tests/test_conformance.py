@@ -2,7 +2,7 @@
 names a task. What is task-specific comes from `tasks.info(name).example` (a small run on built-in data) and the
 `Task` interface.
 
-Each task's runs, shared by its checks (module-scoped fixtures, one task's at a time):
+Each task's runs, made once (fixture `once`) and shared by its checks:
     reference  1 process, batch 2 x accumulation 2, 4 steps, evaluation at steps 2 and 4, checkpoints every 2
     two        accel-train launch, 2 processes x batch 2, rank 1 sent SIGTERM during step 3 (faults.py): its steps
                1-3 and evaluation at step 2 check the topology, its end checks the stop by signal (one launch of 2
@@ -24,7 +24,7 @@ from accel_train import tasks
 from accel_train.config import ConfigError, load_config
 from accel_train.data_sources import builtin_rows
 
-pytestmark = pytest.mark.xdist_group("conformance")
+pytestmark = [pytest.mark.xdist_group("conformance"), pytest.mark.parametrize("name", tasks.NAMES)]
 
 # fp32 and a fixed seed: the same samples per step on any topology give the same numbers (test_topology.py)
 SMALL = ["data.builtin_size=48", "data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
@@ -63,41 +63,59 @@ def by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-@pytest.fixture(scope="module", params=tasks.NAMES)
-def name(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
-def root(name, tmp_path_factory):
-    return tmp_path_factory.mktemp(f"conformance-{name}")
+def once():
+    """once(key, make): make() the first time a key is asked for, its value after. Each task's runs are made once
+    whatever order the tests run in (conftest puts tests marked long first: module-scoped fixtures parametrized
+    by task would be torn down and made again)."""
+    made = {}
+
+    def get(key, make):
+        if key not in made:
+            made[key] = make()
+        return made[key]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def reference(name, root):
-    out = root / "reference"
-    proc = python_m(*args(name, out, *ONE))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+@pytest.fixture
+def root(name, once, tmp_path_factory):
+    return once(("root", name), lambda: tmp_path_factory.mktemp(f"conformance-{name}"))
 
 
-@pytest.fixture(scope="module")
-def two(name, root):
-    out = root / "two"
-    proc = accel_train_launch("cpu_2proc.yaml", *args(name, out, *TWO),
-                              env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"})
-    return proc, out
+@pytest.fixture
+def reference(name, root, once):
+    def make():
+        out = root / "reference"
+        proc = python_m(*args(name, out, *ONE))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    return once(("reference", name), make)
 
 
-@pytest.fixture(scope="module")
-def resumed(name, root):
-    out = root / "resumed"
-    crashed = python_m(*args(name, out, *ONE), env=CRASH)
-    assert crashed.returncode == 42, crashed.stderr[-3000:]  # faults.py's crash: os._exit(42)
-    proc = python_m(*args(name, out, *ONE, "resume_from=latest"))
-    return proc, out
+@pytest.fixture
+def two(name, root, once):
+    def make():
+        out = root / "two"
+        return accel_train_launch("cpu_2proc.yaml", *args(name, out, *TWO),
+                                  env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"}), out
+
+    return once(("two", name), make)
 
 
+@pytest.fixture
+def resumed(name, root, once):
+    def make():
+        out = root / "resumed"
+        crashed = python_m(*args(name, out, *ONE), env=CRASH)
+        assert crashed.returncode == 42, crashed.stderr[-3000:]  # faults.py's crash: os._exit(42)
+        return python_m(*args(name, out, *ONE, "resume_from=latest")), out
+
+    return once(("resumed", name), make)
+
+
+@pytest.mark.long
 def test_topology_1proc_accumulation_equals_2proc(name, reference, two):
     """Steps 1-3 (before the SIGTERM stop) of 2 processes x batch 2 equal 1 process x batch 2 x accumulation 2:
     loss, lr, grad_norm and every metric the task logs; so do the evaluations both made."""
@@ -127,6 +145,7 @@ def test_crash_then_resume_reproduces_the_uninterrupted_run(reference, resumed):
         assert_same(got, want, f"eval at step {want['step']}")
 
 
+@pytest.mark.long
 def test_sigterm_to_one_rank_checkpoints_every_rank(two):
     """Rank 1 signalled during step 3: both ranks stop after it with one checkpoint holding each rank's state, one
     line says so, and the status is 128+15."""
@@ -172,10 +191,14 @@ def write_jsonl(path, rows) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def data(name, root):
+@pytest.fixture
+def data(name, root, once):
     """(rows of the example's built-in data as a .jsonl, the same rows without a column the task reads): the
     columns are dropped one after another until the task's column check refuses what remains."""
+    return once(("data", name), lambda: write_data(name, root))
+
+
+def write_data(name: str, root) -> tuple[str, str]:
     builtin = example_cfg(name).data.path.removeprefix("builtin:")
     rows = builtin_rows(builtin, 16)
     full = write_jsonl(root / "full.jsonl", rows)
