@@ -1,0 +1,237 @@
+"""Every registered task (accel_train.tasks.REGISTRY) passes the same checks by being registered: nothing below
+names a task. What is task-specific comes from `tasks.info(name).example` (a small run on built-in data) and the
+`Task` interface.
+
+Each task's runs, made once (fixture `once`) and shared by its checks:
+    reference  1 process, batch 2 x accumulation 2, 4 steps, evaluation at steps 2 and 4, checkpoints every 2
+    two        accel-train launch, 2 processes x batch 2, rank 1 sent SIGTERM during step 3 (faults.py): its steps
+               1-3 and evaluation at step 2 check the topology, its end checks the stop by signal (one launch of 2
+               processes per task: the suite's largest cost)
+    resumed    1 process, crashed before the 2nd micro-batch of step 3 (last checkpoint: step 2), then resume_from=latest
+    reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
+               model: its evaluation is the reference's final one
+Bad inputs and inspect start a process each that stops before training.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import accel_train_launch, python_m, said
+
+from accel_train import tasks
+from accel_train.config import ConfigError, load_config
+from accel_train.data_sources import builtin_rows
+
+pytestmark = [pytest.mark.xdist_group("conformance"), pytest.mark.parametrize("name", tasks.NAMES)]
+
+# fp32 and a fixed seed: the same samples per step on any topology give the same numbers (test_topology.py)
+SMALL = ["data.builtin_size=48", "data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
+         "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2", "train.mixed_precision=no",
+         "track.log_with=[]", "checkpoint.save_every=2", "train.dist_timeout_s=60"]
+ONE = ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]  # 1 process: effective batch 4
+TWO = ["train.per_device_batch_size=2", "train.grad_accum_steps=1"]  # 2 processes: effective batch 4
+# Measures of speed and memory, not of the model: they differ between any two runs.
+TIMING = {"tokens_per_sec", "mfu", "memory_mb"}
+REL = 1e-5
+SIGTERM_STEP = 3
+CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=3,micro=1,rank=0"}  # the last checkpoint: step 2
+
+
+def args(name: str, out, *extra) -> list[str]:
+    return [f"task={name}", *tasks.info(name).example, *SMALL, *extra, f"output_dir={out}"]
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    """Every logged number but TIMING, to REL."""
+    keys = set(want) - TIMING
+    assert set(got) - TIMING == keys, f"{what}: logged keys differ"
+    for key in sorted(keys):
+        assert got[key] == pytest.approx(want[key], rel=REL, abs=1e-8), f"{what}: {key}"
+
+
+def read_metrics(out) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) of metrics.jsonl; an evaluation is told by its eval_* results (not every task
+    has an eval_loss: conftest.read_metrics would miss them)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+    return [r for r in records if r not in evals], evals
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records}
+
+
+@pytest.fixture(scope="module")
+def once():
+    """once(key, make): make() the first time a key is asked for, its value after. Each task's runs are made once
+    whatever order the tests run in (conftest puts tests marked long first: module-scoped fixtures parametrized
+    by task would be torn down and made again)."""
+    made = {}
+
+    def get(key, make):
+        if key not in made:
+            made[key] = make()
+        return made[key]
+
+    return get
+
+
+@pytest.fixture
+def root(name, once, tmp_path_factory):
+    return once(("root", name), lambda: tmp_path_factory.mktemp(f"conformance-{name}"))
+
+
+@pytest.fixture
+def reference(name, root, once):
+    def make():
+        out = root / "reference"
+        proc = python_m(*args(name, out, *ONE))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    return once(("reference", name), make)
+
+
+@pytest.fixture
+def two(name, root, once):
+    def make():
+        out = root / "two"
+        return accel_train_launch("cpu_2proc.yaml", *args(name, out, *TWO),
+                                  env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"}), out
+
+    return once(("two", name), make)
+
+
+@pytest.fixture
+def resumed(name, root, once):
+    def make():
+        out = root / "resumed"
+        crashed = python_m(*args(name, out, *ONE), env=CRASH)
+        assert crashed.returncode == 42, crashed.stderr[-3000:]  # faults.py's crash: os._exit(42)
+        return python_m(*args(name, out, *ONE, "resume_from=latest")), out
+
+    return once(("resumed", name), make)
+
+
+@pytest.mark.long
+def test_topology_1proc_accumulation_equals_2proc(name, reference, two):
+    """Steps 1-3 (before the SIGTERM stop) of 2 processes x batch 2 equal 1 process x batch 2 x accumulation 2:
+    loss, lr, grad_norm and every metric the task logs; so do the evaluations both made."""
+    proc, out = two
+    train, evals = read_metrics(out)
+    want_train, want_evals = read_metrics(reference)
+    assert [r["step"] for r in train] == list(range(1, SIGTERM_STEP + 1)), proc.stderr[-3000:]
+    for got, want in zip(train, want_train):
+        assert_same(got, want, f"step {want['step']}")
+    assert evals, "no evaluation before the stop"
+    want = by_step(want_evals)
+    for got in evals:
+        assert_same(got, want[got["step"]], f"eval at step {got['step']}")
+
+
+def test_crash_then_resume_reproduces_the_uninterrupted_run(reference, resumed):
+    proc, out = resumed
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "step-2" in proc.stderr
+    train, evals = read_metrics(out)
+    want_train, want_evals = read_metrics(reference)
+    assert [r["step"] for r in train] == [r["step"] for r in want_train] == [1, 2, 3, 4]
+    for got, want in zip(train, want_train):
+        assert_same(got, want, f"step {want['step']}")
+    assert [r["step"] for r in evals] == [r["step"] for r in want_evals]
+    for got, want in zip(evals, want_evals):
+        assert_same(got, want, f"eval at step {want['step']}")
+
+
+@pytest.mark.long
+def test_sigterm_to_one_rank_checkpoints_every_rank(two):
+    """Rank 1 signalled during step 3: both ranks stop after it with one checkpoint holding each rank's state, one
+    line says so, and the status is 128+15."""
+    proc, out = two
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + 15, text[-3000:]
+    lines = said(text)
+    assert len(lines) == 1 and lines[0].startswith("accel_train: stopped by SIGTERM; checkpoint saved:"), lines
+    assert "Traceback" not in text
+    saved = out / "checkpoints" / f"step-{SIGTERM_STEP}"
+    assert (saved / "COMPLETE").is_file(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+
+
+def test_saved_adapter_reloads_to_the_same_evaluation(name, root, reference):
+    """One step at lr 1e-12 (train.lr must be > 0) from output_dir/adapter on output_dir/base_model moves each
+    weight by about 1e-12 (Adam's step is about lr): its evaluation (at step 1, the end) is the reference's final one."""
+    out = root / "reloaded"
+    proc = python_m(*args(name, out, *ONE, f"model.adapter_from={reference / 'adapter'}",
+                          f"model.name_or_path={reference / 'base_model'}", "train.lr=1e-12", "train.max_steps=1",
+                          "checkpoint.save_every=null"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = read_metrics(out)[1][-1], read_metrics(reference)[1][-1]
+    assert_same({**got, "step": want["step"]}, want, "final evaluation")
+
+
+def test_inspect_runs_on_the_example(name, tmp_out):
+    proc = python_m(*args(name, tmp_out), module="accel_train.inspect")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip()
+    assert not tmp_out.exists()
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def example_cfg(name: str, *extra):
+    return load_config(None, [f"task={name}", *tasks.info(name).example, *extra])
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def data(name, root, once):
+    """(rows of the example's built-in data as a .jsonl, the same rows without a column the task reads): the
+    columns are dropped one after another until the task's column check refuses what remains."""
+    return once(("data", name), lambda: write_data(name, root))
+
+
+def write_data(name: str, root) -> tuple[str, str]:
+    builtin = example_cfg(name).data.path.removeprefix("builtin:")
+    rows = builtin_rows(builtin, 16)
+    full = write_jsonl(root / "full.jsonl", rows)
+    task = tasks.make(example_cfg(name, f"data.path={full}"))
+    remaining = list(rows[0])
+    task.columns(remaining, full)  # the full rows pass
+    for column in list(remaining):
+        remaining.remove(column)
+        try:
+            task.columns(remaining, full)
+        except ConfigError:
+            break
+    else:
+        pytest.fail(f"{name} refuses no set of its example's columns {list(rows[0])}")
+    # a row needs a column to be read as a row: "id" is read by no task here (its check above passed without it)
+    kept = [{"id": i, **{c: r[c] for c in remaining}} for i, r in enumerate(rows)]
+    return full, write_jsonl(root / f"without_{column}.jsonl", kept)
+
+
+def assert_refused(proc, out) -> None:
+    """Exit 2, one line, no traceback, before training: nothing in output_dir."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    assert len(said(text)) == 1 and "Traceback" not in text, said(text)
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.parametrize("case", ["missing_column", "empty_file", "every_row_too_long", "eval_missing_column"])
+def test_bad_input_is_one_line_before_training(name, data, tmp_path, case):
+    full, missing = data
+    extra = {"missing_column": [f"data.path={missing}"],
+             "empty_file": [f"data.path={write_jsonl(tmp_path / 'empty.jsonl', [])}"],
+             "every_row_too_long": [f"data.path={full}", "data.max_length=1"],
+             "eval_missing_column": [f"data.path={full}", f"data.eval_path={missing}"]}[case]
+    out = tmp_path / "run"
+    assert_refused(python_m(*args(name, out, *ONE, *extra)), out)
