@@ -234,4 +234,9 @@ def test_bad_input_is_one_line_before_training(name, data, tmp_path, case):
              "every_row_too_long": [f"data.path={full}", "data.max_length=1"],
              "eval_missing_column": [f"data.path={full}", f"data.eval_path={missing}"]}[case]
     out = tmp_path / "run"
-    assert_refused(python_m(*args(name, out, *ONE, *extra)), out)
+    proc = python_m(*args(name, out, *ONE, *extra))
+    if case == "every_row_too_long" and tasks.make(load_config(None, [f"task={name}"])).cuts_long_rows:
+        # the task reads the start of a long row (a classifier's text): cut, trained on, and the run completes
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return
+    assert_refused(proc, out)

@@ -14,7 +14,7 @@ from datasets import Dataset
 import chat_templates as ct
 from accel_train import data as data_lib
 from accel_train import formats
-from conftest import tokenized
+from conftest import check_columns, tokenized
 from accel_train.config import ConfigError, load_config
 from accel_train.formats import IGNORE_INDEX
 
@@ -225,8 +225,8 @@ def test_trl_conversational_prompt_completion_rows_train_on_the_completion(name,
     completion = [{"role": "assistant", "content": "We close at 13:00."}]
     cfg = load_config(None, [f"data.train_on={train_on}"])
     ds = Dataset.from_list([{"prompt": prompt, "completion": completion}] * 2)
-    assert data_lib.check_columns(cfg, ds).startswith("format prompt_response from column(s) prompt, completion")
-    out = data_lib.tokenize(ds, tok, cfg)[0]
+    assert check_columns(cfg, ds).startswith("format prompt_response from column(s) prompt, completion")
+    out = tokenized(ds, tok, cfg)[0]
     assert out["input_ids"] == tok.apply_chat_template(prompt + completion)["input_ids"]
     assert trained_runs(tok, out) == ["We close at 13:00." + ct.TEMPLATES[name]["end_of_turn"]]
 

@@ -70,7 +70,7 @@ REGISTRY: dict[str, TaskInfo] = {
     "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True,
                         example=("data.path=builtin:sentiment",)),
     "dpo": TaskInfo("dpo", "causal_lm", "preference tuning on chosen/rejected pairs against a reference",
-                    results=("loss", *DPO_RESULTS), example=("data.path=builtin:reverse_pref",)),
+                    results=("loss", *DPO_RESULTS), example=("data.path=builtin:reverse_pref", "dpo.reference=base")),
     "grpo": TaskInfo("grpo", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
                      results="accel_train.tasks.rewards:eval_results", generates=True,
                      example=("data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=6",
@@ -106,6 +106,9 @@ class Task:
     """Whether data.packing applies (its collator packs sequences into rows)."""
     balance_ranks: bool = False
     """Whether several processes get batches balanced in tokens (data.RankBalancedSampler)."""
+    cuts_long_rows: bool = False
+    """Whether a row longer than data.max_length is cut and trained on (a classifier reads the text's start)
+    rather than refused or dropped when nothing trainable is left."""
     log_files: tuple[str, ...] = ()
     """Files of output_dir with one row per step that a resume cuts back to its step."""
 

@@ -64,6 +64,7 @@ def check_labels(cfg: Config, n_labels: int, *splits: Dataset | None, names: lis
 
 
 class Classification(Task):
+    cuts_long_rows = True
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.labels: list[str] | None = None  # class names in id order; None: integer labels
