@@ -15,11 +15,14 @@ from collections import defaultdict
 import pytest
 import torch
 from conftest import accelerate_launch, python_m
+from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import chat_templates as ct
 from accel_train import data as data_lib
-from accel_train.config import load_config
+from accel_train.config import ConfigError, load_config
+from accel_train.tasks import grpo
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("grpo")
@@ -363,3 +366,58 @@ def test_builtin_rewards_score_as_documented():
     assert exact == [1.0, 0.0, 0.0, 0.0]
     assert regex == [1.0, 0.0, 1.0, 0.0]
     assert length == [0.0, 0.0, -0.5, -1.0]
+
+
+@pytest.fixture(scope="module")
+def accelerate_state():
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+
+
+def prompt_rows(*prompts) -> Dataset:
+    return Dataset.from_list([{"prompt": p, "answer": "x"} for p in prompts])
+
+
+def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_start(accelerate_state, caplog):
+    """Gemma 2's template raises on a system turn: that prompt is refused, counted and logged (not a jinja traceback
+    out of datasets.map), a prompt refused by every row one line; a prompt over data.max_length - max_new_tokens
+    keeps bos and the template's start (with Qwen 2.5, the system prompt), then its last tokens, ending with the
+    generation prompt; one whose start and generation prompt alone do not fit is dropped."""
+    cfg = load_config(None, ["task=grpo", "grpo.answer_field=answer", "data.max_length=72", "grpo.max_new_tokens=8"])
+    keep = 64
+    system = [{"role": "system", "content": "Answer in one word."}]
+    short, long = [{"role": "user", "content": "reverse abc"}], [{"role": "user", "content": "reverse " + "abc " * 40}]
+    gemma = ct.tokenizer_for("gemma2")
+    with caplog.at_level("WARNING"):
+        ds = data_lib.tokenize(prompt_rows(system + short, short, long, system + long), gemma, cfg)
+    assert ds["index"] == [1, 2]
+    whole = [gemma(gemma.apply_chat_template(t, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for t in (short, long)]
+    start = gemma("<bos><start_of_turn>user\n", add_special_tokens=False)["input_ids"]
+    assert ds["prompt_ids"][0] == whole[0]
+    assert len(whole[1]) > keep and ds["prompt_ids"][1] == start + whole[1][len(whole[1]) - (keep - len(start)):]
+    assert gemma.decode(ds["prompt_ids"][1]).endswith(" abc abc<end_of_turn>\n<start_of_turn>model\n")
+    assert ("2 of 4 prompts refused by the chat template (first: row 0: the chat template refuses this conversation: "
+            "System role not supported") in caplog.text
+    assert "1 of 2 prompts cut" not in caplog.text and "1 of 4 prompts cut" in caplog.text
+    with pytest.raises(ConfigError, match=r"^data: every prompt of .* \(train\) is refused \(row 0: the chat template "
+                                          r"refuses this conversation: System role not supported\)"):
+        data_lib.tokenize(prompt_rows(system + short, system + long), gemma, cfg)
+
+    qwen = ct.tokenizer_for("qwen2.5")
+    report = {}
+    crowded = [{"role": "system", "content": "Answer in one word. " * 4}]
+    ds = grpo.tokenize_prompts(prompt_rows(system + long, crowded + short), qwen, cfg, ["prompt", "answer"], report)
+    tokens = lambda text: len(qwen(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    start = tokens(f"<|im_start|>system\n{crowded[0]['content']}<|im_end|>\n<|im_start|>user\n")
+    end = tokens("<|im_start|>assistant\n")
+    assert start + end + 1 > keep
+    assert report == {"rows": 2, "cut": 1, "dropped": 1, "refused": 0,
+                      "first_dropped": f"row 1: the template's start and generation prompt ({start} + {end} tokens) "
+                                       f"leave no room in {keep}"}
+    head = qwen("<|im_start|>system\nAnswer in one word.<|im_end|>\n<|im_start|>user\n",
+                add_special_tokens=False)["input_ids"]
+    whole = qwen(qwen.apply_chat_template(system + long, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    assert ds["prompt_ids"] == [head + whole[len(whole) - (keep - len(head)):]]

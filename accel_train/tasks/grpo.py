@@ -91,19 +91,66 @@ def prompt_turns(value, row: int) -> list[dict]:
 
 def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION) -> dict:
     """The prompt's token ids, as the model will continue them (the template's generation prompt at the end), cut
-    to its last cfg.max_prompt_length() tokens; `index`: the row (seeds its completions' sampling)."""
+    to cfg.max_prompt_length() tokens by `cut_prompt`; `index`: the row (seeds its completions' sampling). `status`,
+    as formats.tokenize_causal's: "" whole, "cut", "dropped: ..." (too long to cut) or "refused: ..." (the chat
+    template raises on it, as Gemma 2's on a system turn): tokenize_prompts counts them and removes the last two."""
     turns = prompt_turns(example[prompt_column(cfg, list(example))], row)
+    bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        try:
+            text = formats._render(tokenizer, turns, add_generation_prompt=True)
+        except formats.UnmaskableRow as e:
+            return {"prompt_ids": [], "index": row, "status": f"refused: {e}"}
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        start, end = template_edges(tokenizer, turns, text, ids)
     else:  # as formats.tokens_without_template renders the turns before an answer
         ids = tokenizer("\n".join(t["content"] for t in turns) + "\n")["input_ids"]
-    keep = cfg.max_prompt_length()
-    return {"prompt_ids": ids[-keep:], "index": row, "truncated": len(ids) > keep}
+        start, end = int(bos is not None and ids[:1] == [bos]), 1
+    ids, status = cut_prompt(ids, start, end, cfg.max_prompt_length())
+    return {"prompt_ids": ids, "index": row, "status": status}
 
 
-def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str]) -> Dataset | IterableDataset:
-    """prompt_ids and index added to each row (the other columns stay, for the rewards); the cut ones counted."""
+def template_edges(tokenizer, turns: list[dict], text: str, ids: list[int]) -> tuple[int, int]:
+    """(start, end): how many of the prompt's first tokens are the template's start, up to the content of its first
+    turn that is not a system turn (bos, the system prompt, the turn's header), and how many of its last tokens are
+    its generation prompt. Each is found by rendering again (the first turns with a probe for that content; the
+    prompt without the generation prompt) and kept only where its tokens are those of the whole prompt; else the
+    start is bos alone, and the end one token."""
+    bos = tokenizer.bos_token_id
+    start, end = int(bos is not None and ids[:1] == [bos]), 1
+    first = next((i for i, t in enumerate(turns) if t["role"] != "system"), 0)
+    try:
+        probe = formats._render(tokenizer, turns[:first] + [{**turns[first], "content": formats._PROBE}])
+        plain = formats._render(tokenizer, turns)
+    except formats.UnmaskableRow:
+        return start, end
+    head = probe[:probe.find(formats._PROBE)]
+    if formats._PROBE in probe and text.startswith(head):
+        head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        start = len(head_ids) if ids[:len(head_ids)] == head_ids else start
+    if text.startswith(plain) and len(text) > len(plain):
+        tail_ids = tokenizer(text[len(plain):], add_special_tokens=False)["input_ids"]
+        end = len(tail_ids) if ids[len(ids) - len(tail_ids):] == tail_ids else end
+    return start, end
+
+
+def cut_prompt(ids: list[int], start: int, end: int, size: int) -> tuple[list[int], str]:
+    """A prompt cut to `size` tokens as formats.truncate cuts a conversation (prompt_first): the oldest tokens go,
+    but for its first `start` (the template's start: bos, system prompt, first header); where those and its last
+    `end` (the generation prompt) do not fit, with one token of the prompt's own, it is dropped."""
+    if len(ids) <= size:
+        return ids, ""
+    if start + end + 1 > size:
+        return [], (f"dropped: the template's start and generation prompt ({start} + {end} tokens) leave no room "
+                    f"in {size}")
+    return ids[:start] + ids[len(ids) - (size - start):], "cut"
+
+
+def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str], report: dict | None = None,
+                     split: str = "train") -> Dataset | IterableDataset:
+    """prompt_ids and index added to each row (the other columns stay, for the rewards); the prompts cut, dropped
+    and refused counted into `report` and logged, naming `split` (in memory; a stream is not read ahead), and the
+    last two removed."""
     d = cfg.data
     key = Config(task="grpo", data=DataConfig(prompt_field=d.prompt_field, messages_field=d.messages_field,
                                               max_length=d.max_length),
@@ -112,10 +159,46 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols
               "with_indices": True}
     ds = ds.map(tokenize_prompt, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
         tokenize_prompt, **kwargs, desc="tokenizing prompts")
-    if isinstance(ds, Dataset) and (truncated := sum(ds["truncated"])):
-        logger.info(f"grpo: {truncated} of {len(ds)} prompts cut to their last {cfg.max_prompt_length()} tokens "
-                    f"(data.max_length={d.max_length} - grpo.max_new_tokens={cfg.grpo.max_new_tokens})")
-    return ds.remove_columns("truncated")
+    if isinstance(ds, Dataset) and "status" not in ds.column_names:  # 0 rows: no column
+        return ds
+    if isinstance(ds, Dataset):
+        counts = prompt_counts(ds["status"])
+        log_prompt_counts(counts, cfg, split)
+        if report is not None:
+            report.update(counts)
+    ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
+    return ds.remove_columns("status")
+
+
+def prompt_counts(statuses: list[str]) -> dict:
+    """How many prompts were cut, dropped and refused, and the first reason of the last two (as data.row_counts)."""
+    counts = {"rows": len(statuses)}
+    for kind in ("cut", "dropped", "refused"):
+        rows = [i for i, s in enumerate(statuses) if s.startswith(kind)]
+        counts[kind] = len(rows)
+        if rows and kind != "cut":
+            counts[f"first_{kind}"] = f"row {rows[0]}: {statuses[rows[0]].partition(': ')[2]}"
+    return counts
+
+
+def log_prompt_counts(counts: dict, cfg: Config, split: str) -> None:
+    """A warning for the prompts cut, dropped or refused; one line (ConfigError) when no prompt is left."""
+    n, keep, d = counts["rows"], cfg.max_prompt_length(), cfg.data
+    where = (f"data.max_length={d.max_length} - grpo.max_new_tokens={cfg.grpo.max_new_tokens} = {keep} tokens")
+    source = d.eval_path if split == "eval" and d.eval_path else d.path
+    if n and counts["refused"] == n:
+        raise ConfigError(f"data: every prompt of {source} ({split}) is refused ({counts['first_refused']}); fix or "
+                          "drop those rows, or use a tokenizer whose chat template takes them")
+    if n and counts["refused"] + counts["dropped"] == n:
+        raise ConfigError(f"data: no prompt of {source} ({split}) fits {where} ({counts.get('first_dropped')}); "
+                          "raise data.max_length or lower grpo.max_new_tokens")
+    if counts["refused"]:
+        logger.warning(f"data ({split}): {counts['refused']} of {n} prompts refused by the chat template (first: "
+                       f"{counts['first_refused']})")
+    if counts["cut"] or counts["dropped"]:
+        logger.warning(f"data ({split}): {counts['cut']} of {n} prompts cut (the template's start kept, then their "
+                       f"last tokens) and {counts['dropped']} dropped at {where}"
+                       + (f"; first dropped: {counts['first_dropped']}" if counts["dropped"] else ""))
 
 
 class PromptCollator:
