@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import accelerate_launch, python_m
+from conftest import accel_train_launch, accelerate_launch, python_m, said
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -282,6 +282,57 @@ def test_step_two_kl_to_the_reference_is_the_formula(sft, step_one):
     for key in ("loss", "kl", "entropy"):
         assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_unscored_completions_get_advantage_0_and_stay_out_of_their_group():
+    """A completion every function gives None (NaN here) is unscored: out of its group's mean and std (unbiased),
+    advantage 0, as TRL's nanmean and nanstd leave it; a group with one scored completion gets 0 too."""
+    nan = math.nan
+    values = torch.tensor([[[1.0, nan, 3.0, nan], [nan, nan, nan, 5.0]],  # function 0: (prompts, G)
+                           [[1.0, nan, nan, 2.0], [nan, nan, nan, nan]]], dtype=torch.float64)  # function 1
+    total = grpo.weighted_total(values, [1.0, 0.5])
+    assert total.tolist()[0][:1] + total.tolist()[0][2:] == [1.5, 3.0, 1.0] and math.isnan(total[0, 1])
+    assert [math.isnan(v) for v in total[1].tolist()] == [True, True, True, False] and total[1, 3] == 5.0
+    got = grpo.group_advantages(total, scale=True).tolist()
+    mean, std = 5.5 / 3, math.sqrt(((1.5 - 5.5 / 3) ** 2 + (3 - 5.5 / 3) ** 2 + (1 - 5.5 / 3) ** 2) / 2)
+    want = [[(1.5 - mean) / (std + 1e-4), 0.0, (3 - mean) / (std + 1e-4), (1 - mean) / (std + 1e-4)], [0.0] * 4]
+    assert got == [pytest.approx(w, rel=1e-12) for w in want]
+    assert grpo.group_advantages(total, scale=False).tolist() == [
+        pytest.approx([1.5 - mean, 0.0, 3 - mean, 1 - mean]), [0.0] * 4]
+
+
+FLAKY_PY = '''
+import os
+
+calls = 0
+
+
+def flaky(prompts, completions, **columns):
+    """Raises on rank 1 at its third call (the first-row check, then the rollouts of steps 1 and 2)."""
+    global calls
+    calls += 1
+    if os.environ.get("RANK") == "1" and calls == 3:
+        raise ValueError("no reward today")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_reward_raising_on_one_rank_stops_both_after_a_checkpoint(tmp_path):
+    """A reward function that raises at step 2 on rank 1 only: both ranks stop together (no hang), after saving a
+    checkpoint of step 1 to continue from; one line naming the function, exit status 2 (as before training)."""
+    (tmp_path / "flaky.py").write_text(FLAKY_PY)
+    out = tmp_path / "run"
+    proc = accel_train_launch("cpu_2proc.yaml", "task=grpo", "data.builtin_size=40", "grpo.answer_field=response",
+                              f"grpo.rewards=[exact_match,{tmp_path / 'flaky.py'}:flaky]", "grpo.num_generations=2",
+                              "grpo.max_new_tokens=4", "train.per_device_batch_size=1", "train.max_steps=4",
+                              "train.mixed_precision=no", "track.log_with=[]", "train.dist_timeout_s=60",
+                              f"output_dir={out}", timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert said(proc.stderr) == [
+        f"accel_train: error: grpo.rewards: {tmp_path / 'flaky.py'}:flaky raised ValueError: no reward today (scoring "
+        f"the completions of step 2); stopped. Checkpoint saved: {out}/checkpoints/step-1 (fix the function, then "
+        "continue with resume_from=latest)"]
+    assert (out / "checkpoints" / "step-1" / "COMPLETE").is_file()
 
 
 def test_user_reward_function_from_a_file(sft, step_one):

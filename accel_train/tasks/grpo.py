@@ -13,8 +13,10 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
               rollout, the prompt's row, the completion's number): 1 and 2 processes sample the same completions
               for the same prompts, and a resumed run samples what the uninterrupted one did (nothing to save).
               Generating runs no collective: every rank generates its own prompts' completions.
-    rewards   r = sum_f w_f reward_f; advantages within each prompt's group: A = (r - mean) / (std + 1e-4)
-              (torch.std, unbiased), or r - mean with grpo.scale_rewards=false (Dr. GRPO).
+    rewards   r = sum_f w_f reward_f, a function's None left out (TRL's nansum); advantages within each
+              prompt's group: A = (r - mean) / (std + 1e-4) (std unbiased), or r - mean with
+              grpo.scale_rewards=false (Dr. GRPO). A completion every function gives None is left out of its
+              group's mean and std, and gets A = 0. A reward function that fails stops every rank, with a checkpoint.
     loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
               ratio = exp(logp - logp_old) (logp at grpo.temperature; logp_old: logp itself, detached, or with
               grpo.num_iterations > 1 the log-prob at generation) and KL = exp(ref - logp) - (ref - logp) - 1
@@ -42,10 +44,11 @@ from datasets import Dataset, IterableDataset
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from accel_train import formats
+from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.tasks.dpo import reference_mode
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.tasks.rewards import Rewards, smoke_test
+from accel_train.tasks.rewards import RewardError, Rewards, smoke_test
 
 logger = get_logger(__name__)
 
@@ -266,9 +269,44 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
-    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std."""
-    centred = rewards - rewards.mean(1, keepdim=True)
-    return centred / (rewards.std(1, keepdim=True) + ADVANTAGE_EPS) if scale else centred
+    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std (unbiased).
+    An unscored completion (NaN: every function returned None) is left out of its group's mean and std, and gets
+    advantage 0 (TRL's nanmean, nanstd)."""
+    centred = rewards - rewards.nanmean(1, keepdim=True)
+    if scale:
+        scored = (~rewards.isnan()).sum(1, keepdim=True)
+        centred = centred / ((centred ** 2).nansum(1, keepdim=True) / (scored - 1)).sqrt().add(ADVANTAGE_EPS)
+    return centred.nan_to_num(0.0)
+
+
+def weighted_total(values: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """(functions, ...) rewards -> the weighted sum over functions, a None (NaN) left out of it (TRL's nansum);
+    NaN where every function returned None."""
+    total = (values * torch.tensor(weights, dtype=values.dtype).reshape(-1, *[1] * (values.dim() - 1))).nansum(0)
+    return total.masked_fill(values.isnan().all(0), math.nan)
+
+
+class RewardStop(ConfigError):
+    """A reward function failed during training, on this rank or another: raised on every rank at the same point
+    (`stop_together`), so that they can save a checkpoint together first (`with_checkpoint`). Uncaught, it is a
+    ConfigError: one line, exit status 2."""
+
+    def with_checkpoint(self, checkpoint) -> StoppedWithCheckpoint:
+        stopped = StoppedWithCheckpoint(f"error: {self}; stopped. Checkpoint saved: {checkpoint} (fix the function, "
+                                        "then continue with resume_from=latest)")
+        stopped.exit_status = 2  # as a failing reward function before training (a ConfigError)
+        return stopped
+
+
+def stop_together(accelerator, failed: str | None, where: str) -> None:
+    """Raise RewardStop on every rank if a reward function failed on any (`failed`: its message on this rank), naming
+    the first rank's failure. A collective: every rank calls it at the same point (one all-reduce; and a gather on a
+    failure)."""
+    if accelerator.num_processes > 1:
+        if accelerator.reduce(torch.tensor([float(failed is not None)], device=accelerator.device), "sum").item():
+            failed = next(m for m in gather_object([failed]) if m)
+    if failed:
+        raise RewardStop(f"{failed} ({where})")
 
 
 class Rollouts:
@@ -285,9 +323,10 @@ class Rollouts:
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
-        # since the last log, this rank's: reward, reward^2, each function's reward and reward^2, groups with no
-        # spread, completion tokens, completions cut at max_new_tokens, completions, groups; and the longest
-        self.sums = torch.zeros(2 * n + 7, dtype=torch.float64)
+        # since the last log, this rank's: reward, reward^2 and scored completions, each function's reward, reward^2
+        # and completions it applied to (not None), groups with no spread, completion tokens, completions cut at
+        # max_new_tokens, completions, groups; and the longest
+        self.sums = torch.zeros(3 * n + 8, dtype=torch.float64)
         self.longest = torch.zeros(1)
         self.path = Path(cfg.output_dir) / ROLLOUTS_FILE
 
@@ -310,14 +349,20 @@ class Rollouts:
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         was_training = unwrapped.training
         unwrapped.eval()
-        out, records = [], []
+        out, records, failed = [], [], None
         for batch in prompt_batches:
             with self.accelerator.autocast():
                 completions = self.generate(unwrapped, batch, step)
-            micro, rows = self.score(batch, completions, step, log)
+            try:
+                micro, rows = self.score(batch, completions, step, log)
+            except RewardError as e:
+                failed = str(e)
+                break
             out.append(micro)
             records += rows
         unwrapped.train(was_training)
+        if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
+            stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
             for micro in out:
                 with self.accelerator.autocast():
@@ -353,28 +398,33 @@ class Rollouts:
         G, n_prompts = self.g.num_generations, len(batch["prompt_ids"])
         expand = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
         texts = self.decode(completions)
+        # a replayed batch (log false) has weight 0: no reward function is called for it
         per_function = self.rewards(expand(batch["prompts"]), texts, completions,
-                                    {k: expand(v) for k, v in batch["columns"].items()})
+                                    {k: expand(v) for k, v in batch["columns"].items()}) if log else [
+            [0.0] * len(completions) for _ in self.rewards.names]
         values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
-        weights = torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None, None]
-        total = (values * weights).sum(0)
+        total = weighted_total(values, self.rewards.weights)  # NaN: unscored
         advantages = group_advantages(total, self.g.scale_rewards).reshape(-1)
         lengths = [len(c) for c in completions]
         if log:
             self.generated_tokens += sum(lengths)
-            flat = values.reshape(len(per_function), -1)
-            self.sums += torch.cat([torch.stack([total.sum(), (total ** 2).sum()]), flat.sum(1), (flat ** 2).sum(1),
-                                    torch.tensor([float((total.std(1) == 0).sum()), sum(lengths),
+            flat, scored = values.reshape(len(per_function), -1), ~total.isnan()
+            # a group with no spread: its scored rewards all equal (exactly; any group of one)
+            no_spread = total.nan_to_num(math.inf).amin(1) == total.nan_to_num(-math.inf).amax(1)
+            self.sums += torch.cat([torch.stack([total.nansum(), (total ** 2).nansum(), scored.sum()]),
+                                    flat.nansum(1), (flat ** 2).nansum(1), (~flat.isnan()).sum(1),
+                                    torch.tensor([float(no_spread.sum()), sum(lengths),
                                                   sum(n >= self.g.max_new_tokens and c[-1] not in self.stop_ids
                                                       for n, c in zip(lengths, completions)),
                                                   len(lengths), n_prompts], dtype=torch.float64)])
             self.longest = torch.maximum(self.longest, torch.tensor([float(max(lengths))]))
         micro = self.training_batch(batch["prompt_ids"], completions, advantages)
+        number = lambda v: None if math.isnan(v) else v  # noqa: E731 (None: not applicable, or unscored)
         rows = [{"step": step + 1, "index": int(batch["index"][k // G]), "generation": k % G,
                  "prompt": self.tokenizer.decode(batch["prompt_ids"][k // G]), "completion": texts[k],
                  "prompt_ids": batch["prompt_ids"][k // G], "completion_ids": completions[k],
-                 "rewards": {n: per_function[f][k] for f, n in enumerate(self.rewards.labels)},
-                 "reward": float(total.reshape(-1)[k]), "advantage": float(advantages[k])}
+                 "rewards": {n: number(per_function[f][k]) for f, n in enumerate(self.rewards.labels)},
+                 "reward": number(float(total.reshape(-1)[k])), "advantage": float(advantages[k])}
                 for k in range(len(completions))] if log and self.g.log_completions else []
         return micro, rows
 
@@ -416,15 +466,17 @@ class Rollouts:
         if not completions:
             return {}
 
-        def mean_std(s, sq):
-            mean = s / completions
-            return mean, math.sqrt(max(sq / completions - mean ** 2, 0.0))
+        def mean_std(s, sq, count):  # NaN where no value was given (None everywhere)
+            if not count:
+                return math.nan, math.nan
+            mean = s / count
+            return mean, math.sqrt(max(sq / count - mean ** 2, 0.0))
 
-        reward, reward_std = mean_std(sums[0], sums[1])
+        reward, reward_std = mean_std(*sums[:3])
         record = {"reward": reward, "reward_std": reward_std}
         for f, name in enumerate(self.rewards.labels):
-            record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(sums[2 + f], sums[2 + n + f])
-        zero_std, tokens, clipped = sums[2 + 2 * n: 5 + 2 * n]
+            record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(*sums[3 + f: 3 + 3 * n: n])
+        zero_std, tokens, clipped = sums[3 + 3 * n: 6 + 3 * n]
         return {**record, "frac_reward_zero_std": zero_std / groups, "completions/mean_length": tokens / completions,
                 "completions/max_length": longest, "completions/clipped_ratio": clipped / completions}
 
@@ -505,18 +557,24 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     gather_for_metrics drops the repeated ones), the same on every rank."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     unwrapped.eval()
-    sums, n = 0, 0
+    sums, counts, n, failed = 0, 0, 0, None
     for batch in eval_dl:
         with accelerator.autocast():
             completions = rollouts.complete(unwrapped, batch["prompt_ids"])
-        values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.decode(completions), completions,
-                                               batch["columns"]))
-        total = (values * torch.tensor(rollouts.rewards.weights)[:, None]).sum(0)
+        try:
+            values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.decode(completions), completions,
+                                                   batch["columns"]))
+        except RewardError as e:  # the others gather on: every rank stops after the loop
+            failed = failed or str(e)
+            values = torch.full((len(rollouts.rewards.names), len(completions)), math.nan)
+        total = weighted_total(values, rollouts.rewards.weights)
         rows = torch.cat([total[None], values, torch.tensor([[float(len(c)) for c in completions]])]).T
         rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
-        sums, n = sums + rows.sum(0), n + len(rows)
+        # means over the values given: a None (NaN) is left out
+        sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)
     unwrapped.train()
-    means = (sums / max(n, 1)).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
+    stop_together(accelerator, failed, "scoring the evaluation's answers")
+    means = (sums / counts).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
     return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.labels,
                                                                                           means[1:-1])},
             "eval_completions/mean_length": means[-1], "eval_samples": n}
