@@ -29,6 +29,7 @@ pytestmark = pytest.mark.xdist_group("grpo")
 
 G, NEW, EPS = 4, 8, 0.2  # completions per prompt, tokens per completion at most, clipping
 WEIGHTS = [1.0, 0.5]  # exact_match, length_match
+ODD_WEIGHT = 0.25  # odd_only, the third reward function of the full fine-tuning run
 EOS = 3  # the tiny model's end of turn (its chat template closes the assistant's turn with eos)
 
 # A user's reward function, in a file of tmp_path (grpo.rewards: "path/to/file.py:function"). length_match checks the
@@ -39,6 +40,11 @@ def length_match(prompts, completions, completion_ids, response, **columns):
     assert len(prompts) == len(completions) == len(completion_ids) == len(response)
     assert all(p == "reverse " + r[::-1] for p, r in zip(prompts, response)), (prompts, response)
     return [1 - abs(len(c.strip()) - len(r)) / 4 for c, r in zip(completions, response)]
+
+
+def odd_only(prompts, completions, completion_ids, **columns):
+    """A reward for completions of an odd number of tokens only: None (not applicable) for the others."""
+    return [len(ids) / 8 if len(ids) % 2 else None for ids in completion_ids]
 '''
 
 
@@ -108,6 +114,26 @@ def step_one(sft):
     return results
 
 
+# Full fine-tuning (lora.enabled=false) from the SFT adapter merged into its base, beta 0.05, for 2 steps of 4 prompts,
+# with a third reward function that returns None for completions of an even length
+FULL_FT = ["lora.enabled=false", "model.adapter_from=null", "grpo.beta=0.05", "grpo.loss_type=dapo",
+           "train.max_steps=2", "checkpoint.save_every=1", "train.lr=1e-3", "train.warmup_steps=0",
+           "train.per_device_batch_size=2", "train.grad_accum_steps=2", f"grpo.reward_weights={[*WEIGHTS, ODD_WEIGHT]}"]
+
+
+@pytest.fixture(scope="module")
+def full_ft(sft):
+    merged = sft.parent / "merged"  # the initial weights: the reference
+    sft_policy(sft).merge_and_unload().save_pretrained(merged)
+    AutoTokenizer.from_pretrained(sft / "adapter").save_pretrained(merged)
+    out = sft.parent / "full"
+    mine = sft.parent / "my_rewards.py"
+    rewards = f"grpo.rewards=[exact_match,{mine}:length_match,{mine}:odd_only]"
+    proc = python_m(*grpo_args(sft, out, *FULL_FT, f"model.name_or_path={merged}", rewards))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**read_run(out), "merged": merged}
+
+
 @pytest.fixture(scope="module")
 def runs(sft):
     results = {}
@@ -136,13 +162,14 @@ def token_logps(model, row: dict, temperature: float) -> tuple[torch.Tensor, tor
     return logp.gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
 
 
-def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
+def check_rollouts(sft, run: dict, step: int, odd: bool = False) -> list[tuple[dict, float]]:
     """The step's rollout rows against the data, the rewards recomputed here and the group advantages
-    (r - mean) / (std + 1e-4): (row, advantage) per completion."""
+    (r - mean) / (std + 1e-4): (row, advantage) per completion. `odd`: the run also rewards with odd_only, weighted
+    ODD_WEIGHT, whose None is left out of the sum."""
     cfg = load_config(run["out"] / "config.yaml")
     train, _ = data_lib.load_splits(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
-    length_match = user_rewards(sft).length_match
+    length_match, odd_only = user_rewards(sft).length_match, user_rewards(sft).odd_only
     found = groups(run["rollouts"], step)
     assert len(found) == 4 and all(len(g) == G for g in found), [len(g) for g in found]
     out = []
@@ -153,16 +180,20 @@ def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
         completions = [r["completion"] for r in group]
         mine = length_match([data["prompt"]] * G, completions, [r["completion_ids"] for r in group],
                             [data["response"]] * G)
+        odds = odd_only([data["prompt"]] * G, completions, [r["completion_ids"] for r in group])
         rewards = []
-        for r, o in zip(group, mine):
+        for r, o, odd_value in zip(group, mine, odds):
             assert r["prompt_ids"] == prompt_ids
             ids = r["completion_ids"]
             # up to and including the end of turn, or cut at max_new_tokens
             assert 0 < len(ids) <= NEW and EOS not in ids[:-1] and (ids[-1] == EOS or len(ids) == NEW), ids
             assert r["completion"].strip() == tokenizer.decode(ids, skip_special_tokens=True).strip()
             em = float(r["completion"].strip() == data["response"].strip())
-            assert r["rewards"] == pytest.approx({"exact_match": em, user_name(r): o}, abs=1e-7)
-            rewards.append(WEIGHTS[0] * em + WEIGHTS[1] * o)
+            want = {"exact_match": em, user_name(r): o, **({"odd_only": odd_value} if odd else {})}
+            assert r["rewards"] == pytest.approx(want, abs=1e-7)
+            # a None is left out of the weighted sum
+            rewards.append(WEIGHTS[0] * em + WEIGHTS[1] * o
+                           + (ODD_WEIGHT * odd_value if odd and odd_value is not None else 0))
         r = torch.tensor(rewards, dtype=torch.float64)
         advantages = ((r - r.mean()) / (r.std() + 1e-4)).tolist()
         for row, want, a in zip(group, rewards, advantages):
@@ -212,8 +243,9 @@ def sft_policy(sft):
 
 
 def user_name(row: dict) -> str:
-    """The name the user's reward function is logged under (its entry in grpo.rewards, or its own name)."""
-    (name,) = set(row["rewards"]) - {"exact_match"}
+    """The name the user's reward function length_match is logged under (its entry in grpo.rewards, or its own
+    name)."""
+    (name,) = set(row["rewards"]) - {"exact_match", "odd_only"}
     assert name.endswith("length_match"), name
     return name
 
@@ -282,6 +314,44 @@ def test_step_two_kl_to_the_reference_is_the_formula(sft, step_one):
     for key in ("loss", "kl", "entropy"):
         assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_full_fine_tuning_kl_is_to_a_frozen_copy_of_the_initial_model(sft, full_ft):
+    """lora.enabled=false with beta 0.05: the reference is the initial model, frozen (not the policy itself, which
+    made KL 0 at every step). Step 1 has KL 0 (the policy is the initial model); step 2's loss, KL and gradient norm
+    are the formula with step 1's weights (its checkpoint) against the initial ones."""
+    run = full_ft
+    assert run["train"][0]["kl"] == pytest.approx(0, abs=1e-6)
+    rows = check_rollouts(sft, run, step=2, odd=True)
+    policy = AutoModelForCausalLM.from_pretrained(full_ft["merged"])
+    state = load_file(run["out"] / "checkpoints" / "step-1" / "model.safetensors")
+    assert {n for n, _ in policy.named_parameters()} <= state.keys()  # every weight is trained
+    policy.load_state_dict(state)
+    reference = AutoModelForCausalLM.from_pretrained(full_ft["merged"]).eval()
+    want = step_values(policy, rows, "dapo", 1.0, beta=0.05, reference=reference)
+    step2 = run["train"][1]
+    assert step2["step"] == 2
+    assert want["kl"] > 1e-4 and step2["kl"] > 1e-4, "the policy moved away from the reference"
+    for key in ("loss", "kl", "entropy"):
+        assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_a_reward_of_none_is_left_out_as_trl_leaves_it(sft, full_ft):
+    """odd_only returns None for completions of an even length (TRL: not applicable): the run goes on, the None is
+    left out of the completion's weighted sum (rollouts.jsonl: reward and advantage recomputed here), and
+    rewards/odd_only/mean and /std are over the completions it scored."""
+    rows = check_rollouts(sft, full_ft, step=1, odd=True)
+    odd = [r["rewards"]["odd_only"] for r, _ in rows]
+    given = [v for v in odd if v is not None]
+    assert 0 < len(given) < len(odd), "the check needs completions of odd and even lengths"
+    step1 = full_ft["train"][0]
+    mean = sum(given) / len(given)
+    assert step1["rewards/odd_only/mean"] == pytest.approx(mean, rel=1e-6)
+    assert step1["rewards/odd_only/std"] == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in given) / len(given)),
+                                                          rel=1e-5, abs=1e-7)
+    for key, value in step_metrics(rows).items():
+        assert step1[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
 def test_unscored_completions_get_advantage_0_and_stay_out_of_their_group():

@@ -30,6 +30,7 @@ every mu steps); checkpoints are written between batches of rollouts only.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -513,8 +514,16 @@ class PolicyLoss:
     """The GRPO loss of a micro-batch of completions (summed: the loop divides by the step's count), and its
     per-token metrics."""
 
-    def __init__(self, cfg: Config, accelerator):
+    def __init__(self, cfg: Config, accelerator, model: torch.nn.Module | None = None):
+        """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
+        > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
         self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
+        self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
+        if self.g.beta and not self.lora:
+            if model is None:
+                raise ValueError("grpo.PolicyLoss: with grpo.beta > 0 under full fine-tuning it needs the model "
+                                 "before accelerator.prepare, for its frozen reference")
+            self.reference = copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -532,8 +541,9 @@ class PolicyLoss:
                   ((((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))).float() * mask).sum()]
         if self.g.beta:
             unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-            with reference_mode(unwrapped, self.lora), self.accelerator.autocast():
-                ref = completion_logps(unwrapped, batch, self.g.temperature)[0]
+            reference = self.reference if self.reference is not None else unwrapped
+            with reference_mode(reference, self.lora), self.accelerator.autocast():
+                ref = completion_logps(reference, batch, self.g.temperature)[0]
             kl = torch.exp(ref - logps) - (ref - logps) - 1
             per_token = per_token + self.g.beta * kl
             logged.append((kl.detach() * mask).sum())
