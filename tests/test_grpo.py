@@ -1,9 +1,11 @@
 """task grpo, launched as users launch it, after a short SFT run whose adapter it continues (model.adapter_from),
 on builtin:reverse with exact_match and a user's reward function from a file: the step-1 advantages, loss and
 gradient norm of each loss normalisation recomputed here from the rollouts and the model's log-probs (and the KL
-to the reference at step 2, at another temperature); the same completions, losses and rewards on 1 process with
-accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run. (Bad rewards and data:
-test_bad_input.py.)"""
+to the reference at step 2, at another temperature); full fine-tuning's KL to a frozen copy of the initial model, with
+a reward function that returns None for some completions (TRL's "not applicable"); the same completions, losses and
+rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
+reward function raising on one rank of two mid-run; the log-probs in chunks against the whole-logits formula; prompts
+cut and refused on real chat templates. (Bad rewards and data: test_bad_input.py.)"""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from conftest import accel_train_launch, accelerate_launch, python_m, said
 from datasets import Dataset
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import chat_templates as ct
@@ -487,6 +491,80 @@ def test_builtin_rewards_score_as_documented():
     assert exact == [1.0, 0.0, 0.0, 0.0]
     assert regex == [1.0, 0.0, 1.0, 0.0]
     assert length == [0.0, 0.0, -0.5, -1.0]
+
+
+class LargestTensors(TorchDispatchMode):
+    """The most elements of a tensor with `vocab` as its last dimension that each op (by name) made, forward and
+    backward, but for the output head's weight transposed, (`hidden`, `vocab`)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.vocab, self.hidden, self.sizes = vocab, hidden, defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab
+                    and t.shape != (self.hidden, self.vocab)):
+                name = func.overloadpacket.__name__
+                self.sizes[name] = max(self.sizes[name], t.numel())
+        return out
+
+
+@pytest.mark.parametrize("route", ["hidden states", "logits"])
+def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
+    """completion_logps on 3 completions of 6, 2 and 4 tokens (padded to 6) with 4 tokens' fp32 logits per chunk:
+    the log-probs, entropies and gradient of log_softmax(logits / T) over the whole vocabulary, to 1e-6, with no
+    softmax over more than one chunk (from the hidden states, no tensor of the vocabulary's width bigger than one
+    chunk: the logits are never whole; from the logits, a chunk is one row)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, prompt, width, temperature = 301, 4, 6, 0.7
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    monkeypatch.setattr(grpo, "CHUNK_BYTES", 4 * vocab * 4, raising=False)
+    ids = torch.randint(1, vocab, (3, prompt + width))
+    attention_mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    for row, n in enumerate([6, 2, 4]):
+        attention_mask[row, prompt + n:] = 0
+        labels[row, prompt + n:] = -100
+    mask = labels[:, prompt:] != -100
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": grpo.position_ids(attention_mask),
+             "labels": labels, "completion_width": width}
+    weights = torch.randn(3, width)
+
+    def run(fn):
+        model.zero_grad()
+        logps, entropy = fn()
+        (logps * weights * mask).sum().backward()
+        return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def formula():
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=batch["position_ids"]).logits
+        logprobs = torch.log_softmax(logits[:, prompt - 1:-1] / temperature, -1)
+        return logprobs.gather(-1, ids[:, prompt:, None])[..., 0], -(logprobs.exp() * logprobs).sum(-1)
+
+    want = run(formula)
+    largest = LargestTensors(vocab, hidden=32)
+    if route == "logits":
+        with largest:
+            got = run(lambda: grpo.completion_logps(model, batch, temperature))
+    else:
+        head = grpo.output_head(model)  # its check runs the model once, on 2 x 8 tokens
+        assert head is model.lm_head
+        with largest:
+            got = run(lambda: grpo.completion_logps(model, batch, temperature, head))
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g[mask], w[mask], rtol=0, atol=1e-6)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    softmax = max(v for k, v in largest.sizes.items() if "softmax" in k)
+    assert softmax <= (4 if route == "hidden states" else width + 1) * vocab, dict(largest.sizes)
+    if route == "hidden states":
+        assert max(largest.sizes.values()) <= 4 * vocab, dict(largest.sizes)
 
 
 @pytest.fixture(scope="module")

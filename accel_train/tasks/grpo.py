@@ -20,9 +20,11 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
     loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
               ratio = exp(logp - logp_old) (logp at grpo.temperature; logp_old: logp itself, detached, or with
               grpo.num_iterations > 1 the log-prob at generation) and KL = exp(ref - logp) - (ref - logp) - 1
-              to the reference (the adapter disabled, as dpo's). The loop sums it and divides by the step's count
-              over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo), completions, each
-              first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
+              to the reference (the adapter disabled, as dpo's; under full fine-tuning a frozen copy of the initial
+              model). Log-probs come from the hidden states a chunk of tokens at a time (completion_logps): the
+              logits (rows x tokens x vocabulary) are never whole. The loop sums the loss and divides by the
+              step's count over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo),
+              completions, each first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
 
 With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
 every mu steps); checkpoints are written between batches of rollouts only.
@@ -35,10 +37,13 @@ import hashlib
 import json
 import math
 import time
+import weakref
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
@@ -47,8 +52,10 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from accel_train import formats
 from accel_train.checkpoint import StoppedWithCheckpoint
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
+from accel_train.dist import zero3
 from accel_train.tasks.dpo import reference_mode
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
+from accel_train.loss import CHUNK_BYTES, loss_head
 from accel_train.tasks.rewards import RewardError, Rewards, smoke_test
 
 logger = get_logger(__name__)
@@ -367,7 +374,8 @@ class Rollouts:
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
             for micro in out:
                 with self.accelerator.autocast():
-                    micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature)[0]
+                    micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
+                        unwrapped, zero3(self.accelerator)))[0]
         self.generation_s += time.perf_counter() - t0
         if log:
             self.write(records)
@@ -493,17 +501,115 @@ class Rollouts:
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def completion_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model, batch: dict, temperature: float, head: torch.nn.Module | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) of each row's completion positions (rows, completion width), at `temperature`, in
-    fp32; only the completion's logits are computed (logits_to_keep)."""
+    fp32, never more than one chunk of fp32 logits at once (CHUNK_BYTES; each but the last recomputed in backward).
+    With `head` (`output_head`), no logits at all: for one model call the head returns these two numbers per
+    completion token, computed chunk by chunk from the hidden states (0 at padding). Without, from the model's logits
+    of the completion (logits_to_keep), a chunk of rows at a time."""
     width = batch["completion_width"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=width + 1).logits
-    logits = logits[:, :-1].float() / temperature  # position t predicts completion token t
-    logprobs = logits.log_softmax(-1)
     tokens = batch["input_ids"][:, -width:]
-    entropy = -(logprobs.exp() * logprobs).sum(-1).detach()
-    return logprobs.gather(-1, tokens[..., None]).squeeze(-1), entropy
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"], "use_cache": False, "logits_to_keep": width + 1}
+    if head is not None:
+        with head_computing(head, tokens, batch["labels"][:, -width:] != IGNORE_INDEX, temperature):
+            values = model(**inputs).logits
+    else:  # position t predicts completion token t (the last position, nothing: token 0, dropped)
+        logits = model(**inputs).logits
+        values = LogitValues.apply(logits, torch.nn.functional.pad(tokens, (0, 1)), temperature,
+                                   CHUNK_BYTES // (4 * logits[0].numel()))[:, :-1]
+    return values[..., 0], values[..., 1].detach()
+
+
+def _same(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+class LogitValues(torch.autograd.Function):
+    """token_values of logits (rows, positions, vocabulary), a chunk of `size` rows at a time in forward and in
+    backward, whose gradient is written into one tensor the logits' size (d log-prob / d logits = (one-hot -
+    softmax) / temperature; the entropy has none): no fp32 copy of the logits is ever whole."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, size: int) -> torch.Tensor:
+        ctx.save_for_backward(logits, tokens)
+        ctx.temperature, ctx.size = temperature, max(size, 1)
+        return chunked(_same, logits, tokens, temperature, size)  # autograd.Function runs its forward without a graph
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, tokens = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for i in range(0, len(logits), ctx.size):
+            rows = slice(i, i + ctx.size)
+            g = grad[rows, :, :1]  # of the log-probs
+            probs = (logits[rows].float() / ctx.temperature).softmax(-1)
+            out[rows] = (-probs * g).scatter_add_(-1, tokens[rows, :, None], g) / ctx.temperature
+        return out, None, None, None
+
+
+def token_values(head_forward, x: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(..., 2): each token's log-prob and the entropy where it stands, from `head_forward(x)`, the logits there."""
+    logprobs = (head_forward(x).float() / temperature).log_softmax(-1)
+    with torch.no_grad():
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return torch.stack([logprobs.gather(-1, tokens[..., None]).squeeze(-1), entropy], -1)
+
+
+def chunked(head_forward, x: torch.Tensor, tokens: torch.Tensor, temperature: float, size: int) -> torch.Tensor:
+    """token_values over chunks of `size` (at least 1) along x's first dimension; with a gradient, each chunk but the
+    last is checkpointed (its fp32 logits freed, recomputed in backward), as loss.summed_target_loss does."""
+    size, parts = max(size, 1), []
+    for i in range(0, len(x), size):
+        args = (head_forward, x[i:i + size], tokens[i:i + size], temperature)
+        last = i + size >= len(x) or not torch.is_grad_enabled()
+        parts.append(token_values(*args) if last else checkpoint(token_values, *args, use_reentrant=False))
+    return torch.cat(parts)
+
+
+@contextmanager
+def head_computing(head: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, temperature: float):
+    """Inside, a model call with logits_to_keep = completion width + 1 returns as its `logits` the (rows, width, 2)
+    `token_values` of the completion tokens (`mask`), computed from the hidden states chunk by chunk (as
+    loss.LossHead computes the loss: the head's forward replaced on this instance, its module called again to
+    recompute a chunk in backward)."""
+    original, own, inside = head.forward, head.__dict__.get("forward"), [True]
+
+    def call_head(hidden):
+        return original(hidden) if inside[0] else head(hidden)
+
+    def forward(hidden):  # (rows, width + 1, hidden size): position t predicts completion token t
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        values = chunked(call_head, hidden[:, :-1][mask], tokens[mask], temperature, CHUNK_BYTES // (4 * vocab))
+        out = values.new_zeros(*mask.shape, 2)
+        out[mask] = values
+        return out
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        inside[0] = False
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
+_HEADS = weakref.WeakKeyDictionary()  # unwrapped model -> its output head for head_computing, or None
+
+
+def output_head(model: torch.nn.Module, sharded: bool = False) -> torch.nn.Module | None:
+    """The unwrapped model's output head, for completion_logps to run on the hidden states, or None (from the
+    logits): under ZeRO-3 (`sharded`: the head's weight is whole only while its module runs) or where the model's
+    logits are more than its head's output (loss.loss_head's check: one forward of 8 tokens, once per model)."""
+    if sharded:
+        return None
+    if model not in _HEADS:
+        found = loss_head(model)
+        _HEADS[model] = found.head if found is not None else None
+    return _HEADS[model]
 
 
 # Logged from the loss, per completion token, after `loss` (see loop.LossSums)
@@ -530,7 +636,9 @@ class PolicyLoss:
         return ("loss", *METRICS, *(("kl",) if self.g.beta else ()), "n/tokens")
 
     def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, entropy = completion_logps(model, batch, self.g.temperature)
+        sharded = zero3(self.accelerator)
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        logps, entropy = completion_logps(model, batch, self.g.temperature, output_head(unwrapped, sharded))
         mask = (batch["labels"][:, -batch["completion_width"]:] != IGNORE_INDEX).float()
         old = batch.get("old_logps", logps.detach())
         ratio = torch.exp(logps - old)
@@ -540,10 +648,9 @@ class PolicyLoss:
         logged = [(entropy * mask).sum(),
                   ((((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))).float() * mask).sum()]
         if self.g.beta:
-            unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
             reference = self.reference if self.reference is not None else unwrapped
             with reference_mode(reference, self.lora), self.accelerator.autocast():
-                ref = completion_logps(reference, batch, self.g.temperature)[0]
+                ref = completion_logps(reference, batch, self.g.temperature, output_head(reference, sharded))[0]
             kl = torch.exp(ref - logps) - (ref - logps) - 1
             per_token = per_token + self.g.beta * kl
             logged.append((kl.detach() * mask).sum())
