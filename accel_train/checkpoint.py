@@ -59,6 +59,14 @@ class StoppedWithCheckpoint(RuntimeError):
     exit_status = 1
 
 
+class StopTogether(Exception):
+    """An error a task raises on every rank at the same point of training (decided together, e.g. a reward function
+    that failed on one rank): the recipe saves a checkpoint on every rank, then raises `with_checkpoint`'s."""
+
+    def with_checkpoint(self, checkpoint) -> StoppedWithCheckpoint:
+        raise NotImplementedError
+
+
 class NonFiniteError(StoppedWithCheckpoint):
     """Training stopped on non-finite gradients, after saving the last good state."""
 

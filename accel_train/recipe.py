@@ -24,8 +24,8 @@ from transformers import get_scheduler
 from accel_train import data as data_lib
 from accel_train import faults, tasks
 from accel_train.card import write_cards
-from accel_train.checkpoint import (TrainState, checkpoints_dir, load_checkpoint, load_trainable, plain_name,
-                                    register_hooks, set_aside_later, trainable_state)
+from accel_train.checkpoint import (StopTogether, TrainState, checkpoints_dir, load_checkpoint, load_trainable,
+                                    plain_name, register_hooks, save_checkpoint, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, save_config
 from accel_train.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
                               make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main,
@@ -65,6 +65,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         try:
             job.preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
             results = fit(cfg, job)
+        except StopTogether as e:  # raised on every rank at the same point: they save together, then stop
+            raise e.with_checkpoint(save_checkpoint(accelerator, cfg, job.state)) from None
         finally:
             job.preemption.restore()
             job.run_log.close()

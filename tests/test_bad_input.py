@@ -129,6 +129,14 @@ CASES = {
     "grpo reward of the wrong length": (grpo_reward("return [0.0]"),
                                         "my_rewards.py:bad returned 1 values for 2 completions; it must return one "
                                         "number per completion"),
+    "grpo reward not a number": (grpo_reward("return ['high'] * len(completions)"),
+                                 "my_rewards.py:bad returned 'high'; rewards must be finite numbers (or None where a "
+                                 "function does not apply)"),
+    # the tiny template's start (<|user|>) and generation prompt (<|assistant|>) and one token do not fit in 2
+    "grpo no prompt fits": (lambda t: [*GRPO, "data.max_length=6"],
+                            "data: no prompt of builtin:reverse (train) fits data.max_length=6 - grpo.max_new_tokens=4 "
+                            "= 2 tokens (row 0: the template's start and generation prompt (1 + 1 tokens) leave no "
+                            "room in 2); raise data.max_length or lower grpo.max_new_tokens"),
     "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
                             "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                             "got 1"),

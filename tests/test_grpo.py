@@ -1,9 +1,11 @@
 """task grpo, launched as users launch it, after a short SFT run whose adapter it continues (model.adapter_from),
 on builtin:reverse with exact_match and a user's reward function from a file: the step-1 advantages, loss and
 gradient norm of each loss normalisation recomputed here from the rollouts and the model's log-probs (and the KL
-to the reference at step 2, at another temperature); the same completions, losses and rewards on 1 process with
-accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run. (Bad rewards and data:
-test_bad_input.py.)"""
+to the reference at step 2, at another temperature); full fine-tuning's KL to a frozen copy of the initial model, with
+a reward function that returns None for some completions (TRL's "not applicable"); the same completions, losses and
+rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
+reward function raising on one rank of two mid-run; the log-probs in chunks against the whole-logits formula; prompts
+cut and refused on real chat templates. (Bad rewards and data: test_bad_input.py.)"""
 
 from __future__ import annotations
 
@@ -14,18 +16,24 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import accelerate_launch, python_m
+from conftest import accel_train_launch, accelerate_launch, python_m, said
+from datasets import Dataset
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import chat_templates as ct
 from accel_train import data as data_lib
-from accel_train.config import load_config
+from accel_train.config import ConfigError, load_config
+from accel_train.tasks import grpo
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("grpo")
 
 G, NEW, EPS = 4, 8, 0.2  # completions per prompt, tokens per completion at most, clipping
 WEIGHTS = [1.0, 0.5]  # exact_match, length_match
+ODD_WEIGHT = 0.25  # odd_only, the third reward function of the full fine-tuning run
 EOS = 3  # the tiny model's end of turn (its chat template closes the assistant's turn with eos)
 
 # A user's reward function, in a file of tmp_path (grpo.rewards: "path/to/file.py:function"). length_match checks the
@@ -36,6 +44,11 @@ def length_match(prompts, completions, completion_ids, response, **columns):
     assert len(prompts) == len(completions) == len(completion_ids) == len(response)
     assert all(p == "reverse " + r[::-1] for p, r in zip(prompts, response)), (prompts, response)
     return [1 - abs(len(c.strip()) - len(r)) / 4 for c, r in zip(completions, response)]
+
+
+def odd_only(prompts, completions, completion_ids, **columns):
+    """A reward for completions of an odd number of tokens only: None (not applicable) for the others."""
+    return [len(ids) / 8 if len(ids) % 2 else None for ids in completion_ids]
 '''
 
 
@@ -105,6 +118,26 @@ def step_one(sft):
     return results
 
 
+# Full fine-tuning (lora.enabled=false) from the SFT adapter merged into its base, beta 0.05, for 2 steps of 4 prompts,
+# with a third reward function that returns None for completions of an even length
+FULL_FT = ["lora.enabled=false", "model.adapter_from=null", "grpo.beta=0.05", "grpo.loss_type=dapo",
+           "train.max_steps=2", "checkpoint.save_every=1", "train.lr=1e-3", "train.warmup_steps=0",
+           "train.per_device_batch_size=2", "train.grad_accum_steps=2", f"grpo.reward_weights={[*WEIGHTS, ODD_WEIGHT]}"]
+
+
+@pytest.fixture(scope="module")
+def full_ft(sft):
+    merged = sft.parent / "merged"  # the initial weights: the reference
+    sft_policy(sft).merge_and_unload().save_pretrained(merged)
+    AutoTokenizer.from_pretrained(sft / "adapter").save_pretrained(merged)
+    out = sft.parent / "full"
+    mine = sft.parent / "my_rewards.py"
+    rewards = f"grpo.rewards=[exact_match,{mine}:length_match,{mine}:odd_only]"
+    proc = python_m(*grpo_args(sft, out, *FULL_FT, f"model.name_or_path={merged}", rewards))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**read_run(out), "merged": merged}
+
+
 @pytest.fixture(scope="module")
 def runs(sft):
     results = {}
@@ -133,13 +166,14 @@ def token_logps(model, row: dict, temperature: float) -> tuple[torch.Tensor, tor
     return logp.gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
 
 
-def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
+def check_rollouts(sft, run: dict, step: int, odd: bool = False) -> list[tuple[dict, float]]:
     """The step's rollout rows against the data, the rewards recomputed here and the group advantages
-    (r - mean) / (std + 1e-4): (row, advantage) per completion."""
+    (r - mean) / (std + 1e-4): (row, advantage) per completion. `odd`: the run also rewards with odd_only, weighted
+    ODD_WEIGHT, whose None is left out of the sum."""
     cfg = load_config(run["out"] / "config.yaml")
     train, _ = data_lib.load_splits(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
-    length_match = user_rewards(sft).length_match
+    length_match, odd_only = user_rewards(sft).length_match, user_rewards(sft).odd_only
     found = groups(run["rollouts"], step)
     assert len(found) == 4 and all(len(g) == G for g in found), [len(g) for g in found]
     out = []
@@ -150,16 +184,20 @@ def check_rollouts(sft, run: dict, step: int) -> list[tuple[dict, float]]:
         completions = [r["completion"] for r in group]
         mine = length_match([data["prompt"]] * G, completions, [r["completion_ids"] for r in group],
                             [data["response"]] * G)
+        odds = odd_only([data["prompt"]] * G, completions, [r["completion_ids"] for r in group])
         rewards = []
-        for r, o in zip(group, mine):
+        for r, o, odd_value in zip(group, mine, odds):
             assert r["prompt_ids"] == prompt_ids
             ids = r["completion_ids"]
             # up to and including the end of turn, or cut at max_new_tokens
             assert 0 < len(ids) <= NEW and EOS not in ids[:-1] and (ids[-1] == EOS or len(ids) == NEW), ids
             assert r["completion"].strip() == tokenizer.decode(ids, skip_special_tokens=True).strip()
             em = float(r["completion"].strip() == data["response"].strip())
-            assert r["rewards"] == pytest.approx({"exact_match": em, user_name(r): o}, abs=1e-7)
-            rewards.append(WEIGHTS[0] * em + WEIGHTS[1] * o)
+            want = {"exact_match": em, user_name(r): o, **({"odd_only": odd_value} if odd else {})}
+            assert r["rewards"] == pytest.approx(want, abs=1e-7)
+            # a None is left out of the weighted sum
+            rewards.append(WEIGHTS[0] * em + WEIGHTS[1] * o
+                           + (ODD_WEIGHT * odd_value if odd and odd_value is not None else 0))
         r = torch.tensor(rewards, dtype=torch.float64)
         advantages = ((r - r.mean()) / (r.std() + 1e-4)).tolist()
         for row, want, a in zip(group, rewards, advantages):
@@ -209,8 +247,9 @@ def sft_policy(sft):
 
 
 def user_name(row: dict) -> str:
-    """The name the user's reward function is logged under (its entry in grpo.rewards, or its own name)."""
-    (name,) = set(row["rewards"]) - {"exact_match"}
+    """The name the user's reward function length_match is logged under (its entry in grpo.rewards, or its own
+    name)."""
+    (name,) = set(row["rewards"]) - {"exact_match", "odd_only"}
     assert name.endswith("length_match"), name
     return name
 
@@ -279,6 +318,95 @@ def test_step_two_kl_to_the_reference_is_the_formula(sft, step_one):
     for key in ("loss", "kl", "entropy"):
         assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_full_fine_tuning_kl_is_to_a_frozen_copy_of_the_initial_model(sft, full_ft):
+    """lora.enabled=false with beta 0.05: the reference is the initial model, frozen (not the policy itself, which
+    made KL 0 at every step). Step 1 has KL 0 (the policy is the initial model); step 2's loss, KL and gradient norm
+    are the formula with step 1's weights (its checkpoint) against the initial ones."""
+    run = full_ft
+    assert run["train"][0]["kl"] == pytest.approx(0, abs=1e-6)
+    rows = check_rollouts(sft, run, step=2, odd=True)
+    policy = AutoModelForCausalLM.from_pretrained(full_ft["merged"])
+    state = load_file(run["out"] / "checkpoints" / "step-1" / "model.safetensors")
+    assert {n for n, _ in policy.named_parameters()} <= state.keys()  # every weight is trained
+    policy.load_state_dict(state)
+    reference = AutoModelForCausalLM.from_pretrained(full_ft["merged"]).eval()
+    want = step_values(policy, rows, "dapo", 1.0, beta=0.05, reference=reference)
+    step2 = run["train"][1]
+    assert step2["step"] == 2
+    assert want["kl"] > 1e-4 and step2["kl"] > 1e-4, "the policy moved away from the reference"
+    for key in ("loss", "kl", "entropy"):
+        assert step2[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert step2["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_a_reward_of_none_is_left_out_as_trl_leaves_it(sft, full_ft):
+    """odd_only returns None for completions of an even length (TRL: not applicable): the run goes on, the None is
+    left out of the completion's weighted sum (rollouts.jsonl: reward and advantage recomputed here), and
+    rewards/odd_only/mean and /std are over the completions it scored."""
+    rows = check_rollouts(sft, full_ft, step=1, odd=True)
+    odd = [r["rewards"]["odd_only"] for r, _ in rows]
+    given = [v for v in odd if v is not None]
+    assert 0 < len(given) < len(odd), "the check needs completions of odd and even lengths"
+    step1 = full_ft["train"][0]
+    mean = sum(given) / len(given)
+    assert step1["rewards/odd_only/mean"] == pytest.approx(mean, rel=1e-6)
+    assert step1["rewards/odd_only/std"] == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in given) / len(given)),
+                                                          rel=1e-5, abs=1e-7)
+    for key, value in step_metrics(rows).items():
+        assert step1[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_unscored_completions_get_advantage_0_and_stay_out_of_their_group():
+    """A completion every function gives None (NaN here) is unscored: out of its group's mean and std (unbiased),
+    advantage 0, as TRL's nanmean and nanstd leave it; a group with one scored completion gets 0 too."""
+    nan = math.nan
+    values = torch.tensor([[[1.0, nan, 3.0, nan], [nan, nan, nan, 5.0]],  # function 0: (prompts, G)
+                           [[1.0, nan, nan, 2.0], [nan, nan, nan, nan]]], dtype=torch.float64)  # function 1
+    total = grpo.weighted_total(values, [1.0, 0.5])
+    assert total.tolist()[0][:1] + total.tolist()[0][2:] == [1.5, 3.0, 1.0] and math.isnan(total[0, 1])
+    assert [math.isnan(v) for v in total[1].tolist()] == [True, True, True, False] and total[1, 3] == 5.0
+    got = grpo.group_advantages(total, scale=True).tolist()
+    mean, std = 5.5 / 3, math.sqrt(((1.5 - 5.5 / 3) ** 2 + (3 - 5.5 / 3) ** 2 + (1 - 5.5 / 3) ** 2) / 2)
+    want = [[(1.5 - mean) / (std + 1e-4), 0.0, (3 - mean) / (std + 1e-4), (1 - mean) / (std + 1e-4)], [0.0] * 4]
+    assert got == [pytest.approx(w, rel=1e-12) for w in want]
+    assert grpo.group_advantages(total, scale=False).tolist() == [
+        pytest.approx([1.5 - mean, 0.0, 3 - mean, 1 - mean]), [0.0] * 4]
+
+
+FLAKY_PY = '''
+import os
+
+calls = 0
+
+
+def flaky(prompts, completions, **columns):
+    """Raises on rank 1 at its third call (the first-row check, then the rollouts of steps 1 and 2)."""
+    global calls
+    calls += 1
+    if os.environ.get("RANK") == "1" and calls == 3:
+        raise ValueError("no reward today")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_reward_raising_on_one_rank_stops_both_after_a_checkpoint(tmp_path):
+    """A reward function that raises at step 2 on rank 1 only: both ranks stop together (no hang), after saving a
+    checkpoint of step 1 to continue from; one line naming the function, exit status 2 (as before training)."""
+    (tmp_path / "flaky.py").write_text(FLAKY_PY)
+    out = tmp_path / "run"
+    proc = accel_train_launch("cpu_2proc.yaml", "task=grpo", "data.builtin_size=40", "grpo.answer_field=response",
+                              f"grpo.rewards=[exact_match,{tmp_path / 'flaky.py'}:flaky]", "grpo.num_generations=2",
+                              "grpo.max_new_tokens=4", "train.per_device_batch_size=1", "train.max_steps=4",
+                              "train.mixed_precision=no", "track.log_with=[]", "train.dist_timeout_s=60",
+                              f"output_dir={out}", timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert said(proc.stderr) == [
+        f"accel_train: error: grpo.rewards: {tmp_path / 'flaky.py'}:flaky raised ValueError: no reward today (scoring "
+        f"the completions of step 2); stopped. Checkpoint saved: {out}/checkpoints/step-1 (fix the function, then "
+        "continue with resume_from=latest)"]
+    assert (out / "checkpoints" / "step-1" / "COMPLETE").is_file()
 
 
 def test_user_reward_function_from_a_file(sft, step_one):
@@ -363,3 +491,132 @@ def test_builtin_rewards_score_as_documented():
     assert exact == [1.0, 0.0, 0.0, 0.0]
     assert regex == [1.0, 0.0, 1.0, 0.0]
     assert length == [0.0, 0.0, -0.5, -1.0]
+
+
+class LargestTensors(TorchDispatchMode):
+    """The most elements of a tensor with `vocab` as its last dimension that each op (by name) made, forward and
+    backward, but for the output head's weight transposed, (`hidden`, `vocab`)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.vocab, self.hidden, self.sizes = vocab, hidden, defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab
+                    and t.shape != (self.hidden, self.vocab)):
+                name = func.overloadpacket.__name__
+                self.sizes[name] = max(self.sizes[name], t.numel())
+        return out
+
+
+@pytest.mark.parametrize("route", ["hidden states", "logits"])
+def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
+    """completion_logps on 3 completions of 6, 2 and 4 tokens (padded to 6) with 4 tokens' fp32 logits per chunk:
+    the log-probs, entropies and gradient of log_softmax(logits / T) over the whole vocabulary, to 1e-6, with no
+    softmax over more than one chunk (from the hidden states, no tensor of the vocabulary's width bigger than one
+    chunk: the logits are never whole; from the logits, a chunk is one row)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, prompt, width, temperature = 301, 4, 6, 0.7
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    monkeypatch.setattr(grpo, "CHUNK_BYTES", 4 * vocab * 4, raising=False)
+    ids = torch.randint(1, vocab, (3, prompt + width))
+    attention_mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    for row, n in enumerate([6, 2, 4]):
+        attention_mask[row, prompt + n:] = 0
+        labels[row, prompt + n:] = -100
+    mask = labels[:, prompt:] != -100
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": grpo.position_ids(attention_mask),
+             "labels": labels, "completion_width": width}
+    weights = torch.randn(3, width)
+
+    def run(fn):
+        model.zero_grad()
+        logps, entropy = fn()
+        (logps * weights * mask).sum().backward()
+        return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def formula():
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=batch["position_ids"]).logits
+        logprobs = torch.log_softmax(logits[:, prompt - 1:-1] / temperature, -1)
+        return logprobs.gather(-1, ids[:, prompt:, None])[..., 0], -(logprobs.exp() * logprobs).sum(-1)
+
+    want = run(formula)
+    largest = LargestTensors(vocab, hidden=32)
+    if route == "logits":
+        with largest:
+            got = run(lambda: grpo.completion_logps(model, batch, temperature))
+    else:
+        head = grpo.output_head(model)  # its check runs the model once, on 2 x 8 tokens
+        assert head is model.lm_head
+        with largest:
+            got = run(lambda: grpo.completion_logps(model, batch, temperature, head))
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g[mask], w[mask], rtol=0, atol=1e-6)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    softmax = max(v for k, v in largest.sizes.items() if "softmax" in k)
+    assert softmax <= (4 if route == "hidden states" else width + 1) * vocab, dict(largest.sizes)
+    if route == "hidden states":
+        assert max(largest.sizes.values()) <= 4 * vocab, dict(largest.sizes)
+
+
+@pytest.fixture(scope="module")
+def accelerate_state():
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+
+
+def prompt_rows(*prompts) -> Dataset:
+    return Dataset.from_list([{"prompt": p, "answer": "x"} for p in prompts])
+
+
+def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_start(accelerate_state, caplog):
+    """Gemma 2's template raises on a system turn: that prompt is refused, counted and logged (not a jinja traceback
+    out of datasets.map), a prompt refused by every row one line; a prompt over data.max_length - max_new_tokens
+    keeps bos and the template's start (with Qwen 2.5, the system prompt), then its last tokens, ending with the
+    generation prompt; one whose start and generation prompt alone do not fit is dropped."""
+    cfg = load_config(None, ["task=grpo", "grpo.answer_field=answer", "data.max_length=72", "grpo.max_new_tokens=8"])
+    keep = 64
+    system = [{"role": "system", "content": "Answer in one word."}]
+    short, long = [{"role": "user", "content": "reverse abc"}], [{"role": "user", "content": "reverse " + "abc " * 40}]
+    gemma = ct.tokenizer_for("gemma2")
+    with caplog.at_level("WARNING"):
+        ds = data_lib.tokenize(prompt_rows(system + short, short, long, system + long), gemma, cfg)
+    assert ds["index"] == [1, 2]
+    whole = [gemma(gemma.apply_chat_template(t, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for t in (short, long)]
+    start = gemma("<bos><start_of_turn>user\n", add_special_tokens=False)["input_ids"]
+    assert ds["prompt_ids"][0] == whole[0]
+    assert len(whole[1]) > keep and ds["prompt_ids"][1] == start + whole[1][len(whole[1]) - (keep - len(start)):]
+    assert gemma.decode(ds["prompt_ids"][1]).endswith(" abc abc<end_of_turn>\n<start_of_turn>model\n")
+    assert ("2 of 4 prompts refused by the chat template (first: row 0: the chat template refuses this conversation: "
+            "System role not supported") in caplog.text
+    assert "1 of 2 prompts cut" not in caplog.text and "1 of 4 prompts cut" in caplog.text
+    with pytest.raises(ConfigError, match=r"^data: every prompt of .* \(train\) is refused \(row 0: the chat template "
+                                          r"refuses this conversation: System role not supported\)"):
+        data_lib.tokenize(prompt_rows(system + short, system + long), gemma, cfg)
+
+    qwen = ct.tokenizer_for("qwen2.5")
+    report = {}
+    crowded = [{"role": "system", "content": "Answer in one word. " * 4}]
+    ds = grpo.tokenize_prompts(prompt_rows(system + long, crowded + short), qwen, cfg, ["prompt", "answer"], report)
+    tokens = lambda text: len(qwen(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    start = tokens(f"<|im_start|>system\n{crowded[0]['content']}<|im_end|>\n<|im_start|>user\n")
+    end = tokens("<|im_start|>assistant\n")
+    assert start + end + 1 > keep
+    assert report == {"rows": 2, "cut": 1, "dropped": 1, "refused": 0,
+                      "first_dropped": f"row 1: the template's start and generation prompt ({start} + {end} tokens) "
+                                       f"leave no room in {keep}"}
+    head = qwen("<|im_start|>system\nAnswer in one word.<|im_end|>\n<|im_start|>user\n",
+                add_special_tokens=False)["input_ids"]
+    whole = qwen(qwen.apply_chat_template(system + long, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    assert ds["prompt_ids"] == [head + whole[len(whole) - (keep - len(head)):]]

@@ -13,14 +13,18 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
               rollout, the prompt's row, the completion's number): 1 and 2 processes sample the same completions
               for the same prompts, and a resumed run samples what the uninterrupted one did (nothing to save).
               Generating runs no collective: every rank generates its own prompts' completions.
-    rewards   r = sum_f w_f reward_f; advantages within each prompt's group: A = (r - mean) / (std + 1e-4)
-              (torch.std, unbiased), or r - mean with grpo.scale_rewards=false (Dr. GRPO).
+    rewards   r = sum_f w_f reward_f, a function's None left out (TRL's nansum); advantages within each
+              prompt's group: A = (r - mean) / (std + 1e-4) (std unbiased), or r - mean with
+              grpo.scale_rewards=false (Dr. GRPO). A completion every function gives None is left out of its
+              group's mean and std, and gets A = 0. A reward function that fails stops every rank, with a checkpoint.
     loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
               ratio = exp(logp - logp_old) (logp at grpo.temperature; logp_old: logp itself, detached, or with
               grpo.num_iterations > 1 the log-prob at generation) and KL = exp(ref - logp) - (ref - logp) - 1
-              to the reference (the adapter disabled, as dpo's). The loop sums it and divides by the step's count
-              over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo), completions, each
-              first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
+              to the reference (the adapter disabled, as dpo's; under full fine-tuning a frozen copy of the initial
+              model). Log-probs come from the hidden states a chunk of tokens at a time (completion_logps): the
+              logits (rows x tokens x vocabulary) are never whole. The loop sums the loss and divides by the
+              step's count over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo),
+              completions, each first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
 
 With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
 every mu steps); checkpoints are written between batches of rollouts only.
@@ -28,28 +32,35 @@ every mu steps); checkpoints are written between batches of rollouts only.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 import math
 import time
+import weakref
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from accel_train import formats
+from accel_train.checkpoint import StoppedWithCheckpoint, StopTogether
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.data import columns as data_columns
-from accel_train.tasks.dpo import reference_mode
+from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.generation import generation_config, until_stop
+from accel_train.loss import CHUNK_BYTES, loss_head
 from accel_train.tasks import Task
-from accel_train.tasks.rewards import Rewards, smoke_test
+from accel_train.tasks.dpo import reference_mode
+from accel_train.tasks.rewards import RewardError, Rewards, smoke_test
 
 logger = get_logger(__name__)
 
@@ -95,19 +106,66 @@ def prompt_turns(value, row: int) -> list[dict]:
 
 def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION) -> dict:
     """The prompt's token ids, as the model will continue them (the template's generation prompt at the end), cut
-    to its last cfg.max_prompt_length() tokens; `index`: the row (seeds its completions' sampling)."""
+    to cfg.max_prompt_length() tokens by `cut_prompt`; `index`: the row (seeds its completions' sampling). `status`,
+    as formats.tokenize_causal's: "" whole, "cut", "dropped: ..." (too long to cut) or "refused: ..." (the chat
+    template raises on it, as Gemma 2's on a system turn): tokenize_prompts counts them and removes the last two."""
     turns = prompt_turns(example[prompt_column(cfg, list(example))], row)
+    bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        try:
+            text = formats._render(tokenizer, turns, add_generation_prompt=True)
+        except formats.UnmaskableRow as e:
+            return {"prompt_ids": [], "index": row, "status": f"refused: {e}"}
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        start, end = template_edges(tokenizer, turns, text, ids)
     else:  # as formats.tokens_without_template renders the turns before an answer
         ids = tokenizer("\n".join(t["content"] for t in turns) + "\n")["input_ids"]
-    keep = cfg.max_prompt_length()
-    return {"prompt_ids": ids[-keep:], "index": row, "truncated": len(ids) > keep}
+        start, end = int(bos is not None and ids[:1] == [bos]), 1
+    ids, status = cut_prompt(ids, start, end, cfg.max_prompt_length())
+    return {"prompt_ids": ids, "index": row, "status": status}
 
 
-def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str]) -> Dataset | IterableDataset:
-    """prompt_ids and index added to each row (the other columns stay, for the rewards); the cut ones counted."""
+def template_edges(tokenizer, turns: list[dict], text: str, ids: list[int]) -> tuple[int, int]:
+    """(start, end): how many of the prompt's first tokens are the template's start, up to the content of its first
+    turn that is not a system turn (bos, the system prompt, the turn's header), and how many of its last tokens are
+    its generation prompt. Each is found by rendering again (the first turns with a probe for that content; the
+    prompt without the generation prompt) and kept only where its tokens are those of the whole prompt; else the
+    start is bos alone, and the end one token."""
+    bos = tokenizer.bos_token_id
+    start, end = int(bos is not None and ids[:1] == [bos]), 1
+    first = next((i for i, t in enumerate(turns) if t["role"] != "system"), 0)
+    try:
+        probe = formats._render(tokenizer, turns[:first] + [{**turns[first], "content": formats._PROBE}])
+        plain = formats._render(tokenizer, turns)
+    except formats.UnmaskableRow:
+        return start, end
+    head = probe[:probe.find(formats._PROBE)]
+    if formats._PROBE in probe and text.startswith(head):
+        head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        start = len(head_ids) if ids[:len(head_ids)] == head_ids else start
+    if text.startswith(plain) and len(text) > len(plain):
+        tail_ids = tokenizer(text[len(plain):], add_special_tokens=False)["input_ids"]
+        end = len(tail_ids) if ids[len(ids) - len(tail_ids):] == tail_ids else end
+    return start, end
+
+
+def cut_prompt(ids: list[int], start: int, end: int, size: int) -> tuple[list[int], str]:
+    """A prompt cut to `size` tokens as formats.truncate cuts a conversation (prompt_first): the oldest tokens go,
+    but for its first `start` (the template's start: bos, system prompt, first header); where those and its last
+    `end` (the generation prompt) do not fit, with one token of the prompt's own, it is dropped."""
+    if len(ids) <= size:
+        return ids, ""
+    if start + end + 1 > size:
+        return [], (f"dropped: the template's start and generation prompt ({start} + {end} tokens) leave no room "
+                    f"in {size}")
+    return ids[:start] + ids[len(ids) - (size - start):], "cut"
+
+
+def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str], report: dict | None = None,
+                     split: str = "train") -> Dataset | IterableDataset:
+    """prompt_ids and index added to each row (the other columns stay, for the rewards); the prompts cut, dropped
+    and refused counted into `report` and logged, naming `split` (in memory; a stream is not read ahead), and the
+    last two removed."""
     d = cfg.data
     key = Config(task="grpo", data=DataConfig(prompt_field=d.prompt_field, messages_field=d.messages_field,
                                               max_length=d.max_length),
@@ -116,10 +174,46 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols
               "with_indices": True}
     ds = ds.map(tokenize_prompt, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
         tokenize_prompt, **kwargs, desc="tokenizing prompts")
-    if isinstance(ds, Dataset) and (truncated := sum(ds["truncated"])):
-        logger.info(f"grpo: {truncated} of {len(ds)} prompts cut to their last {cfg.max_prompt_length()} tokens "
-                    f"(data.max_length={d.max_length} - grpo.max_new_tokens={cfg.grpo.max_new_tokens})")
-    return ds.remove_columns("truncated")
+    if isinstance(ds, Dataset) and "status" not in ds.column_names:  # 0 rows: no column
+        return ds
+    if isinstance(ds, Dataset):
+        counts = prompt_counts(ds["status"])
+        log_prompt_counts(counts, cfg, split)
+        if report is not None:
+            report.update(counts)
+    ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
+    return ds.remove_columns("status")
+
+
+def prompt_counts(statuses: list[str]) -> dict:
+    """How many prompts were cut, dropped and refused, and the first reason of the last two (as data.row_counts)."""
+    counts = {"rows": len(statuses)}
+    for kind in ("cut", "dropped", "refused"):
+        rows = [i for i, s in enumerate(statuses) if s.startswith(kind)]
+        counts[kind] = len(rows)
+        if rows and kind != "cut":
+            counts[f"first_{kind}"] = f"row {rows[0]}: {statuses[rows[0]].partition(': ')[2]}"
+    return counts
+
+
+def log_prompt_counts(counts: dict, cfg: Config, split: str) -> None:
+    """A warning for the prompts cut, dropped or refused; one line (ConfigError) when no prompt is left."""
+    n, keep, d = counts["rows"], cfg.max_prompt_length(), cfg.data
+    where = (f"data.max_length={d.max_length} - grpo.max_new_tokens={cfg.grpo.max_new_tokens} = {keep} tokens")
+    source = d.eval_path if split == "eval" and d.eval_path else d.path
+    if n and counts["refused"] == n:
+        raise ConfigError(f"data: every prompt of {source} ({split}) is refused ({counts['first_refused']}); fix or "
+                          "drop those rows, or use a tokenizer whose chat template takes them")
+    if n and counts["refused"] + counts["dropped"] == n:
+        raise ConfigError(f"data: no prompt of {source} ({split}) fits {where} ({counts.get('first_dropped')}); "
+                          "raise data.max_length or lower grpo.max_new_tokens")
+    if counts["refused"]:
+        logger.warning(f"data ({split}): {counts['refused']} of {n} prompts refused by the chat template (first: "
+                       f"{counts['first_refused']})")
+    if counts["cut"] or counts["dropped"]:
+        logger.warning(f"data ({split}): {counts['cut']} of {n} prompts cut (the template's start kept, then their "
+                       f"last tokens) and {counts['dropped']} dropped at {where}"
+                       + (f"; first dropped: {counts['first_dropped']}" if counts["dropped"] else ""))
 
 
 class PromptCollator:
@@ -187,9 +281,44 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
-    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std."""
-    centred = rewards - rewards.mean(1, keepdim=True)
-    return centred / (rewards.std(1, keepdim=True) + ADVANTAGE_EPS) if scale else centred
+    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std (unbiased).
+    An unscored completion (NaN: every function returned None) is left out of its group's mean and std, and gets
+    advantage 0 (TRL's nanmean, nanstd)."""
+    centred = rewards - rewards.nanmean(1, keepdim=True)
+    if scale:
+        scored = (~rewards.isnan()).sum(1, keepdim=True)
+        centred = centred / ((centred ** 2).nansum(1, keepdim=True) / (scored - 1)).sqrt().add(ADVANTAGE_EPS)
+    return centred.nan_to_num(0.0)
+
+
+def weighted_total(values: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """(functions, ...) rewards -> the weighted sum over functions, a None (NaN) left out of it (TRL's nansum);
+    NaN where every function returned None."""
+    total = (values * torch.tensor(weights, dtype=values.dtype).reshape(-1, *[1] * (values.dim() - 1))).nansum(0)
+    return total.masked_fill(values.isnan().all(0), math.nan)
+
+
+class RewardStop(ConfigError, StopTogether):
+    """A reward function failed during training, on this rank or another: raised on every rank at the same point
+    (`stop_together`), so that they can save a checkpoint together first (`with_checkpoint`). Uncaught, it is a
+    ConfigError: one line, exit status 2."""
+
+    def with_checkpoint(self, checkpoint) -> StoppedWithCheckpoint:
+        stopped = StoppedWithCheckpoint(f"error: {self}; stopped. Checkpoint saved: {checkpoint} (fix the function, "
+                                        "then continue with resume_from=latest)")
+        stopped.exit_status = 2  # as a failing reward function before training (a ConfigError)
+        return stopped
+
+
+def stop_together(accelerator, failed: str | None, where: str) -> None:
+    """Raise RewardStop on every rank if a reward function failed on any (`failed`: its message on this rank), naming
+    the first rank's failure. A collective: every rank calls it at the same point (one all-reduce; and a gather on a
+    failure)."""
+    if accelerator.num_processes > 1:
+        if accelerator.reduce(torch.tensor([float(failed is not None)], device=accelerator.device), "sum").item():
+            failed = next(m for m in gather_object([failed]) if m)
+    if failed:
+        raise RewardStop(f"{failed} ({where})")
 
 
 class Rollouts:
@@ -204,9 +333,10 @@ class Rollouts:
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
-        # since the last log, this rank's: reward, reward^2, each function's reward and reward^2, groups with no
-        # spread, completion tokens, completions cut at max_new_tokens, completions, groups; and the longest
-        self.sums = torch.zeros(2 * n + 7, dtype=torch.float64)
+        # since the last log, this rank's: reward, reward^2 and scored completions, each function's reward, reward^2
+        # and completions it applied to (not None), groups with no spread, completion tokens, completions cut at
+        # max_new_tokens, completions, groups; and the longest
+        self.sums = torch.zeros(3 * n + 8, dtype=torch.float64)
         self.longest = torch.zeros(1)
         self.path = Path(cfg.output_dir) / ROLLOUTS_FILE
 
@@ -229,18 +359,25 @@ class Rollouts:
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         was_training = unwrapped.training
         unwrapped.eval()
-        out, records = [], []
+        out, records, failed = [], [], None
         for batch in prompt_batches:
             with self.accelerator.autocast():
                 completions = self.generate(unwrapped, batch, step)
-            micro, rows = self.score(batch, completions, step, log)
+            try:
+                micro, rows = self.score(batch, completions, step, log)
+            except RewardError as e:
+                failed = str(e)
+                break
             out.append(micro)
             records += rows
         unwrapped.train(was_training)
+        if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
+            stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
             for micro in out:
                 with self.accelerator.autocast():
-                    micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature)[0]
+                    micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
+                        unwrapped, zero3(self.accelerator)))[0]
         self.generation_s += time.perf_counter() - t0
         if log:
             self.write(records)
@@ -272,28 +409,33 @@ class Rollouts:
         G, n_prompts = self.g.num_generations, len(batch["prompt_ids"])
         expand = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
         texts = self.decode(completions)
+        # a replayed batch (log false) has weight 0: no reward function is called for it
         per_function = self.rewards(expand(batch["prompts"]), texts, completions,
-                                    {k: expand(v) for k, v in batch["columns"].items()})
+                                    {k: expand(v) for k, v in batch["columns"].items()}) if log else [
+            [0.0] * len(completions) for _ in self.rewards.names]
         values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
-        weights = torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None, None]
-        total = (values * weights).sum(0)
+        total = weighted_total(values, self.rewards.weights)  # NaN: unscored
         advantages = group_advantages(total, self.g.scale_rewards).reshape(-1)
         lengths = [len(c) for c in completions]
         if log:
             self.generated_tokens += sum(lengths)
-            flat = values.reshape(len(per_function), -1)
-            self.sums += torch.cat([torch.stack([total.sum(), (total ** 2).sum()]), flat.sum(1), (flat ** 2).sum(1),
-                                    torch.tensor([float((total.std(1) == 0).sum()), sum(lengths),
+            flat, scored = values.reshape(len(per_function), -1), ~total.isnan()
+            # a group with no spread: its scored rewards all equal (exactly; any group of one)
+            no_spread = total.nan_to_num(math.inf).amin(1) == total.nan_to_num(-math.inf).amax(1)
+            self.sums += torch.cat([torch.stack([total.nansum(), (total ** 2).nansum(), scored.sum()]),
+                                    flat.nansum(1), (flat ** 2).nansum(1), (~flat.isnan()).sum(1),
+                                    torch.tensor([float(no_spread.sum()), sum(lengths),
                                                   sum(n >= self.g.max_new_tokens and c[-1] not in self.stop_ids
                                                       for n, c in zip(lengths, completions)),
                                                   len(lengths), n_prompts], dtype=torch.float64)])
             self.longest = torch.maximum(self.longest, torch.tensor([float(max(lengths))]))
         micro = self.training_batch(batch["prompt_ids"], completions, advantages)
+        number = lambda v: None if math.isnan(v) else v  # noqa: E731 (None: not applicable, or unscored)
         rows = [{"step": step + 1, "index": int(batch["index"][k // G]), "generation": k % G,
                  "prompt": self.tokenizer.decode(batch["prompt_ids"][k // G]), "completion": texts[k],
                  "prompt_ids": batch["prompt_ids"][k // G], "completion_ids": completions[k],
-                 "rewards": {n: per_function[f][k] for f, n in enumerate(self.rewards.labels)},
-                 "reward": float(total.reshape(-1)[k]), "advantage": float(advantages[k])}
+                 "rewards": {n: number(per_function[f][k]) for f, n in enumerate(self.rewards.labels)},
+                 "reward": number(float(total.reshape(-1)[k])), "advantage": float(advantages[k])}
                 for k in range(len(completions))] if log and self.g.log_completions else []
         return micro, rows
 
@@ -335,15 +477,17 @@ class Rollouts:
         if not completions:
             return {}
 
-        def mean_std(s, sq):
-            mean = s / completions
-            return mean, math.sqrt(max(sq / completions - mean ** 2, 0.0))
+        def mean_std(s, sq, count):  # NaN where no value was given (None everywhere)
+            if not count:
+                return math.nan, math.nan
+            mean = s / count
+            return mean, math.sqrt(max(sq / count - mean ** 2, 0.0))
 
-        reward, reward_std = mean_std(sums[0], sums[1])
+        reward, reward_std = mean_std(*sums[:3])
         record = {"reward": reward, "reward_std": reward_std}
         for f, name in enumerate(self.rewards.labels):
-            record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(sums[2 + f], sums[2 + n + f])
-        zero_std, tokens, clipped = sums[2 + 2 * n: 5 + 2 * n]
+            record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(*sums[3 + f: 3 + 3 * n: n])
+        zero_std, tokens, clipped = sums[3 + 3 * n: 6 + 3 * n]
         return {**record, "frac_reward_zero_std": zero_std / groups, "completions/mean_length": tokens / completions,
                 "completions/max_length": longest, "completions/clipped_ratio": clipped / completions}
 
@@ -359,17 +503,115 @@ class Rollouts:
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def completion_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model, batch: dict, temperature: float, head: torch.nn.Module | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) of each row's completion positions (rows, completion width), at `temperature`, in
-    fp32; only the completion's logits are computed (logits_to_keep)."""
+    fp32, never more than one chunk of fp32 logits at once (CHUNK_BYTES; each but the last recomputed in backward).
+    With `head` (`output_head`), no logits at all: for one model call the head returns these two numbers per
+    completion token, computed chunk by chunk from the hidden states (0 at padding). Without, from the model's logits
+    of the completion (logits_to_keep), a chunk of rows at a time."""
     width = batch["completion_width"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=width + 1).logits
-    logits = logits[:, :-1].float() / temperature  # position t predicts completion token t
-    logprobs = logits.log_softmax(-1)
     tokens = batch["input_ids"][:, -width:]
-    entropy = -(logprobs.exp() * logprobs).sum(-1).detach()
-    return logprobs.gather(-1, tokens[..., None]).squeeze(-1), entropy
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"], "use_cache": False, "logits_to_keep": width + 1}
+    if head is not None:
+        with head_computing(head, tokens, batch["labels"][:, -width:] != IGNORE_INDEX, temperature):
+            values = model(**inputs).logits
+    else:  # position t predicts completion token t (the last position, nothing: token 0, dropped)
+        logits = model(**inputs).logits
+        values = LogitValues.apply(logits, torch.nn.functional.pad(tokens, (0, 1)), temperature,
+                                   CHUNK_BYTES // (4 * logits[0].numel()))[:, :-1]
+    return values[..., 0], values[..., 1].detach()
+
+
+def _same(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+class LogitValues(torch.autograd.Function):
+    """token_values of logits (rows, positions, vocabulary), a chunk of `size` rows at a time in forward and in
+    backward, whose gradient is written into one tensor the logits' size (d log-prob / d logits = (one-hot -
+    softmax) / temperature; the entropy has none): no fp32 copy of the logits is ever whole."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, size: int) -> torch.Tensor:
+        ctx.save_for_backward(logits, tokens)
+        ctx.temperature, ctx.size = temperature, max(size, 1)
+        return chunked(_same, logits, tokens, temperature, size)  # autograd.Function runs its forward without a graph
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, tokens = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for i in range(0, len(logits), ctx.size):
+            rows = slice(i, i + ctx.size)
+            g = grad[rows, :, :1]  # of the log-probs
+            probs = (logits[rows].float() / ctx.temperature).softmax(-1)
+            out[rows] = (-probs * g).scatter_add_(-1, tokens[rows, :, None], g) / ctx.temperature
+        return out, None, None, None
+
+
+def token_values(head_forward, x: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(..., 2): each token's log-prob and the entropy where it stands, from `head_forward(x)`, the logits there."""
+    logprobs = (head_forward(x).float() / temperature).log_softmax(-1)
+    with torch.no_grad():
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return torch.stack([logprobs.gather(-1, tokens[..., None]).squeeze(-1), entropy], -1)
+
+
+def chunked(head_forward, x: torch.Tensor, tokens: torch.Tensor, temperature: float, size: int) -> torch.Tensor:
+    """token_values over chunks of `size` (at least 1) along x's first dimension; with a gradient, each chunk but the
+    last is checkpointed (its fp32 logits freed, recomputed in backward), as loss.summed_target_loss does."""
+    size, parts = max(size, 1), []
+    for i in range(0, len(x), size):
+        args = (head_forward, x[i:i + size], tokens[i:i + size], temperature)
+        last = i + size >= len(x) or not torch.is_grad_enabled()
+        parts.append(token_values(*args) if last else checkpoint(token_values, *args, use_reentrant=False))
+    return torch.cat(parts)
+
+
+@contextmanager
+def head_computing(head: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, temperature: float):
+    """Inside, a model call with logits_to_keep = completion width + 1 returns as its `logits` the (rows, width, 2)
+    `token_values` of the completion tokens (`mask`), computed from the hidden states chunk by chunk (as
+    loss.LossHead computes the loss: the head's forward replaced on this instance, its module called again to
+    recompute a chunk in backward)."""
+    original, own, inside = head.forward, head.__dict__.get("forward"), [True]
+
+    def call_head(hidden):
+        return original(hidden) if inside[0] else head(hidden)
+
+    def forward(hidden):  # (rows, width + 1, hidden size): position t predicts completion token t
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        values = chunked(call_head, hidden[:, :-1][mask], tokens[mask], temperature, CHUNK_BYTES // (4 * vocab))
+        out = values.new_zeros(*mask.shape, 2)
+        out[mask] = values
+        return out
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        inside[0] = False
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
+_HEADS = weakref.WeakKeyDictionary()  # unwrapped model -> its output head for head_computing, or None
+
+
+def output_head(model: torch.nn.Module, sharded: bool = False) -> torch.nn.Module | None:
+    """The unwrapped model's output head, for completion_logps to run on the hidden states, or None (from the
+    logits): under ZeRO-3 (`sharded`: the head's weight is whole only while its module runs) or where the model's
+    logits are more than its head's output (loss.loss_head's check: one forward of 8 tokens, once per model)."""
+    if sharded:
+        return None
+    if model not in _HEADS:
+        found = loss_head(model)
+        _HEADS[model] = found.head if found is not None else None
+    return _HEADS[model]
 
 
 # Logged from the loss, per completion token, after `loss` (see loop.LossSums)
@@ -380,15 +622,25 @@ class PolicyLoss:
     """The GRPO loss of a micro-batch of completions (summed: the loop divides by the step's count), and its
     per-token metrics."""
 
-    def __init__(self, cfg: Config, accelerator):
+    def __init__(self, cfg: Config, accelerator, model: torch.nn.Module | None = None):
+        """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
+        > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
         self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
+        self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
+        if self.g.beta and not self.lora:
+            if model is None:
+                raise ValueError("grpo.PolicyLoss: with grpo.beta > 0 under full fine-tuning it needs the model "
+                                 "before accelerator.prepare, for its frozen reference")
+            self.reference = copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
 
     @property
     def names(self) -> tuple[str, ...]:
         return ("loss", *METRICS, *(("kl",) if self.g.beta else ()), "n/tokens")
 
     def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, entropy = completion_logps(model, batch, self.g.temperature)
+        sharded = zero3(self.accelerator)
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        logps, entropy = completion_logps(model, batch, self.g.temperature, output_head(unwrapped, sharded))
         mask = (batch["labels"][:, -batch["completion_width"]:] != IGNORE_INDEX).float()
         old = batch.get("old_logps", logps.detach())
         ratio = torch.exp(logps - old)
@@ -398,9 +650,9 @@ class PolicyLoss:
         logged = [(entropy * mask).sum(),
                   ((((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))).float() * mask).sum()]
         if self.g.beta:
-            unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-            with reference_mode(unwrapped, self.lora), self.accelerator.autocast():
-                ref = completion_logps(unwrapped, batch, self.g.temperature)[0]
+            reference = self.reference if self.reference is not None else unwrapped
+            with reference_mode(reference, self.lora), self.accelerator.autocast():
+                ref = completion_logps(reference, batch, self.g.temperature, output_head(reference, sharded))[0]
             kl = torch.exp(ref - logps) - (ref - logps) - 1
             per_token = per_token + self.g.beta * kl
             logged.append((kl.detach() * mask).sum())
@@ -424,18 +676,24 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     gather_for_metrics drops the repeated ones), the same on every rank."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     unwrapped.eval()
-    sums, n = 0, 0
+    sums, counts, n, failed = 0, 0, 0, None
     for batch in eval_dl:
         with accelerator.autocast():
             completions = rollouts.complete(unwrapped, batch["prompt_ids"])
-        values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.decode(completions), completions,
-                                               batch["columns"]))
-        total = (values * torch.tensor(rollouts.rewards.weights)[:, None]).sum(0)
+        try:
+            values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.decode(completions), completions,
+                                                   batch["columns"]))
+        except RewardError as e:  # the others gather on: every rank stops after the loop
+            failed = failed or str(e)
+            values = torch.full((len(rollouts.rewards.names), len(completions)), math.nan)
+        total = weighted_total(values, rollouts.rewards.weights)
         rows = torch.cat([total[None], values, torch.tensor([[float(len(c)) for c in completions]])]).T
         rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
-        sums, n = sums + rows.sum(0), n + len(rows)
+        # means over the values given: a None (NaN) is left out
+        sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)
     unwrapped.train()
-    means = (sums / max(n, 1)).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
+    stop_together(accelerator, failed, "scoring the evaluation's answers")
+    means = (sums / counts).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
     return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.labels,
                                                                                           means[1:-1])},
             "eval_completions/mean_length": means[-1], "eval_samples": n}
@@ -469,7 +727,7 @@ class GRPO(Task):
                 check_rewards_on(self.cfg, split)
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
-        return tokenize_prompts(ds, tokenizer, self.cfg, data_columns(ds))
+        return tokenize_prompts(ds, tokenizer, self.cfg, data_columns(ds), report=report, split=split)
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
         return PromptCollator(self.cfg)
@@ -481,7 +739,8 @@ class GRPO(Task):
         return bool(self.cfg.grpo.beta)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
-        self.policy = PolicyLoss(self.cfg, accelerator)
+        # with beta > 0 under full fine-tuning, the reference is a frozen copy of these initial weights
+        self.policy = PolicyLoss(self.cfg, accelerator, model)
         self.logged = self.policy.names
         return train_ds, eval_ds
 
@@ -530,7 +789,7 @@ class GRPO(Task):
         print(f"data: {cfg.data.path} (task grpo, prompts from {column}; rewards {', '.join(g.rewards)} get the columns "
               f"{', '.join(others) or '(none)'}); tokenizer {cfg.model.name_or_path}", file=out)
         print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
-              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to their last {keep} tokens "
+              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to {keep} tokens (the template's start and the prompt's end kept) "
               f"(data.max_length - grpo.max_new_tokens)", file=out)
         for i in range(min(samples, len(train))):
             print(f"--- prompt {i}: {lengths[i]} tokens, then up to {g.max_new_tokens} generated", file=out)

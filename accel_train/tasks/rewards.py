@@ -1,6 +1,8 @@
 """Reward functions of task grpo: the built-ins, and a user's own by "module:function" or "path/to/file.py:function".
 
-A reward function takes TRL's arguments and returns one number per completion:
+A reward function takes TRL's arguments and returns one number per completion, or None where it does not apply
+(as TRL: a None is left out of that completion's weighted sum, and of the function's logged mean; a completion that
+every function gives None is unscored, its advantage 0):
 
     def my_reward(prompts, completions, completion_ids, **columns) -> list[float]:
         # prompts[i]: the prompt of completion i as the data gives it (a text or a list of chat turns);
@@ -88,6 +90,10 @@ def load_function(name: str) -> Callable:
     return fn
 
 
+class RewardError(ConfigError):
+    """A reward function raised, or returned something other than one number (or None) per completion."""
+
+
 class Rewards:
     """The run's reward functions, weighted; `__call__` scores completions, and names a function that fails."""
 
@@ -103,7 +109,7 @@ class Rewards:
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]],
                  columns: dict[str, list]) -> list[list[float]]:
-        """Each function's rewards (a list per function, one number per completion)."""
+        """Each function's rewards (a list per function, one number per completion: NaN where it returned None)."""
         out = []
         for name, fn in zip(self.names, self.functions):
             kwargs = dict(columns)
@@ -114,17 +120,19 @@ class Rewards:
             try:
                 values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
             except Exception as e:  # noqa: BLE001 (a user's function: any error it raises)
-                raise ConfigError(f"grpo.rewards: {name} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                raise RewardError(f"grpo.rewards: {name} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
                                   ) from None
             values = list(values) if values is not None and not isinstance(values, (str, bytes)) else values
             if not isinstance(values, list) or len(values) != len(completions):
                 got = f"{len(values)} values" if isinstance(values, list) else repr(values)[:60]
-                raise ConfigError(f"grpo.rewards: {name} returned {got} for {len(completions)} completions; it must "
+                raise RewardError(f"grpo.rewards: {name} returned {got} for {len(completions)} completions; it must "
                                   "return one number per completion")
-            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)]
+            bad = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                                           or not math.isfinite(v))]
             if bad:
-                raise ConfigError(f"grpo.rewards: {name} returned {bad[0]!r}; rewards must be finite numbers")
-            out.append([float(v) for v in values])
+                raise RewardError(f"grpo.rewards: {name} returned {bad[0]!r}; rewards must be finite numbers (or None "
+                                  "where a function does not apply)")
+            out.append([math.nan if v is None else float(v) for v in values])
         return out
 
 
