@@ -89,7 +89,7 @@ def test_grpo_shows_the_prompts_as_the_model_continues_them(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "(task grpo, prompts from prompt; rewards exact_match get the columns response)" in out
-    cut = int(re.search(r"rows: 45 train, 5 eval; (\d+) prompts cut to their last 14 tokens", out).group(1))
+    cut = int(re.search(r"rows: 45 train, 5 eval; (\d+) prompts cut to 14 tokens", out).group(1))
     assert 0 < cut < 45
     assert re.search(r"--- prompt 0: 1[34] tokens, then up to 8 generated\n(verse|<\|user\|>reverse) [a-j]+<\|assistant\|>\n",
                      out), out

@@ -789,8 +789,8 @@ class GRPO(Task):
         print(f"data: {cfg.data.path} (task grpo, prompts from {column}; rewards {', '.join(g.rewards)} get the columns "
               f"{', '.join(others) or '(none)'}); tokenizer {cfg.model.name_or_path}", file=out)
         print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
-              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to {keep} tokens (the template's start and the prompt's end kept) "
-              f"(data.max_length - grpo.max_new_tokens)", file=out)
+              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to {keep} tokens "
+              f"(data.max_length - grpo.max_new_tokens; the template's start and the prompt's end kept)", file=out)
         for i in range(min(samples, len(train))):
             print(f"--- prompt {i}: {lengths[i]} tokens, then up to {g.max_new_tokens} generated", file=out)
             print(tokenizer.decode(train[i]["prompt_ids"]), file=out)
