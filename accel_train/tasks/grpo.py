@@ -53,7 +53,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from accel_train import formats
 from accel_train.checkpoint import StoppedWithCheckpoint, StopTogether
 from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
-from accel_train.data import columns as data_columns
+from accel_train.data import columns as data_columns, row_counts
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.generation import generation_config, until_stop
@@ -177,23 +177,12 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols
     if isinstance(ds, Dataset) and "status" not in ds.column_names:  # 0 rows: no column
         return ds
     if isinstance(ds, Dataset):
-        counts = prompt_counts(ds["status"])
+        counts = row_counts(ds)
         log_prompt_counts(counts, cfg, split)
         if report is not None:
             report.update(counts)
     ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
     return ds.remove_columns("status")
-
-
-def prompt_counts(statuses: list[str]) -> dict:
-    """How many prompts were cut, dropped and refused, and the first reason of the last two (as data.row_counts)."""
-    counts = {"rows": len(statuses)}
-    for kind in ("cut", "dropped", "refused"):
-        rows = [i for i, s in enumerate(statuses) if s.startswith(kind)]
-        counts[kind] = len(rows)
-        if rows and kind != "cut":
-            counts[f"first_{kind}"] = f"row {rows[0]}: {statuses[rows[0]].partition(': ')[2]}"
-    return counts
 
 
 def log_prompt_counts(counts: dict, cfg: Config, split: str) -> None:
