@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import accel_train_launch, accelerate_launch, python_m, said
+from conftest import tokenized, accel_train_launch, accelerate_launch, python_m, said
 from datasets import Dataset
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -382,10 +382,11 @@ calls = 0
 
 
 def flaky(prompts, completions, **columns):
-    """Raises on rank 1 at its third call (the first-row check, then the rollouts of steps 1 and 2)."""
+    """Raises on rank 1 at its fourth call (the first-row checks of the train and eval splits, then the rollouts of
+    steps 1 and 2)."""
     global calls
     calls += 1
-    if os.environ.get("RANK") == "1" and calls == 3:
+    if os.environ.get("RANK") == "1" and calls == 4:
         raise ValueError("no reward today")
     return [0.0] * len(completions)
 '''
@@ -589,7 +590,7 @@ def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_
     short, long = [{"role": "user", "content": "reverse abc"}], [{"role": "user", "content": "reverse " + "abc " * 40}]
     gemma = ct.tokenizer_for("gemma2")
     with caplog.at_level("WARNING"):
-        ds = data_lib.tokenize(prompt_rows(system + short, short, long, system + long), gemma, cfg)
+        ds = tokenized(prompt_rows(system + short, short, long, system + long), gemma, cfg)
     assert ds["index"] == [1, 2]
     whole = [gemma(gemma.apply_chat_template(t, add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"] for t in (short, long)]
@@ -602,7 +603,7 @@ def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_
     assert "1 of 2 prompts cut" not in caplog.text and "1 of 4 prompts cut" in caplog.text
     with pytest.raises(ConfigError, match=r"^data: every prompt of .* \(train\) is refused \(row 0: the chat template "
                                           r"refuses this conversation: System role not supported\)"):
-        data_lib.tokenize(prompt_rows(system + short, system + long), gemma, cfg)
+        tokenized(prompt_rows(system + short, system + long), gemma, cfg)
 
     qwen = ct.tokenizer_for("qwen2.5")
     report = {}
