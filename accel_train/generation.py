@@ -96,7 +96,7 @@ def setup_generation(cfg: Config, accelerator, tokenizer, eval_ds) -> Generation
 # generate()'s fields that change which tokens are picked (or how many sequences come back), at the values that
 # switch them off; the sampling-only ones are given when sampling (greedy decoding never reads them).
 OFF = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-       "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "early_stopping": False, "min_length": 0,
+       "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "early_stopping": False,
        "min_new_tokens": 0, "guidance_scale": 1.0, "renormalize_logits": False, "remove_invalid_values": False,
        "token_healing": False, "penalty_alpha": 0.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
        "use_mtp": False, "num_return_sequences": 1, "return_dict_in_generate": False}
