@@ -17,8 +17,13 @@ written: a start that fails half-way. KIND: crash or raise.
 
 makes rank R (default: every rank) take S seconds longer in each PHASE named, as slow work would: setup (its turn at
 loading and tokenizing the data; the other ranks wait for the main process's), reference (its share of
-dpo.precompute_ref's log-probs; every rank then waits for all shares), merge (merge=true, on the main process). With
-step=N[,micro=M] instead of phases, before that micro-batch: a rank that falls behind in training.
+dpo.precompute_ref's log-probs; every rank then waits for all shares), merge (merge=true, on the main process),
+final_evaluation (the evaluation after the last step). With step=N[,micro=M] instead of phases, before that
+micro-batch: a rank that falls behind in training.
+
+    ACCEL_TRAIN_FAULT="raise@PHASE[,rank=R]"
+
+raises a RuntimeError in that phase instead: work after training that fails.
 """
 
 from __future__ import annotations
@@ -90,7 +95,12 @@ def inject_start(rank: int) -> None:
 
 
 def inject_phase(phase: str, rank: int) -> None:
-    """Called in the phases kind slow can name (setup, reference, merge), on the ranks that do that work."""
+    """Called in the phases kinds slow and raise can name (setup, reference, merge, final_evaluation), on the ranks
+    that do that work."""
     spec = fault()
-    if spec is not None and spec[0] == "slow" and phase in spec[1] and spec[1].get("rank", rank) == rank:
+    if spec is None or phase not in spec[1] or spec[1].get("rank", rank) != rank:
+        return
+    if spec[0] == "slow":
         time.sleep(spec[1]["seconds"])
+    if spec[0] == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} in {phase}")

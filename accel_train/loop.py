@@ -278,14 +278,23 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             break  # total_steps reached inside the epoch
         state.epoch += 1
         state.step_in_epoch = 0
-    final = evaluation if stopped else run_evaluation(cfg, job) if job.eval_dl is not None else {}
-    if final and not stopped:
-        run_log.log({"step": state.step, "epoch": state.epoch, **final})
-        judge(cfg, job, final)  # the last weights may be the best
+    # The final evaluation is not run here: the recipe saves the trained weights first (final_evaluation).
+    return {**last, **(evaluation if stopped else {}), "step": state.step, "epoch": state.epoch,
+            "stopped": stopped or "completed"}
+
+
+def final_evaluation(cfg: Config, job: TrainingJob, results: dict) -> dict:
+    """The evaluation after the last step (unless early stopping has just evaluated), logged and judged (the last
+    weights may be the best); `results` (fit's) gain it and the best evaluation."""
+    state, final = job.state, {}
+    if results["stopped"] != "early_stopping" and job.eval_dl is not None:
+        faults.inject_phase("final_evaluation", job.accelerator.process_index)
+        final = run_evaluation(cfg, job)
+        job.run_log.log({"step": state.step, "epoch": state.epoch, **final})
+        judge(cfg, job, final)
     best = {"step": state.best_step, result_name(cfg.eval.metric_for_best): state.best_metric} if (
         cfg.eval.metric_for_best and state.best_metric is not None) else None
-    return {**last, **final, "step": state.step, "epoch": state.epoch, "stopped": stopped or "completed",
-            "best": best}
+    return {**results, **final, "best": best}
 
 
 def run_evaluation(cfg: Config, job: TrainingJob) -> dict:

@@ -2,7 +2,8 @@
 
     make_accelerator (dist.py: rank environment, device, precision, process group)
     -> start_run_dir -> setup_data -> setup_model -> setup_loaders -> setup_optimization
-    -> prepare (accelerate wraps model, optimizer, loaders; resume) -> fit (loop.py) -> save_model -> report
+    -> prepare (accelerate wraps model, optimizer, loaders; resume) -> fit (loop.py) -> save_model
+    -> final_evaluation (loop.py; save.final=best: save_model again with the best weights) -> report
     -> teardown (dist.py, in `finally`)
 
 The command line (cli.py) checks the configuration and calls `run`; nothing here imports the command line.
@@ -32,7 +33,7 @@ from accel_train.dist import (Preemption, gather_setup, hardware, keep_until_exi
                               whole_model)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, stopping_config
-from accel_train.loop import TrainingJob, fit
+from accel_train.loop import TrainingJob, final_evaluation, fit
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.preflight import RUN_MARKER, make_output_dir
@@ -63,24 +64,34 @@ def run(cfg: Config, resume: Path | None) -> dict:
 
         t0 = time.perf_counter()
         try:
-            job.preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
-            results = fit(cfg, job)
-        except StopTogether as e:  # raised on every rank at the same point: they save together, then stop
-            raise e.with_checkpoint(save_checkpoint(accelerator, cfg, job.state)) from None
+            try:
+                job.preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
+                results = fit(cfg, job)
+            except StopTogether as e:  # raised on every rank at the same point: they save together, then stop
+                raise e.with_checkpoint(save_checkpoint(accelerator, cfg, job.state)) from None
+            finally:
+                job.preemption.restore()
+            results.update(job.run_log.timing())
+            train_seconds = time.perf_counter() - t0
+            results.update(task.summary(accelerator, train_seconds))  # a collective, on every rank
+            # The last weights are written before the final evaluation: nothing that fails after training loses them.
+            target = save_model(cfg, accelerator, task, job.model, tokenizer)
+            try:
+                results = final_evaluation(cfg, job, results)
+            except Exception:
+                main_logger().error(f"the evaluation after training failed; the trained weights (step "
+                                    f"{job.state.step}) are saved in {target}")
+                raise
         finally:
-            job.preemption.restore()
             job.run_log.close()
-        results.update(job.run_log.timing())
-        train_seconds = time.perf_counter() - t0
-        results.update(task.summary(accelerator, train_seconds))  # a collective, on every rank
         best = cfg.save.final == "best" and job.state.best_metric is not None
         saved_step = job.state.best_step if best else job.state.step
         if saved_step != job.state.step:  # save.final=best: the best evaluation's weights, from its checkpoint
             load_trainable(accelerator.unwrap_model(job.model, keep_torch_compile=False),
                            checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
+            target = save_model(cfg, accelerator, task, job.model, tokenizer)
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
                        effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
-        target = save_model(cfg, accelerator, task, job.model, tokenizer)
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
                 faults.inject_phase("merge", accelerator.process_index)

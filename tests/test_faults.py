@@ -187,3 +187,21 @@ def test_nonfinite_stop_policy_saves_last_good_state(tmp_path):
                                  f"Checkpoint of the last good state: {out}/checkpoints/step-4 (lower train.lr, or "
                                  "check the data)"]
     assert complete(out) == [3, 4]  # the last good state: after step 4
+
+
+def test_failed_final_evaluation_keeps_the_trained_weights(tmp_path):
+    """Work after the last step that fails (here the final evaluation) cannot lose the training: the adapter is
+    written before it, loads, and the error names where it is."""
+    out = tmp_path / "run"
+    proc = python_m(*RUN, "train.max_steps=4", "checkpoint.save_every=100", f"output_dir={out}",
+                    env={"ACCEL_TRAIN_FAULT": "raise@final_evaluation"})
+    assert proc.returncode != 0
+    assert "injected fault on rank 0 in final_evaluation" in proc.stderr
+    assert f"the trained weights (step 4) are saved in {out}/adapter" in proc.stderr
+    assert not (out / "checkpoints").exists()  # the adapter is the only copy of the training
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    model = PeftModel.from_pretrained(base, out / "adapter")
+    trained = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert trained and any(v.abs().sum() > 0 for v in trained.values())  # lora_B starts at zero: it was trained
