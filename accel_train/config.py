@@ -196,6 +196,11 @@ class TrainConfig:
     """Samples per micro-batch on each process."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step. Effective batch = per_device_batch_size x grad_accum_steps x processes."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all processes (in per_device_batch_size's unit: prompts for grpo). When set,
+    each process takes global_batch_size / processes of them, in micro-batches of at most per_device_batch_size
+    (grad_accum_steps follows), so that 1, 2 or N processes run the same optimisation; refused when the processes
+    do not divide it. None: per_device_batch_size x grad_accum_steps x processes."""
     epochs: int = 10
     """Passes over the training data."""
     max_steps: Optional[int] = None
@@ -430,6 +435,7 @@ class Config:
                               ("checkpoint.save_every", self.checkpoint.save_every),
                               ("data.pad_to_multiple_of", self.data.pad_to_multiple_of),
                               ("model.num_labels", self.model.num_labels),
+                              ("train.global_batch_size", self.train.global_batch_size),
                               ("train.early_stopping_patience", self.train.early_stopping_patience)):
             if optional is not None:
                 positive[key] = optional

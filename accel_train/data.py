@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from accelerate.logging import get_logger
+from accel_train.tracking import get_logger
 from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 

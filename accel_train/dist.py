@@ -35,7 +35,7 @@ import torch
 import torch.distributed
 import transformers
 from accelerate import Accelerator, PartialState
-from accelerate.logging import get_logger
+from accel_train.tracking import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin,
                               InitProcessGroupKwargs, ProjectConfiguration, TorchDynamoPlugin,
                               send_to_device)

@@ -3,7 +3,7 @@ end of turn or eos. Greedy unless --do-sample. The model is loaded once; the pro
 
     python -m accel_train.generate PATH --prompt "reverse abcd" [--prompt ...] [--prompts-file FILE]
         [--system TEXT] [--max-new-tokens 64] [--do-sample [--temperature T] [--top-p P]] [--seed N]
-        [--model-defaults] [--output FILE.jsonl | --jsonl]
+        [--model-defaults] [--random-base] [--output FILE.jsonl | --jsonl]
 
 Decoding is exactly what the flags say: no top-k, repetition penalty or other setting of the model's own
 generation_config.json applies (Qwen2.5-Instruct's, for one, sets a repetition penalty of 1.05).
@@ -11,7 +11,8 @@ generation_config.json applies (Qwen2.5-Instruct's, for one, sets a repetition p
 do_sample, temperature, top_p, top_k, repetition_penalty, ...), with --do-sample, --temperature and --top-p on top.
 
 One prompt prints its response as plain text; several prompts (or --jsonl) print one JSON row per prompt on stdout,
-and --output writes them to a file: the prompt's row ({"prompt": ...} or {"messages": [...]}) with "generation".
+and --output writes them to a file: the prompt's row ({"prompt": ...} or {"messages": [...]}) with "generation" and
+"truncated" (true when the response was cut at --max-new-tokens before its end of turn; stderr counts them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from accel_train.config import ConfigError
 from accel_train.model_sources import PATH_HELP, check_task, trained_folder
+from accel_train.preflight import saved_random_base
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -79,7 +81,20 @@ def generate_rows(path: str, rows: list[dict], system: str | None = None, max_ne
                   batch_size: int = 8, model_defaults: bool = False, **sampling) -> list[str]:
     """One response per row (see read_prompts), in order. `sampling`: do_sample, temperature, top_p (greedy without
     them); model_defaults: start from the model's own generation_config.json (generation.generation_config)."""
+    return [text for text, _ in answer_rows(path, rows, system, max_new_tokens, batch_size, model_defaults,
+                                            **sampling)]
+
+
+def answer_rows(path: str, rows: list[dict], system: str | None = None, max_new_tokens: int = 64,
+                batch_size: int = 8, model_defaults: bool = False, random_base: bool = False,
+                **sampling) -> list[tuple[str, bool]]:
+    """generate_rows' responses, each with whether it was cut at max_new_tokens (no end of turn reached).
+    A run's saved random base (RUN/base_model) is refused unless `random_base`: it was never trained."""
     folder = trained_folder(path)
+    if saved_random_base(folder) and not random_base:
+        raise ConfigError(f"PATH: {folder} holds the random weights a run started from, not a trained model (its "
+                          f"answers are noise): give the run's folder, {folder.parent}, for its adapter (or "
+                          "--random-base to generate from these weights anyway)")
     check_task(folder, "causal_lm")
     # torch and transformers only once PATH is known to hold the right kind of model
     import torch
@@ -100,8 +115,9 @@ def generate_rows(path: str, rows: list[dict], system: str | None = None, max_ne
         with torch.no_grad():
             out = model.generate(**batch, generation_config=config)
         new = out[:, batch["input_ids"].shape[1]:].tolist()
-        answers += tokenizer.batch_decode([until_stop(t, config.eos_token_id, keep=False) for t in new],
-                                          skip_special_tokens=True)
+        kept = [until_stop(t, config.eos_token_id, keep=False) for t in new]
+        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+        answers += [(text, len(k) == len(t) == max_new_tokens) for text, k, t in zip(texts, kept, new)]
     return answers
 
 
@@ -129,6 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-defaults", action="store_true",
                         help="decode with the model's own generation_config.json (its sampling, top-k, repetition "
                              "penalty, ...), not only what these flags say")
+    parser.add_argument("--random-base", action="store_true",
+                        help="allow PATH to be a run's saved random base (RUN/base_model), which was never trained")
     parser.add_argument("--output", help="write the rows with their generation to this JSONL file")
     parser.add_argument("--jsonl", action="store_true", help="print JSON rows on stdout even for one prompt")
     args = parser.parse_args(argv)
@@ -153,18 +171,23 @@ def main(argv: list[str] | None = None) -> None:
         if args.do_sample:
             given = {"temperature": args.temperature, "top_p": args.top_p}
             sampling = {"do_sample": True, **{k: v for k, v in given.items() if v is not None}}
-        answers = generate_rows(args.path, rows, args.system, args.max_new_tokens, args.batch_size,
-                                args.model_defaults, **sampling)
+        answers = answer_rows(args.path, rows, args.system, args.max_new_tokens, args.batch_size,
+                              args.model_defaults, args.random_base, **sampling)
     except ConfigError as e:
         print(f"accel_train.generate: error: {e}", file=sys.stderr)
         sys.exit(2)
-    out = [json.dumps({**row, "generation": answer}, ensure_ascii=False) for row, answer in zip(rows, answers)]
+    out = [json.dumps({**row, "generation": text, "truncated": cut}, ensure_ascii=False)
+           for row, (text, cut) in zip(rows, answers)]
     if args.output:
         Path(args.output).write_text("".join(line + "\n" for line in out), encoding="utf-8")
     elif len(rows) == 1 and not args.jsonl:
-        print(answers[0])
+        print(answers[0][0])
     else:
         print("\n".join(out))
+    cut = sum(c for _, c in answers)
+    if cut:
+        print(f"accel_train.generate: {cut} of {len(answers)} response(s) cut at --max-new-tokens="
+              f"{args.max_new_tokens} before their end of turn (\"truncated\": true)", file=sys.stderr)
 
 
 if __name__ == "__main__":

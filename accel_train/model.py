@@ -7,14 +7,13 @@ import logging
 
 import peft
 import torch
-from accelerate.logging import get_logger
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from accel_train.config import Config, ConfigError
 from accel_train.model_sources import check_model, trained_folder
-from accel_train.tracking import quiet_libraries
+from accel_train.tracking import get_logger, quiet_libraries
 
 logger = get_logger(__name__)
 

@@ -25,6 +25,7 @@ from accel_train.tracking import check_trackers
 
 def preflight(cfg: Config) -> Path | None:
     """Every cheap check; returns the checkpoint to resume from, if any."""
+    split_global_batch(cfg, launched_world_size())
     check_data_source(cfg)
     check_model_source(cfg)
     check_adapter_source(cfg)
@@ -37,6 +38,23 @@ def preflight(cfg: Config) -> Path | None:
     if cfg.eval.generate:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
     return resolve_resume(cfg)
+
+
+def split_global_batch(cfg: Config, processes: int) -> None:
+    """train.global_batch_size over `processes`: each takes an equal share, in the fewest micro-batches of at most
+    train.per_device_batch_size (per_device_batch_size and grad_accum_steps are set to the split)."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        return
+    share, rest = divmod(t.global_batch_size, processes)
+    if rest:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not divide over {processes} processes: "
+                          f"make it a multiple of {processes}")
+    batch = max(d for d in range(1, min(share, t.per_device_batch_size) + 1) if share % d == 0)
+    if t.grad_accum_steps not in (1, share // batch):  # 1, or the split itself (a run's config.yaml records it)
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} decides train.grad_accum_steps "
+                          f"({share // batch} on {processes} process(es)): drop train.grad_accum_steps={t.grad_accum_steps}")
+    t.per_device_batch_size, t.grad_accum_steps = batch, share // batch
 
 
 def launched_world_size() -> int:
@@ -114,6 +132,14 @@ def check_adapter_source(cfg: Config) -> None:
 # Written first into an output_dir the run creates: it marks the folder as accel_train's even when the run died
 # before config.yaml, so that overwrite=true may replace what a failed start left.
 RUN_MARKER = ".accel_train"
+# A run's copy of its random base (output_dir/base_model): an adapter trained on it needs it.
+BASE_MODEL = "base_model"
+
+
+def saved_random_base(name_or_path) -> bool:
+    """Whether a model folder is the random base an earlier run saved (only a random base is saved there)."""
+    folder = Path(name_or_path).expanduser()
+    return folder.name == BASE_MODEL and (folder.parent / RUN_MARKER).is_file()
 
 
 def make_output_dir(path: str | Path) -> None:

@@ -27,7 +27,7 @@ from accel_train import faults, tasks
 from accel_train.card import write_cards
 from accel_train.checkpoint import (StopTogether, TrainState, checkpoints_dir, load_checkpoint, load_trainable,
                                     plain_name, register_hooks, save_checkpoint, set_aside_later, trainable_state)
-from accel_train.config import Config, ConfigError, save_config
+from accel_train.config import Config, ConfigError, is_embedded_tiny_model, save_config
 from accel_train.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
                               make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main,
                               whole_model)
@@ -36,7 +36,7 @@ from accel_train.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.loop import TrainingJob, final_evaluation, fit
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.preflight import RUN_MARKER, make_output_dir
+from accel_train.preflight import BASE_MODEL, make_output_dir, saved_random_base
 from accel_train.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
                                   reset_peak_memory, truncate_log, write_summary)
 
@@ -126,8 +126,11 @@ def setup_data(cfg: Config, accelerator, task, tokenizer, report: dict) -> tuple
         chosen = task.columns(data_lib.columns(train_raw), cfg.data.path)
         if chosen:
             data_lib.logger.info(f"data: {chosen}")
-        if eval_raw is not None:  # an evaluation that fails after training would come too late
-            task.columns(data_lib.columns(eval_raw), cfg.data.eval_path or f"{cfg.data.path} (evaluation split)")
+        if eval_raw is not None:  # checked now: an evaluation that fails after training would come too late
+            eval_chosen = task.columns(data_lib.columns(eval_raw),
+                                       cfg.data.eval_path or f"{cfg.data.path} (evaluation split)")
+            if eval_chosen and eval_chosen != chosen:  # another file, or split, in another format: said, not silent
+                data_lib.logger.info(f"data (evaluation, {cfg.data.eval_path or cfg.data.eval_split}): {eval_chosen}")
         task.prepare_data(train_raw, eval_raw)
         train_ds = task.tokenize(train_raw, tokenizer, report=report.setdefault("train", {}))
         eval_ds = (task.tokenize(eval_raw, tokenizer, report=report.setdefault("eval", {}), split="eval")
@@ -142,16 +145,6 @@ def setup_data(cfg: Config, accelerator, task, tokenizer, report: dict) -> tuple
         raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
                           f"train.per_device_batch_size={batch} for each of the {procs} processes")
     return train_ds, eval_ds
-
-
-# A run's copy of its random base (output_dir/base_model): an adapter trained on it needs it.
-BASE_MODEL = "base_model"
-
-
-def saved_random_base(name_or_path: str) -> bool:
-    """Whether a model folder is the random base an earlier run saved (only a random base is saved there)."""
-    folder = Path(name_or_path).expanduser()
-    return folder.name == BASE_MODEL and (folder.parent / RUN_MARKER).is_file()
 
 
 def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) -> torch.nn.Module:
@@ -253,7 +246,8 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
     """The run's first line: where it runs, in which precision, from which weights, on what, for how many steps."""
     accelerator, (trainable, total) = job.accelerator, count_parameters(job.model)
     batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
-    weights = ("random weights (model.random_init=true)" if cfg.model.random_init
+    weights = ("random weights (the built-in tiny model)" if cfg.model.random_init and is_embedded_tiny_model(
+        cfg.model.name_or_path) else "random weights (model.random_init=true)" if cfg.model.random_init
                else f"the random base saved by an earlier run ({cfg.model.name_or_path})"
                if saved_random_base(cfg.model.name_or_path) else f"pretrained weights from {cfg.model.name_or_path}")
     main_logger().info(
@@ -263,8 +257,17 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
         f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
         f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
+        + (" (train.global_batch_size: per-device batch x accumulation x processes)"
+           if cfg.train.global_batch_size else "")
         + job.task.batch_unit()
         + f"; {job.total_steps} steps")
+    warmup = cfg.train.warmup_steps
+    if warmup * 2 > job.total_steps and job.state.step == 0:
+        main_logger().warning(
+            f"train.warmup_steps={warmup} covers {'all' if warmup >= job.total_steps else 'most'} of the run's "
+            f"{job.total_steps} steps: the learning rate " + (f"never reaches train.lr={cfg.train.lr:g}" if
+            warmup >= job.total_steps else f"reaches train.lr={cfg.train.lr:g} only at step {warmup}")
+            + "; lower train.warmup_steps")
 
 
 def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:

@@ -7,6 +7,7 @@ because it needs no account. Importing this module imports no torch: preflight c
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -76,6 +77,7 @@ def configure_console(cfg: Config) -> None:
     logging.captureWarnings(True)
     debug = cfg.log_level == "debug"
     logging.getLogger("accelerate").setLevel(logging.INFO if debug else logging.WARNING)  # a line per checkpoint file
+    logging.getLogger("matplotlib").setLevel(logging.INFO if debug else logging.WARNING)  # "generated new fontManager"
     if not debug:
         quiet_libraries()
 
@@ -92,10 +94,31 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
-def main_logger():
-    """accelerate's logger, which logs on the main process only (imported when first used: it imports torch)."""
-    from accelerate.logging import get_logger
+@functools.cache
+def _adapter_class():
+    from accelerate.logging import MultiProcessAdapter
+    from accelerate.state import PartialState
 
+    class RankLogger(MultiProcessAdapter):
+        """accelerate's, without the "[RANK 0]" it puts before every line: only lines from other ranks (logged
+        with main_process_only=False) say their rank."""
+
+        def process(self, msg, kwargs):
+            kwargs.setdefault("stacklevel", 2)
+            rank = PartialState().process_index
+            return (f"[RANK {rank}] {msg}" if rank else msg), kwargs
+
+    return RankLogger
+
+
+def get_logger(name: str):
+    """accelerate's logger for `name`: it logs on the main process only unless called with main_process_only=False
+    (imported when first used: it imports torch)."""
+    return _adapter_class()(logging.getLogger(name), {})
+
+
+def main_logger():
+    """The run's own lines (start, steps, evaluations, the end)."""
     return get_logger("accel_train")
 
 

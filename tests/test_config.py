@@ -7,7 +7,7 @@ import typing
 
 import pytest
 import yaml
-from conftest import ACCEL_CONFIGS, TRAIN_CONFIGS
+from conftest import ACCEL_CONFIGS, TRAIN_CONFIGS, python_m
 
 from accel_train.config import Config, ConfigError, help_text, load_config
 
@@ -18,8 +18,9 @@ def test_every_train_config_loads(path):
     assert isinstance(cfg, Config)
 
 
-def test_default_yaml_is_the_embedded_default():
-    assert load_config(TRAIN_CONFIGS / "default.yaml") == Config()
+def test_default_yaml_is_the_embedded_default_with_a_global_batch():
+    """The built-in default on any number of processes: the default of one process, 16 samples a step."""
+    assert load_config(TRAIN_CONFIGS / "default.yaml") == load_config(None, ["train.global_batch_size=16"])
 
 
 @pytest.mark.parametrize("path", sorted(ACCEL_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -199,3 +200,37 @@ def test_help_shows_each_key_default_as_the_dataclass_declares_it():
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(key + " ("))
         assert f", default {default!r}): " in line, line
     assert "model.random_init (Optional[bool], default None): " in text
+
+
+@pytest.mark.parametrize("processes,per_device,expected", [
+    (1, 16, (16, 1)), (2, 16, (8, 1)), (4, 16, (4, 1)), (1, 8, (8, 2)), (2, 6, (4, 2)), (1, 5, (4, 4))])
+def test_global_batch_splits_over_the_processes(processes, per_device, expected):
+    """train.global_batch_size=16: each process takes 16 / processes samples a step, in the fewest micro-batches of
+    at most per_device_batch_size; the effective batch is 16 on any topology."""
+    from accel_train.preflight import split_global_batch
+
+    cfg = load_config(None, ["train.global_batch_size=16", f"train.per_device_batch_size={per_device}"])
+    split_global_batch(cfg, processes)
+    assert (cfg.train.per_device_batch_size, cfg.train.grad_accum_steps) == expected
+    assert cfg.train.per_device_batch_size * cfg.train.grad_accum_steps * processes == 16
+
+
+def test_global_batch_refusals_are_one_line(tmp_path):
+    from accel_train.preflight import split_global_batch
+
+    cfg = load_config(None, ["train.global_batch_size=16"])
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size=16 does not divide over 3 processes: make it a "
+                                          r"multiple of 3$"):
+        split_global_batch(cfg, 3)
+    cfg = load_config(None, ["train.global_batch_size=16", "train.grad_accum_steps=4"])
+    with pytest.raises(ConfigError, match=r"decides train.grad_accum_steps \(1 on 1 process\(es\)\): drop "
+                                          r"train.grad_accum_steps=4$"):
+        split_global_batch(cfg, 1)
+    cfg = load_config(None, ["train.global_batch_size=32", "train.grad_accum_steps=2"])  # its own config.yaml
+    split_global_batch(cfg, 1)
+    assert (cfg.train.per_device_batch_size, cfg.train.grad_accum_steps) == (16, 2)
+    # under a launcher: every rank refuses before any work, one line (WORLD_SIZE as the launcher sets it)
+    proc = python_m("train.global_batch_size=10", f"output_dir={tmp_path / 'run'}", env={"WORLD_SIZE": "4"})
+    assert proc.returncode == 2 and proc.stderr == (
+        "accel_train: error: train.global_batch_size=10 does not divide over 4 processes: make it a multiple of 4\n")
+    assert not (tmp_path / "run").exists()

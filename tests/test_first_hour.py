@@ -74,7 +74,7 @@ def test_a_newcomers_first_hour(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished = proc.stdout + proc.stderr
     assert "Traceback" not in finished and finished.count("final: ") == 1
-    assert not any(word in finished for word in ("Warning", "INFO", "it/s]")), finished
+    assert not any(word in finished for word in ("Warning", "INFO", "it/s]", "[RANK", "fontManager")), finished
     assert sum("<unk>" in line for line in finished.splitlines()) == 1
     assert read_metrics(out)[1][-1]["eval_loss"] > 0
 
@@ -86,7 +86,10 @@ def test_a_newcomers_first_hour(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "gen.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["reverse abc", "reverse dice", "reverse jade"]
     assert all(isinstance(r["generation"], str) for r in rows)
-    assert proc.stderr == ""  # no progress bar of the weights' loading, no library warning
+    # no progress bar of the weights' loading, no library warning; only the count of answers cut at 64 tokens
+    cut = sum(r["truncated"] for r in rows)
+    assert proc.stderr == (f"accel_train.generate: {cut} of 3 response(s) cut at --max-new-tokens=64 before their "
+                           "end of turn (\"truncated\": true)\n" if cut else "")
 
     # 6. classification from CSV files with string labels, then predict prints the label names
     cls_rows = [dict(text=" ".join(["good", "fun", "great"][i % 3] for i in range(n)), label="positive")
@@ -117,3 +120,22 @@ def test_a_newcomers_first_hour(tmp_path):
         assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
         assert took < 10 * trivial + 5, (took, trivial)  # before: 55 s of hub retries for the typo
     assert folder_digest(out) == before
+
+
+def test_the_start_says_what_the_run_will_do(tmp_path):
+    """A one-process run's lines carry no "[RANK 0]"; the start line names where the random weights come from (no key
+    was set); a warmup covering most of the run is said; an eval file in another format than the training file
+    is named with its own format."""
+    train = write_jsonl(tmp_path / "train.jsonl", chat_rows(WORDS * 2))
+    evals = tmp_path / "eval.txt"
+    evals.write_text("reverse bag gab\nreverse dab bad\n")
+    proc = python_m(f"data.path={train}", f"data.eval_path={evals}", "train.max_steps=4", "track.log_with=[]",
+                    f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split(" ", 1)[1] for line in proc.stderr.splitlines() if line[:2].isdigit()]  # after the time
+    assert not any("RANK" in line for line in proc.stderr.splitlines())
+    assert "; random weights (the built-in tiny model); " in proc.stderr
+    assert ("train.warmup_steps=10 covers all of the run's 4 steps: the learning rate never reaches train.lr=0.003; "
+            "lower train.warmup_steps") in lines
+    assert lines[0].startswith("data: format messages")
+    assert lines[1] == f"data (evaluation, {evals}): format text from column(s) text (data.format=auto; the same as data.format=text)"

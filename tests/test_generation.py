@@ -354,7 +354,34 @@ def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, 
     main([str(runs["one"]), "--prompt", "reverse abc", "--prompt", "reverse cde", "--system", "x", "--max-new-tokens",
           "4", "--do-sample", "--temperature", "0.8", "--seed", "1"])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [set(r) for r in printed] == [{"prompt", "generation"}] * 2
+    assert [set(r) for r in printed] == [{"prompt", "generation", "truncated"}] * 2
+    # an answer cut at --max-new-tokens says so: exactly those whose whole answer (12 tokens: all end before) is
+    # longer than what 3 tokens hold (the tiny tokenizer: a token per letter)
+    prompts = ["reverse abcdefgh", "reverse ab", "reverse a", "reverse hgfedcbaij"]
+    whole = generate_rows(str(runs["one"]), [{"prompt": p} for p in prompts], max_new_tokens=12)
+    main([str(runs["one"]), *[a for p in prompts for a in ("--prompt", p)], "--max-new-tokens", "3"])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    cut = [len(w) >= 3 for w in whole]  # its end of turn did not fit
+    assert [r["truncated"] for r in rows] == cut
+    assert [r["generation"] for r in rows] == [w[:3] if c else w for w, c in zip(whole, cut)]
+    assert err == (f"accel_train.generate: {sum(cut)} of 4 response(s) cut at --max-new-tokens=3 before their end "
+                   "of turn (\"truncated\": true)\n" if any(cut) else "")
+
+
+def test_generate_refuses_a_runs_random_base(runs, capsys):
+    """RUN/base_model is the untrained random base a run saved for its adapter: its answers are noise."""
+    from accel_train.generate import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([str(runs["one"] / "base_model"), "--prompt", "reverse abcd"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        f"accel_train.generate: error: PATH: {runs['one'] / 'base_model'} holds the random weights a run started "
+        f"from, not a trained model (its answers are noise): give the run's folder, {runs['one']}, for its adapter "
+        "(or --random-base to generate from these weights anyway)\n")
+    main([str(runs["one"] / "base_model"), "--prompt", "reverse abcd", "--random-base", "--max-new-tokens", "2"])
+    assert capsys.readouterr().out  # asked for: it answers
 
 
 # ---------------------------------------------------------------------------- the model's generation_config.json

@@ -87,23 +87,27 @@ def check_default_run(proc, out, processes: int, min_accuracy: float = 0.8):
     return train, final
 
 
-def test_default_one_process(tmp_out):
-    # 3 of the 10 epochs (510 steps): the full default trains in the 2-process test and the notebook.
-    # a fresh interpreter, as users start it (other single-process tests fork theirs: conftest.python_m)
-    proc = run([sys.executable, "-m", "accel_train", f"output_dir={tmp_out}", "train.epochs=3"])
-    check_default_run(proc, tmp_out, processes=1, min_accuracy=0.4)
-
-
 @pytest.mark.long
-def test_default_two_processes_accelerate_launch_then_the_dpo_recipe(tmp_out):
-    proc = accelerate_launch("cpu_2proc.yaml", f"output_dir={tmp_out}")
-    train, _ = check_default_run(proc, tmp_out, processes=2)
-    # Two ranks share each epoch: half the optimizer steps of one process at the same per-device batch.
-    assert train[-1]["step"] == 850
-    # Resident memory stays flat after warm-up, over 10 epochs (measured: +0.7 MB from step 100 to 850): a leak
-    # of 14 kB a step would exceed the bound.
+def test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe(tmp_path):
+    """`python -m accel_train` and README's Quick start (accel-train launch, cpu_2proc.yaml, default.yaml, whose
+    train.global_batch_size=16 splits each step's 16 samples over the processes) train the same model: the same steps,
+    the same losses and the same final evaluation, to the topology suite's tolerance. 3 of the 10 epochs (510 steps);
+    the full default trains in the notebook."""
+    one, tmp_out = tmp_path / "one", tmp_path / "default"
+    # a fresh interpreter, as users start it (other single-process tests fork theirs: conftest.python_m)
+    proc = run([sys.executable, "-m", "accel_train", f"output_dir={one}", "train.epochs=3"], timeout=900)
+    train_one, final_one = check_default_run(proc, one, processes=1, min_accuracy=0.4)
+    proc = accel_train_launch("cpu_2proc.yaml", "--config", "configs/train/default.yaml", f"output_dir={tmp_out}",
+                              "train.epochs=3", timeout=900)
+    assert "effective batch 8 x 1 x 2 = 16 (train.global_batch_size" in proc.stderr
+    train, final = check_default_run(proc, tmp_out, processes=2, min_accuracy=0.4)
+    assert [r["step"] for r in train] == [r["step"] for r in train_one] and train[-1]["step"] == 510
+    assert [r["loss"] for r in train] == pytest.approx([r["loss"] for r in train_one], rel=1e-4)
+    assert final["eval_loss"] == pytest.approx(final_one["eval_loss"], rel=1e-4)
+    # Resident memory stays flat after warm-up (measured: +0.7 MB from step 100 to 850 before the global batch): a
+    # leak of 25 kB a step would exceed the bound.
     memory = {r["step"]: r["memory_mb"] for r in train}
-    assert memory[850] - memory[100] < 10, memory
+    assert memory[510] - memory[100] < 10, memory
 
     # README's second command, on this SFT run: preference tuning (configs/train/dpo_default.yaml) against the SFT
     # model as reference. The rewards climb from chance, and the greedy answers measurably move to the chosen form.

@@ -33,7 +33,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
-from accelerate.logging import get_logger
+from accel_train.tracking import get_logger
 from accelerate.utils import send_to_device
 from datasets import Dataset, IterableDataset
 

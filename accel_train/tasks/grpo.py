@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from accelerate.logging import get_logger
+from accel_train.tracking import get_logger
 from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from transformers import LogitsProcessor, LogitsProcessorList

@@ -15,7 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from accelerate.logging import get_logger
+from accel_train.tracking import get_logger
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
