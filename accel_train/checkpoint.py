@@ -5,6 +5,15 @@ A checkpoint folder holds: the trainable weights only (the LoRA adapter, not the
 scheduler, every rank's RNG state, the training position (`train_state.json`), the resolved config, and last,
 the marker `COMPLETE` (written to a temporary name, then renamed). Folders without the marker are ignored.
 
+Resume (resume_from=latest|PATH) continues at the exact sample: the epoch's shuffle is drawn again from (seed,
+epoch) and the batches its finished steps used are skipped; work after the last optimizer step (half an
+accumulation window) is redone, never half-applied. Another number of processes is allowed when the effective
+batch is the same (2 x accumulation 2 -> 1 x accumulation 4); otherwise the run stops naming the checkpoint's
+batch. Resuming from an older checkpoint moves the later step-N folders into checkpoints/superseded/, so
+resume_from=latest never goes back to them. Only complete checkpoints beyond checkpoint.keep_last are deleted, oldest
+first, after a newer one is complete; checkpoint.keep_best keeps the best evaluation's. tests/test_checkpoint.py
+crashes runs mid-window (faults.py) and compares every later loss and the final weights with an uninterrupted run.
+
 Importing this module imports no torch: preflight resolves `resume_from` with it before the heavy imports.
 """
 

@@ -7,6 +7,9 @@ Rules that keep multi-process runs from hanging:
   the one gather of per-rank counts the loop issues at the start of each step, at the same point on all ranks;
   the stop on a non-finite loss reads the gradient norm, which is global once gradients are all-reduced;
 - with one process no collective runs (accelerate's reduce/gather are no-ops there);
+- SIGTERM or SIGINT, to the launcher or to any one rank, travels in that gather: every rank saves a checkpoint of
+  the same step and exits 128+signal; a launcher killed outright (SIGKILL) cannot forward anything, so each rank
+  watches it (Linux: a parent-death signal; elsewhere it polls) and stops the same way;
 - where ranks wait for work that takes as long as the data make it (the main process tokenizing first, each rank's
   share of the reference log-probs), they wait on the setup group (`local_main_process_first`, `gather_setup`), not
   under train.dist_timeout_s, which bounds the training collectives.

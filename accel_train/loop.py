@@ -1,6 +1,19 @@
 """The training loop (`fit`) and evaluation (`run_evaluation`): single-process code in appearance, with every
 value that could differ between ranks decided together once per step (see the comments in `fit`).
 
+Why 1 process with accumulation and N processes give the same numbers (tests/test_topology.py, 1e-5):
+1. one effective batch, per_device_batch_size x grad_accum_steps x processes: each epoch is one shuffle drawn from
+   (seed, epoch), dealt to the ranks in turn, so a step takes the same consecutive samples whatever the split;
+2. the loss is summed over the step's targets on every rank and micro-batch and divided by their total N (one
+   gather of the counts per step): each micro-batch back-propagates sum(l) x P x A / N, which DDP's mean over P
+   processes and accelerate's division by A accumulation steps turn into the gradient of the step's loss;
+3. gradients are all-reduced on a step's last micro-batch only (no_sync before it: accelerate's `accumulate`
+   written out, since the normalisation needs the whole step fetched first), then clipped: the global norm;
+4. the scheduler steps once per optimizer step (step_scheduler_with_optimizer=False);
+5. no sample dropped or repeated: a rank out of batches at an epoch's end replays one with weight 0, and evaluation
+   drops accelerate's repeats (gather_for_metrics);
+6. every decision that steers control flow comes from that one gather or from the global gradient norm.
+
 The objects it drives are built by `recipe.py` and handed over in one `TrainingJob`; what depends on the objective
 (batches, loss, evaluation) is asked of `job.task` (accel_train/tasks), never decided here.
 """

@@ -811,11 +811,11 @@ README_EXAMPLES = re.compile(r"^# [^:]+: (\{.*\})\npython -m accel_train (.+)$",
 
 
 def test_readme_own_data_examples_resolve_and_read_their_format(tmp_path, monkeypatch):
-    """Each command of README's "Your own data", on files holding its example row: the config loads, the cheap
+    """Each command of README's "Train on your data", on files holding its example row: the config loads, the cheap
     checks pass, both files load and the columns are those of the format the comment names."""
     from conftest import REPO
 
-    section = (REPO / "README.md").read_text().partition("### Your own data")[2].partition("###")[0]
+    section = (REPO / "README.md").read_text().partition("## Train on your data")[2].partition("\n## ")[0]
     examples = README_EXAMPLES.findall(section)
     assert len(examples) == 6
     monkeypatch.chdir(tmp_path)

@@ -5,6 +5,20 @@ dict), and resumes exactly from a checkpoint after a crash in the middle of a wi
 
 As in test_fsdp.py, the DeepSpeed runs use 1 sample x 2 micro-batches per rank where the DDP reference uses 2 x 1:
 DeepSpeed's own accumulation (its boundary is accelerate's sync_gradients) is exercised too.
+
+On 2 GPUs (not run for this project yet), the same comparison: train one small fp32 recipe with DDP and each stage,
+then compare every step's loss (expect < 1e-4 relative), generate from the ZeRO-3 adapter, and resume ZeRO-2 from
+step 30 (steps 31-40 must match; copy metrics.jsonl first, resume rewrites it). Watch an epoch's last step, where
+the loop may run fewer micro-batches than grad_accum_steps and DeepSpeed counts them itself:
+
+    R="train.mixed_precision=no train.max_steps=40 train.log_every=1 checkpoint.save_every=10"
+    accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py $R output_dir=runs/ddp
+    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml accel_train/train.py $R output_dir=runs/z2
+    accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml accel_train/train.py $R output_dir=runs/z3
+    python -m accel_train.plot runs/ddp runs/z2 runs/z3 --out ddp_vs_zero.png
+    python -m accel_train.generate runs/z3 --prompt "reverse abcd"
+    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml accel_train/train.py $R \
+        output_dir=runs/z2 resume_from=runs/z2/checkpoints/step-30
 """
 
 from __future__ import annotations

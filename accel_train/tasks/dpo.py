@@ -13,15 +13,24 @@ truncation) teach nothing: they are dropped, and counted in the log; an empty re
 
 The loss (Rafailov et al. 2023) compares the policy's and the reference's log-probabilities of the two responses,
 each summed over its tokens. Chosen and rejected go through the model in one forward (a batch of 2B rows, chosen
-first). The reference is the same model with its LoRA adapter disabled (peft's `disable_adapter`, no second
-model), a frozen copy of the initial model under full fine-tuning, or log-probs computed once before training
-(dpo.precompute_ref). Per pair, with m = (policy - reference)(chosen) - (policy - reference)(rejected):
+first). The reference (dpo.reference=start, the default) is the policy as training starts: the same model with
+its fresh LoRA adapter disabled (peft's `disable_adapter`, no second model); with model.adapter_from (continuing an
+SFT adapter) that adapter loaded a second time and frozen (TRL's ref_adapter_name), so rewards start at 0;
+dpo.reference=base disables the adapter instead; a frozen copy of the initial model under full fine-tuning; or
+log-probs computed once before training (dpo.precompute_ref: each process's whole batches, cached by datasets
+under a key that includes a hash of the weights). Per pair, with m = (policy - reference)(chosen) - (policy - reference)(rejected):
 
     sigmoid:  -(1 - e) log sigmoid(beta m) - e log sigmoid(-beta m)      e = dpo.label_smoothing
     ipo:      (m - 1 / (2 beta))^2, on log-probs averaged over each response's tokens (Azar et al. 2023)
 
-The loop sums the per-pair losses and divides by the number of pairs in the effective batch (all ranks, all
-micro-batches), as it does with target tokens for causal_lm.
+dpo.rpo_alpha = a > 0 adds a x the chosen response's negative log-likelihood per token (RPO). The loop sums the
+per-pair losses and divides by the number of pairs in the effective batch (all ranks, all micro-batches), as it
+does with target tokens for causal_lm.
+
+Logged, as means over the pairs of the log interval on all ranks (eval_ prefixed at evaluation): rewards/chosen
+and rewards/rejected (beta x the policy - reference log-ratio), rewards/margin, rewards/accuracy (the share of pairs
+whose chosen reward is the higher), logps/chosen, logps/rejected. Plain DPO on near-identical pairs lowers
+logps/chosen too (likelihood displacement) and can worsen greedy answers; rpo_alpha counters it (README's table).
 """
 
 from __future__ import annotations

@@ -27,7 +27,18 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
               completions, each first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
 
 With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
-every mu steps); checkpoints are written between batches of rollouts only.
+every mu steps); checkpoints are written between batches of rollouts only (checkpoint.save_every a multiple of mu).
+
+Sampling reads the model's logits as they are (generation.generation_config): no setting of the base's
+generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
+actually sampled. Generation is refused under FSDP and DeepSpeed (sharded weights would need every rank in step).
+
+Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std,
+frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length, /clipped_ratio (cut at
+max_new_tokens), clip_ratio, entropy, kl (beta > 0). Evaluation answers the eval prompts greedily: eval_reward,
+eval_rewards/NAME/mean, eval_completions/mean_length. output_dir/rollouts.jsonl holds every completion with its
+prompt, token ids, rewards and advantage (grpo.log_completions); summary.json's "rollouts" the tokens generated and
+the seconds spent generating and training.
 """
 
 from __future__ import annotations

