@@ -43,10 +43,7 @@ GRPO_RECIPE = "accel_train --config configs/train/grpo_default.yaml"
 
 # command -> [(node id, [distinctive arguments its module holds]), ...]: together the tests run the command
 RUN_BY = {
-    QUICK_START: [
-        ("tests/test_launch.py::test_default_two_processes_accelerate_launch_then_the_dpo_recipe", ["cpu_2proc.yaml"]),
-        (FIRST_HOUR, ["accel_train_launch", "cpu_2proc.yaml"]),  # accel-train launch, to the end of a run
-        ("tests/test_config.py::test_default_yaml_is_the_embedded_default", ['"default.yaml"'])],
+    QUICK_START: [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ["accel_train_launch", "cpu_2proc.yaml", "configs/train/default.yaml"])],
     GRPO_RECIPE: [("tests/test_readme.py::test_the_grpo_recipe_tiny", ["GRPO_RECIPE"])],
     **{f"accel_train data.path={name}_train.{ext} data.eval_path={name}_eval.{ext} output_dir=outputs/{out}":
        [(OWN_DATA, ["Train on your data"])]
@@ -56,11 +53,11 @@ RUN_BY = {
         [(OWN_DATA, ["Train on your data"])],
     "accel_train.inspect data.path=chat_train.jsonl --samples 3":
         [("tests/test_inspect.py::test_shows_loss_tokens_truncation_lengths_and_packing", ["data.path=", '"--samples"'])],
-    "accel_train": [("tests/test_launch.py::test_default_one_process", ['"-m", "accel_train"'])],
+    "accel_train": [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ['"-m", "accel_train"'])],
     "accel_train --config configs/train/tiny_cls.yaml":
         [("tests/test_checkpoint.py::test_predict_with_a_classification_adapter", ["configs/train/tiny_cls.yaml"])],
     "accel_train --config configs/train/dpo_default.yaml":
-        [("tests/test_launch.py::test_default_two_processes_accelerate_launch_then_the_dpo_recipe",
+        [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe",
           ["configs/train/dpo_default.yaml"])],
     "accel_train --help": [("tests/test_readme.py::test_config_commands_as_written", ["accel_train --help"])],
     "accel_train --config configs/train/tiny_cls.yaml --print-config train.lr=1e-3":
@@ -120,7 +117,7 @@ NOT_HERE = {
          ["tests/test_push.py::test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so"]),
     "tensorboard --logdir outputs/default/logs":
         ("a server that runs until stopped; the event files it shows are read back",
-         ["tests/test_launch.py::test_default_one_process"]),
+         ["tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe"]),
     "accel_train.bench --size 0.5b": ("a GPU", ["tests/test_machines.py::test_gpu_check_plan_is_complete_and_every_"
                                                 "run_is_a_valid_configuration"]),
 }
