@@ -156,11 +156,13 @@ class LossSums:
     sums: torch.Tensor
     finish: Callable[[dict], dict]
     """The task's means as logged (task.finish_means)."""
+    since: int
+    """The step the interval started after (a resume can start one between two log steps)."""
     targets: int = 0
 
     @classmethod
-    def start(cls, task: Task, device) -> "LossSums":
-        return cls(task.logged, torch.zeros(len(task.logged), device=device), task.finish_means)
+    def start(cls, task: Task, device, step: int) -> "LossSums":
+        return cls(task.logged, torch.zeros(len(task.logged), device=device), task.finish_means, step)
 
     def add(self, window_sums: torch.Tensor, targets: int) -> None:
         self.sums += window_sums
@@ -176,12 +178,15 @@ class LossSums:
         return self.finish(means)
 
 
-def log_training(job: TrainingJob, since_log: LossSums, lr: float, grad_norm: float) -> dict:
+def log_training(cfg: Config, job: TrainingJob, since_log: LossSums, lr: float, grad_norm: float) -> dict:
     """The training record of this step (metrics.jsonl, trackers, console): the means since the last log."""
     state, accelerator = job.state, job.accelerator
     task = job.task.log_means(accelerator)  # collectives, on every rank
+    # the first interval of a resumed run may be shorter than train.log_every: its means are over fewer steps
+    resumed = {"resumed_interval": state.step - since_log.since} if since_log.since % cfg.train.log_every else {}
+    since_log.since = state.step
     record = {"step": state.step, "epoch": state.epoch, **since_log.means(accelerator), **task, "lr": lr,
-              "grad_norm": float(grad_norm), **job.run_log.throughput(),
+              "grad_norm": float(grad_norm), **resumed, **job.run_log.throughput(),
               "memory_mb": current_memory_mb(accelerator.device)}
     job.run_log.log(record)
     return record
@@ -222,7 +227,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
     accum, task, rank = cfg.train.grad_accum_steps, job.task, accelerator.process_index
     last, evaluation, stopped = {}, {}, None
-    since_log = LossSums.start(task, accelerator.device)
+    since_log = LossSums.start(task, accelerator.device, state.step)
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: replay_batch(job))
     reuse = task.steps_per_batch  # optimizer steps per batch of data (grpo.num_iterations)
@@ -281,7 +286,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             run_log.step(real_tokens, computed_tokens, n_rows)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
-                last = log_training(job, since_log, lr, grad_norm)  # a collective, on every rank
+                last = log_training(cfg, job, since_log, lr, grad_norm)  # a collective, on every rank
             if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
                     and state.step < job.total_steps):  # the final evaluation follows the loop
                 evaluation, stopped = evaluate_and_judge(cfg, job)

@@ -205,3 +205,15 @@ def test_failed_final_evaluation_keeps_the_trained_weights(tmp_path):
     model = PeftModel.from_pretrained(base, out / "adapter")
     trained = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
     assert trained and any(v.abs().sum() > 0 for v in trained.values())  # lora_B starts at zero: it was trained
+
+
+def test_a_resumed_runs_shorter_first_interval_is_marked(tmp_path):
+    """Resumed at step 2 with train.log_every=4: the record of step 4 averages steps 3-4 only, and says so."""
+    out, short = tmp_path / "run", [*RUN, "train.max_steps=8", "train.log_every=4", "checkpoint.save_every=2"]
+    crashed = python_m(*short, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "crash@step=3"})
+    assert crashed.returncode == 42
+    resumed = python_m(*short, f"output_dir={out}", "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    train, _ = read_metrics(out)
+    assert [(r["step"], r.get("resumed_interval")) for r in train] == [(4, 2), (8, None)]
+    assert "step 4 | epoch 0 | loss " in resumed.stderr and "| resumed_interval 2 |" in resumed.stderr
