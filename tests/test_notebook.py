@@ -19,7 +19,8 @@ def rendered(text: str) -> list[str]:
 @pytest.mark.long
 def test_notebook_trains_on_two_processes(tmp_path):
     nb = nbformat.read(REPO / "notebooks" / "train_default.ipynb", as_version=4)
-    assert "jupyter execute notebooks/train_default.ipynb" in nb.cells[0].source  # how to run it, first
+    # how to run it, first: a command that keeps what the run shows (a bare `jupyter execute` prints nothing)
+    assert "jupyter execute --output=train_default_run notebooks/train_default.ipynb" in nb.cells[0].source
     line = 'overrides = [f"output_dir={output_dir}", "overwrite=true"]'
     assert line in nb.cells[1].source  # the cell a user edits: any key=value of the command line
     nb.cells[1].source = nb.cells[1].source.replace(line, line[:-1] + ', "train.epochs=3"]')
