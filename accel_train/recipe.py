@@ -237,7 +237,7 @@ def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_d
     dims = matmul_dims([tuple(getattr(p, "ds_shape", p.shape)) for p in unwrapped.parameters()])
     peaks = gather_setup(accelerator, measure_peak_flops(accelerator.device, dtype, inner_dims=dims))
     reset_peak_memory(accelerator.device)
-    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peaks)
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peaks, task.progress)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, task, state, total_steps,
                        run_log, Preemption())
 

@@ -254,8 +254,10 @@ class RunLog:
     survives a crash) and the trackers. On other ranks every method does nothing."""
 
     def __init__(self, accelerator, cfg: Config, total_steps: int, start_step: int,
-                 model_flops: tuple[int, int, int] = (0, 0, 0), peak_flops: list[float] = ()):
+                 model_flops: tuple[int, int, int] = (0, 0, 0), peak_flops: list[float] = (),
+                 progress: tuple[str, ...] = ("loss",)):
         self.accelerator, self.main = accelerator, accelerator.is_main_process
+        self.progress = (*progress, "lr", "tokens_per_sec")  # what the bar shows of the latest training record
         # (matmul weights, trainable ones, attention size): flops_per_token's first three arguments; every rank's
         # measured peak FLOP/s (measure_peak_flops): MFU divides all ranks' tokens by their sum
         self.model_flops, self.peak_flops = model_flops, list(peak_flops)
@@ -316,11 +318,15 @@ class RunLog:
         if self.shown(record):
             main_logger().info(line)
         if "lr" in record:  # a training record
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k in ("loss", "lr", "tokens_per_sec")})
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k in self.progress})
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
+
+    def phase(self, name: str) -> None:
+        """What the step is doing now, before the bar ("generating": a phase with no step to count), or ""."""
+        self.bar.set_description_str(name, refresh=True)
 
     def shown(self, record: dict) -> bool:
         """Whether a record gets a console line: always without a bar; under one, evaluations and the first

@@ -105,3 +105,27 @@ def test_log_lines_are_written_above_the_progress_bar(clean_console, monkeypatch
     assert header.rsplit("\r", 1)[-1].strip().endswith("the header line") and "%|" not in header.rsplit("\r", 1)[-1]
     assert sum("step " in line and "| loss 1" in line for line in lines) == 10
     assert "100/100" in lines[-2] or "100/100" in text.rsplit("\n", 2)[-2]
+
+
+def test_the_bar_shows_the_tasks_progress_and_its_phase(clean_console, monkeypatch, tmp_path):
+    """grpo's bar: its reward beside the loss, and "generating" while completions are sampled (a phase no step
+    counts), then nothing."""
+    from accelerate import PartialState
+
+    PartialState()
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    accelerator = types.SimpleNamespace(is_main_process=True, is_local_main_process=True, log=lambda *a, **k: None)
+    run_log = tracking.RunLog(accelerator, load_config(None, [f"output_dir={tmp_path}", "track.log_with=[]"]), 10, 0,
+                              progress=("loss", "reward"))
+    run_log.phase("generating")
+    generating = terminal.getvalue().rsplit("\r", 1)[-1]
+    assert generating.startswith("generating:") and "0/10" in generating
+    run_log.phase("")
+    run_log.step(10, 10, 1)
+    run_log.log({"step": 1, "loss": 1.5, "reward": 0.25, "reward_std": 0.5, "lr": 0.1, "tokens_per_sec": 7.0})
+    run_log.bar.refresh()
+    shown = terminal.getvalue().rsplit("\r", 1)[-1]
+    assert "loss=1.5, reward=0.25, lr=0.1, tokens_per_sec=7" in shown and "reward_std" not in shown
+    assert not shown.startswith("generating")
+    run_log.close()

@@ -246,9 +246,14 @@ def test_the_grpo_recipe_tiny(tmp_path):
     grpo = tmp_path / "grpo"
     proc = python_m(*_argv(GRPO_RECIPE)[1:], f"model.name_or_path={sft / 'base_model'}",
                     f"model.adapter_from={sft / 'adapter'}", f"output_dir={grpo}", "data.builtin_size=40",
-                    "train.max_steps=2", "train.per_device_batch_size=2", "grpo.num_generations=2",
+                    "train.max_steps=2", "train.global_batch_size=2", "grpo.num_generations=2",
                     "train.log_every=1", "track.log_with=[]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward" in r] == [1, 2] and "eval_reward" in records[-1]
-    assert json.loads((grpo / "rollouts.jsonl").read_text().splitlines()[0])["prompt"]
+    # one reward function (exact_match): logged once, as `reward`, not again as rewards/exact_match/*
+    assert not any(k.startswith("rewards/") for r in records for k in r)
+    # each completion with the columns its reward read: exact_match compares it with grpo.answer_field
+    rollouts = [json.loads(line) for line in (grpo / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 2 * 2 and all(r["prompt"] for r in rollouts)
+    assert all(r["reward"] == float(r["completion"] == r["columns"]["response"]) for r in rollouts)

@@ -111,6 +111,8 @@ class Task:
     rather than refused or dropped when nothing trainable is left."""
     log_files: tuple[str, ...] = ()
     """Files of output_dir with one row per step that a resume cuts back to its step."""
+    progress: tuple[str, ...] = ("loss",)
+    """The logged means the progress bar shows (beside lr and tokens/s)."""
 
     def __init__(self, cfg):
         self.cfg = cfg

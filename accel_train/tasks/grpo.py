@@ -33,11 +33,12 @@ Sampling reads the model's logits as they are (generation.generation_config): no
 generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
 actually sampled. Generation is refused under FSDP and DeepSpeed (sharded weights would need every rank in step).
 
-Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std,
-frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length, /clipped_ratio (cut at
+Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
+several reward functions), frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length, /clipped_ratio (cut at
 max_new_tokens), clip_ratio, entropy, kl (beta > 0). Evaluation answers the eval prompts greedily: eval_reward,
 eval_rewards/NAME/mean, eval_completions/mean_length. output_dir/rollouts.jsonl holds every completion with its
-prompt, token ids, rewards and advantage (grpo.log_completions); summary.json's "rollouts" the tokens generated and
+prompt, token ids, rewards, advantage and the columns the rewards read (grpo.log_completions); the progress bar
+shows the reward, and "generating" while the step's completions are sampled; summary.json's "rollouts" the tokens generated and
 the seconds spent generating and training.
 """
 
@@ -339,6 +340,7 @@ class Rollouts:
         self.sums = torch.zeros(3 * n + 8, dtype=torch.float64)
         self.longest = torch.zeros(1)
         self.path = Path(cfg.output_dir) / ROLLOUTS_FILE
+        self.phase = lambda name: None  # the progress bar's phase (tracking.RunLog.phase), once training starts
 
     def window(self, batches, step: int) -> list[dict]:
         """This step's micro-batches: a new batch of rollouts every grpo.num_iterations steps, else the last one."""
@@ -356,6 +358,7 @@ class Rollouts:
         """Training micro-batches from prompt batches: completions, rewards, advantages. `step`: the optimizer steps
         done before the rollout (seeds the sampling); `log`: count and write them (not for a replayed batch)."""
         t0 = time.perf_counter()
+        self.phase("generating")
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         was_training = unwrapped.training
         unwrapped.eval()
@@ -379,6 +382,7 @@ class Rollouts:
                     micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
                         unwrapped, zero3(self.accelerator)))[0]
         self.generation_s += time.perf_counter() - t0
+        self.phase("")
         if log:
             self.write(records)
         return out
@@ -435,7 +439,8 @@ class Rollouts:
                  "prompt": self.tokenizer.decode(batch["prompt_ids"][k // G]), "completion": texts[k],
                  "prompt_ids": batch["prompt_ids"][k // G], "completion_ids": completions[k],
                  "rewards": {n: number(per_function[f][k]) for f, n in enumerate(self.rewards.labels)},
-                 "reward": number(float(total.reshape(-1)[k])), "advantage": float(advantages[k])}
+                 "reward": number(float(total.reshape(-1)[k])), "advantage": float(advantages[k]),
+                 "columns": {c: v[k // G] for c, v in batch["columns"].items()}}  # what the rewards read
                 for k in range(len(completions))] if log and self.g.log_completions else []
         return micro, rows
 
@@ -485,7 +490,7 @@ class Rollouts:
 
         reward, reward_std = mean_std(*sums[:3])
         record = {"reward": reward, "reward_std": reward_std}
-        for f, name in enumerate(self.rewards.labels):
+        for f, name in enumerate(self.rewards.labels if n > 1 else ()):  # one function: its reward is `reward`
             record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(*sums[3 + f: 3 + 3 * n: n])
         zero_std, tokens, clipped = sums[3 + 3 * n: 6 + 3 * n]
         return {**record, "frac_reward_zero_std": zero_std / groups, "completions/mean_length": tokens / completions,
@@ -709,6 +714,7 @@ def replay(rollouts: Rollouts, batch: dict) -> dict:
 
 class GRPO(Task):
     log_files = (ROLLOUTS_FILE,)
+    progress = ("loss", "reward")
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -746,6 +752,7 @@ class GRPO(Task):
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.rollouts = Rollouts(self.cfg, job.accelerator, job.model, tokenizer)
+        self.rollouts.phase = job.run_log.phase
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
         return self.rollouts.window(batches, step)
