@@ -73,16 +73,22 @@ def launcher_asks(variable: str) -> bool:
 
 
 def check_sharded(cfg: Config) -> None:
-    """Sharded parameters (an FSDP or DeepSpeed launch): generate() would need every rank in lock-step
-    (synced_gpus), and a checkpoint's weights are accelerate's sharded files. Neither is done here: say so before
-    any rank loads anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's
+    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generate() would need every rank in lock-step
+    (synced_gpus), which is not done here; ZeRO-1/2 keep the whole weights on every rank, so a rank generates alone
+    there. A checkpoint's weights are DeepSpeed's or FSDP's own files (save.final=best cannot load them). Said
+    before any rank loads anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's
     zero3_init_flag)."""
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # set by accelerate launch from the config
+    whole = launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage in ("0", "1", "2")
     for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
-        for key, on in (("eval.generate=true", cfg.eval.generate), ("save.final=best", cfg.save.final == "best"),
-                        (f"task={cfg.task} (it generates)", tasks.info(cfg.task).generates)):
+        for key, on in (("eval.generate=true", cfg.eval.generate and not whole),
+                        ("save.final=best", cfg.save.final == "best"),
+                        (f"task={cfg.task} (it generates)", tasks.info(cfg.task).generates and not whole)):
             if on and launcher_asks(variable):
-                raise ConfigError(f"{key} is not supported under {kind} (sharded parameters); use DDP "
-                                  "(configs/accelerate/2gpu.yaml) or turn it off")
+                raise ConfigError(f"{key} is not supported under {kind} (sharded parameters"
+                                  + ("" if key.startswith("save.") else ": generating would need every rank in step")
+                                  + "); use DDP (configs/accelerate/2gpu.yaml)"
+                                  + (" or DeepSpeed ZeRO-2" if not key.startswith("save.") else "") + " or turn it off")
     if launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
         # transformers would build the model sharded (deepspeed.zero.Init), where the forwards before prepare fail
         raise ConfigError("zero3_init_flag: true is not supported: the model is built whole on each process and "

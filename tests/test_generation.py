@@ -147,8 +147,9 @@ def test_generation_is_refused_under_fsdp(tmp_out):
     assert proc.returncode != 0
     # the launcher stops the other rank once one has failed: one line, or the same line from both
     errors = {line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")}
-    assert errors == {("accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters); use "
-                       "DDP (configs/accelerate/2gpu.yaml) or turn it off")}
+    assert errors == {("accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters: "
+                       "generating would need every rank in step); use DDP (configs/accelerate/2gpu.yaml) or "
+                       "DeepSpeed ZeRO-2 or turn it off")}
     assert not tmp_out.exists()
 
 

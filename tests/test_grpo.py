@@ -478,6 +478,21 @@ def test_resume_after_a_crash_reproduces_the_run(sft, runs):
     assert completions(run["rollouts"]).keys() == want.keys() and len(run["rollouts"]) == len(want)
 
 
+@pytest.mark.long
+def test_deepspeed_zero2_rolls_out_and_trains_as_ddp(sft, runs):
+    """ZeRO-2 keeps the whole weights on every rank: each generates its own completions with no collective, and the
+    run is run C's (2 processes under DDP) step for step: the same completions, losses, rewards and evaluation."""
+    out = sft.parent / "C-zero2"
+    proc = accelerate_launch("cpu_deepspeed_zero2.yaml", *grpo_args(sft, out, *TOPOLOGY, *TOPOLOGIES["C"][1]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(DEEPSPEED)" in proc.stderr
+    run, ddp = read_run(out), runs["C"]
+    assert completions(run["rollouts"]) == completions(ddp["rollouts"])
+    assert_same_steps(run["train"], ddp["train"])
+    for key in (k for k in ddp["eval"][0] if k.startswith("eval_")):
+        assert run["eval"][0][key] == pytest.approx(ddp["eval"][0][key], rel=1e-5, abs=1e-7), key
+
+
 
 def test_builtin_rewards_score_as_documented():
     """exact_match against the answer column (stripped), regex_match in full on the stripped completion, and DAPO's

@@ -119,8 +119,19 @@ def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch,
     cfg = load_config(None, overrides)
     check_sharded(cfg)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
     monkeypatch.setenv(variable, "true")
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} \(sharded parameters\)"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} \(sharded parameters"):
         check_sharded(cfg)
+    if variable == "ACCELERATE_USE_DEEPSPEED":  # ZeRO-2 keeps the whole weights on every rank: it may generate
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        if key == "save.final=best":  # its checkpoints are DeepSpeed's files still
+            with pytest.raises(ConfigError, match=r"^save.final=best is not supported under DEEPSPEED"):
+                check_sharded(cfg)
+        else:
+            check_sharded(cfg)
+            check_sharded(load_config(None, ["task=grpo"]))
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+        with pytest.raises(ConfigError, match=r"under DEEPSPEED \(sharded parameters: generating would need every "):
+            check_sharded(load_config(None, ["task=grpo"]))
 
 
 def test_metric_kwargs_are_typed():
