@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections import defaultdict
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import python_m, read_metrics, said
+from tensors import LargestTensors
 from datasets import Dataset
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from accel_train import generation, tasks
@@ -117,22 +115,6 @@ def test_divergence_equals_trls_generalized_jsd_loss(beta, temperature):
     ours = distill.divergence(student, teacher, beta, temperature)[labels != -100].sum()
     assert ours.item() == pytest.approx(trl.item(), rel=1e-5)
     assert trl.item() > 0
-
-
-class LargestTensors(TorchDispatchMode):
-    """The largest tensor of the vocabulary's width each op makes (but the heads' weights and their transposes)."""
-
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.vocab, self.hidden, self.sizes = vocab, hidden, defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab
-                    and t.shape not in ((self.vocab, self.hidden), (self.hidden, self.vocab))):
-                self.sizes[func.overloadpacket.__name__] = max(self.sizes[func.overloadpacket.__name__], t.numel())
-        return out
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
