@@ -369,11 +369,30 @@ class GrpoConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: Optional[str] = None
+    """The teacher: a local model folder or hub id (AutoModelForCausalLM, its pretrained weights; the embedded tiny
+    model is random, drawn from seed + 1, unlike the student), loaded frozen on every process. It must share the
+    student's tokenizer and vocabulary."""
+    beta: float = 0.5
+    """The divergence, per target token (TRL's generalized_jsd_loss): 0 forward KL(teacher || student), 1 reverse
+    KL(student || teacher), between them the generalized Jensen-Shannon divergence with this beta (GKD)."""
+    temperature: float = 1.0
+    """Softmax temperature of both models' logits in the divergence (and of the student's on-policy sampling)."""
+    on_policy: float = 0.0
+    """GKD's lambda: the fraction of optimizer steps whose responses the student samples itself (at
+    distill.temperature) after each sample's prompt, instead of the data's; chosen per step from the seed."""
+    max_new_tokens: int = 128
+    """On-policy steps: tokens sampled at most per response (it stops earlier at the template's end of turn or eos)."""
+
+
+@dataclass
 class Config:
     task: Literal[TASK_NAMES] = "causal_lm"
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
     on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy); grpo:
-    reinforcement learning from rewards of sampled completions to prompts (see grpo.*)."""
+    reinforcement learning from rewards of sampled completions to prompts (see grpo.*); distill: a teacher's
+    token distributions taught to the model on the responses (see distill.*)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -395,6 +414,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     save: SaveConfig = field(default_factory=SaveConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
@@ -404,7 +424,7 @@ class Config:
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         if self.data.group_by_length is None:
             self.data.group_by_length = self.task == "seq_cls"
-        if self.task in ("dpo", "grpo"):  # resolved here, so config.yaml records what the run did
+        if self.task in ("dpo", "grpo", "distill"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
@@ -429,6 +449,8 @@ class Config:
             "grpo.temperature": self.grpo.temperature,
             "grpo.top_p": self.grpo.top_p,
             "grpo.num_iterations": self.grpo.num_iterations,
+            "distill.temperature": self.distill.temperature,
+            "distill.max_new_tokens": self.distill.max_new_tokens,
         }
         for key, optional in (("train.max_steps", self.train.max_steps), ("train.eval_every", self.train.eval_every),
                               ("train.max_grad_norm", self.train.max_grad_norm), ("data.max_samples", self.data.max_samples),
@@ -476,16 +498,18 @@ class Config:
             raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
                               "training: not with data.streaming=true, whose pairs are read as training goes; set "
                               "dpo.precompute_ref=false (the reference is then computed at each step)")
-        if self.data.truncation != "prompt_first" and (self.task != "causal_lm" or self.data.format == "text"):
+        if self.data.truncation != "prompt_first" and (self.task not in ("causal_lm", "distill")
+                                                       or self.data.format == "text"):
             raise ConfigError(f"data.truncation={self.data.truncation} is for causal_lm conversations: "
                               + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo") else
-                                 "format text is split into max_length chunks" if self.task == "causal_lm" else
+                                 "format text is split into max_length chunks" if self.task != "seq_cls" else
                                  "seq_cls texts are cut at max_length"))
         if self.dpo.rpo_alpha < 0:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
         self._check_grpo()
+        self._check_distill()
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()
@@ -521,6 +545,17 @@ class Config:
         if self.eval.generate:
             raise ConfigError("eval.generate=true is for task causal_lm; task grpo evaluates its greedy answers "
                               "with its own rewards (eval_reward)")
+
+    def _check_distill(self):
+        d = self.distill
+        if self.task != "distill":
+            return
+        for key, value in (("distill.beta", d.beta), ("distill.on_policy", d.on_policy)):
+            if not 0 <= value <= 1:
+                raise ConfigError(f"{key} must be in [0, 1], got {value}")
+        if d.on_policy and (self.data.format == "text" or self.data.train_on == "all"):
+            raise ConfigError(f"distill.on_policy={d.on_policy} samples answers to prompts: not with data.format=text "
+                              "or data.train_on=all, where every token is trained and there is no prompt")
 
     def max_prompt_length(self) -> int:
         """grpo: the tokens a prompt keeps (its last ones), so that prompt and completion fit data.max_length."""

@@ -120,14 +120,9 @@ class LossHead:
     def computing(self, labels: torch.Tensor, evaluation: bool = False):
         """Inside, a call of the model returns as its `logits` the summed target loss (a scalar), or with
         `evaluation` the per-position losses (B, T-1), with the predictions in the yielded dict's "preds"."""
-        original, own, out, inside = self.head.forward, self.head.__dict__.get("forward"), {}, [True]
+        original, out = self.head.forward, {}  # the head's own forward: HeadLoss calls it without the module's hooks
 
-        def call_head(hidden):
-            # Inside the model call the head module was called (its hooks ran): its own forward. A chunk recomputed
-            # in the backward pass, later, calls the module again, with its hooks (ZeRO-3 gathers the weight there).
-            return original(hidden) if inside[0] else self.head(hidden)
-
-        def forward(hidden):
+        def forward(call_head, hidden):
             if not evaluation and self.sharded:
                 _, rows, targets = _targets(hidden, labels)
                 return HeadLoss.apply(original, rows, targets, self.chunk)
@@ -136,15 +131,30 @@ class LossHead:
             token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)
             return token_loss
 
-        self.head.forward = forward  # on this instance only: the module tree and its parameters are unchanged
-        try:
+        with replaced_head(self.head, forward):
             yield out
-        finally:
-            inside[0] = False
-            if own is None:
-                del self.head.forward
-            else:  # the instance had its own forward already (a test's, a patch's): put it back
-                self.head.forward = own
+
+
+@contextmanager
+def replaced_head(head: torch.nn.Module, compute):
+    """Inside, the output head returns `compute(call_head, hidden)` in place of its logits: the model call computes
+    what the hidden states give (a loss, the rows a teacher passes on). `call_head(x)` is the head's logits of x:
+    inside the model call its own forward (the module was called: its hooks ran), later (a chunk recomputed in the
+    backward pass) a call of the module again, with its hooks (ZeRO-3 and FSDP gather the weight there)."""
+    original, own, inside = head.forward, head.__dict__.get("forward"), [True]
+
+    def call_head(hidden):
+        return original(hidden) if inside[0] else head(hidden)
+
+    head.forward = lambda hidden: compute(call_head, hidden)  # on this instance only: the module tree is unchanged
+    try:
+        yield
+    finally:
+        inside[0] = False
+        if own is None:
+            del head.forward
+        else:  # the instance had its own forward already (a test's, a patch's): put it back
+            head.forward = own
 
 
 @torch.no_grad()

@@ -19,11 +19,10 @@ import torch
 from conftest import tokenized, accel_train_launch, accelerate_launch, python_m, said
 from datasets import Dataset
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import chat_templates as ct
+from tensors import LargestTensors
 from accel_train import data as data_lib
 from accel_train.config import ConfigError, load_config
 from accel_train.tasks import grpo
@@ -507,24 +506,6 @@ def test_builtin_rewards_score_as_documented():
     assert exact == [1.0, 0.0, 0.0, 0.0]
     assert regex == [1.0, 0.0, 1.0, 0.0]
     assert length == [0.0, 0.0, -0.5, -1.0]
-
-
-class LargestTensors(TorchDispatchMode):
-    """The most elements of a tensor with `vocab` as its last dimension that each op (by name) made, forward and
-    backward, but for the output head's weight transposed, (`hidden`, `vocab`)."""
-
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.vocab, self.hidden, self.sizes = vocab, hidden, defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab
-                    and t.shape != (self.hidden, self.vocab)):
-                name = func.overloadpacket.__name__
-                self.sizes[name] = max(self.sizes[name], t.numel())
-        return out
 
 
 @pytest.mark.parametrize("route", ["hidden states", "logits"])

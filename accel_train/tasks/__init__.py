@@ -4,6 +4,7 @@
     seq_cls    classification.py  sequence classification
     dpo        dpo.py             preference pairs against a reference
     grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
+    distill    distill.py         a teacher's token distributions taught on the responses (GKD)
 
 The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
 only through `Task`: they never ask which task it is. A new objective is one module with a `Task` subclass named
@@ -36,8 +37,9 @@ class TaskInfo:
     """Whether it scores its predictions with eval.metrics."""
     generation: bool = False
     """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
-    generates: bool = False
-    """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed)."""
+    generates: bool | str = False
+    """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed); or
+    "module:function" of a torch-free function cfg -> that (when only some settings sample)."""
     example: tuple[str, ...] = ()
     """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on
     every topology; the built-in data comes from data_sources.BUILTIN)."""
@@ -47,6 +49,9 @@ class TaskInfo:
 
     def result_names(self, cfg) -> list[str]:
         return list(_function(self.results)(cfg) if isinstance(self.results, str) else self.results)
+
+    def generating(self, cfg) -> bool:
+        return bool(_function(self.generates)(cfg) if isinstance(self.generates, str) else self.generates)
 
     def check(self, cfg) -> None:
         if self.preflight is not None:
@@ -76,6 +81,13 @@ REGISTRY: dict[str, TaskInfo] = {
                      example=("data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=6",
                               "grpo.rewards=[length_penalty]"),
                      preflight="accel_train.tasks.rewards:check_rewards"),
+    # the teacher: the embedded tiny model, random from seed + 1 (a real teacher: configs/train/distill_default.yaml)
+    "distill": TaskInfo("distill", "causal_lm", "distillation: a teacher's token distributions on the responses "
+                        "(distill.*)", results=("loss", "cross_entropy", "perplexity"),
+                        generates="accel_train.preflight:distill_samples",
+                        example=("data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
+                                 "distill.on_policy=0.5", "distill.max_new_tokens=8"),
+                        preflight="accel_train.preflight:check_teacher"),
 }
 NAMES = tuple(REGISTRY)
 

@@ -69,7 +69,7 @@ from accel_train.data import columns as data_columns, row_counts
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.generation import generation_config, until_stop
-from accel_train.loss import CHUNK_BYTES, loss_head
+from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.tasks import Task
 from accel_train.tasks.dpo import reference_mode
 from accel_train.tasks.rewards import RewardError, Rewards, smoke_test
@@ -581,27 +581,16 @@ def head_computing(head: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tens
     `token_values` of the completion tokens (`mask`), computed from the hidden states chunk by chunk (as
     loss.LossHead computes the loss: the head's forward replaced on this instance, its module called again to
     recompute a chunk in backward)."""
-    original, own, inside = head.forward, head.__dict__.get("forward"), [True]
 
-    def call_head(hidden):
-        return original(hidden) if inside[0] else head(hidden)
-
-    def forward(hidden):  # (rows, width + 1, hidden size): position t predicts completion token t
+    def forward(call_head, hidden):  # (rows, width + 1, hidden size): position t predicts completion token t
         vocab = getattr(head, "out_features", None) or head.weight.shape[0]
         values = chunked(call_head, hidden[:, :-1][mask], tokens[mask], temperature, CHUNK_BYTES // (4 * vocab))
         out = values.new_zeros(*mask.shape, 2)
         out[mask] = values
         return out
 
-    head.forward = forward
-    try:
+    with replaced_head(head, forward):
         yield
-    finally:
-        inside[0] = False
-        if own is None:
-            del head.forward
-        else:
-            head.forward = own
 
 
 _HEADS = weakref.WeakKeyDictionary()  # unwrapped model -> its output head for head_computing, or None

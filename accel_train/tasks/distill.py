@@ -1,0 +1,339 @@
+"""Knowledge distillation (task distill): a teacher's next-token distributions taught to the trained model (the
+student) on the responses of SFT data (GKD: Agarwal et al. 2024; TRL's GKDTrainer).
+
+Data: causal_lm's formats (messages, prompt/response, alpaca, TRL's prompt/completion, or plain text), tokenized by
+the causal_lm task (tasks/sft.py): the divergence applies where causal_lm's loss does (data.train_on). Batches are
+padded, not packed.
+
+The teacher (distill.teacher) is loaded on every process, frozen, in evaluation mode, on the process's device; it
+is not wrapped (no DDP). It must share the student's tokenizer and vocabulary: checked before the data is read.
+
+The loss of one target token: with s and p the student's and the teacher's log-softmax at temperature T
+(distill.temperature) of the logits at the position that predicts it, summed over the vocabulary (TRL's
+generalized_jsd_loss, beta = distill.beta):
+
+    beta = 0      KL(p || s)                                        forward KL
+    beta = 1      KL(s || p)                                        reverse KL
+    otherwise     beta KL(p || m) + (1 - beta) KL(s || m),  m = beta p + (1 - beta) s   (generalized JSD)
+
+summed over the batch's target tokens; the loop divides by the step's target tokens over every rank and micro-batch.
+Neither model's logits are ever whole: both bodies run to their final hidden states (each output head replaced for
+the call: loss.replaced_head), then for chunks of target positions each head gives the chunk's logits and the chunk
+its divergence; each chunk but the last is recomputed in the backward pass (checkpoint), so that one chunk's logits
+of each model are held at a time, and the gradient is the unchunked one.
+
+On-policy (distill.on_policy = GKD's lambda): a step is on-policy with that probability, decided from (seed, step)
+alone; on such a step each sample keeps its prompt (the tokens before its last trained response) and the student
+samples the response (at distill.temperature, up to distill.max_new_tokens, ending at the template's end of turn or
+eos; settings from generation.generation_config), each sample's noise seeded by (seed, step, its prompt's tokens) as
+grpo's rollouts: 1 and 2 processes, and a resumed run, sample the same responses.
+
+Evaluation, on the data's responses: eval_loss (the divergence per target token), and the student's own
+eval_cross_entropy and eval_perplexity per target token (what causal_lm's eval_loss and eval_perplexity are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
+
+from accel_train import data as data_lib
+from accel_train.config import Config, ConfigError, is_embedded_tiny_model
+from accel_train.dist import zero3
+from accel_train.formats import IGNORE_INDEX
+from accel_train.generation import generation_config, split_prompt, until_stop
+from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
+from accel_train.model import build_model
+from accel_train.model_sources import one_line
+from accel_train.tasks import Task
+from accel_train.tasks.grpo import SeededSampler, left_padded, row_seed
+from accel_train.tasks.sft import SFT
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float
+               ) -> torch.Tensor:
+    """(..., V) logits of both models -> (...) the divergence at each position, in fp32 (TRL's
+    generalized_jsd_loss before its reduction, summed over the vocabulary)."""
+    s = F.log_softmax(student_logits.float() / temperature, -1)
+    p = F.log_softmax(teacher_logits.float() / temperature, -1)
+    kl = lambda log_q, log_r: F.kl_div(log_q, log_r, reduction="none", log_target=True)  # noqa: E731 (KL(r || q))
+    if beta == 0:
+        return kl(s, p).sum(-1)
+    if beta == 1:
+        return kl(p, s).sum(-1)
+    mixture = torch.logsumexp(torch.stack([s + math.log1p(-beta), p + math.log(beta)]), 0)
+    return (beta * kl(mixture, p) + (1 - beta) * kl(mixture, s)).sum(-1)
+
+
+def _chunk_sum(student_head, teacher_head, rows, teacher_rows, beta: float, temperature: float) -> torch.Tensor:
+    return divergence(student_head(rows), teacher_head(teacher_rows), beta, temperature).sum()
+
+
+def summed_divergence(student_head, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, chunk: int,
+                      beta: float, temperature: float) -> torch.Tensor:
+    """The divergence summed over target positions, from both models' hidden states there (N, H) and (N, H'):
+    `chunk` positions at a time, each chunk but the last checkpointed (its logits freed, recomputed in backward), as
+    loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights)."""
+    total, n = 0, max(len(rows), 1)
+    for i in range(0, n, chunk):
+        args = (student_head, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk], beta, temperature)
+        total = total + (_chunk_sum(*args) if i + chunk >= n else checkpoint(_chunk_sum, *args, use_reentrant=False))
+    return total
+
+
+@torch.no_grad()
+def token_values(student_head, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, targets: torch.Tensor,
+                 chunk: int, beta: float, temperature: float) -> torch.Tensor:
+    """Evaluation: (N, 2) the divergence and the student's cross-entropy (at temperature 1) at each target, by
+    chunks."""
+    parts = [rows.new_zeros((0, 2), dtype=torch.float32)]
+    for i in range(0, len(rows), chunk):
+        logits = student_head(rows[i:i + chunk]).float()
+        parts.append(torch.stack([divergence(logits, teacher_head(teacher_rows[i:i + chunk]), beta, temperature),
+                                  F.cross_entropy(logits, targets[i:i + chunk], reduction="none")], -1))
+    return torch.cat(parts)
+
+
+class Distillation:
+    """The divergence between a student and its frozen teacher on a batch, from both models' hidden states."""
+
+    def __init__(self, cfg: Config, student_head: torch.nn.Module, teacher: torch.nn.Module, autocast,
+                 chunk: int | None = None):
+        """`student_head`: the student's output head (the same module inside any wrapper); `autocast`: the run's
+        (accelerator.autocast), for the teacher's forward, which no wrapper runs."""
+        self.beta, self.temperature = cfg.distill.beta, cfg.distill.temperature
+        self.student_head, self.teacher, self.autocast = student_head, teacher, autocast
+        self.teacher_head = teacher.get_output_embeddings()
+        vocab = teacher.config.get_text_config().vocab_size
+        self.chunk = chunk or max(1, CHUNK_BYTES // (8 * vocab))  # both models' fp32 logits: CHUNK_BYTES
+        """Target positions per chunk."""
+
+    @torch.no_grad()
+    def teacher_rows(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+        """The teacher's final hidden states at the positions that predict a target (N, H)."""
+        with replaced_head(self.teacher_head, lambda call_head, hidden: hidden[:, :-1][mask]), self.autocast():
+            return self.teacher(**data_lib.model_inputs(batch), use_cache=False).logits
+
+    def __call__(self, model, batch: dict, evaluation: bool = False) -> torch.Tensor:
+        """The batch's summed divergence (a scalar with its gradient), or with `evaluation` (B, 2): each sample's
+        summed divergence and cross-entropy. `model`: the student as training calls it (wrapped)."""
+        labels = batch["labels"]
+        mask = labels[:, 1:] != IGNORE_INDEX  # position t predicts label t + 1
+        teacher_rows = self.teacher_rows(batch, mask)
+
+        def compute(call_head, hidden):
+            rows = hidden[:, :-1][mask]
+            if not evaluation:
+                return summed_divergence(call_head, self.teacher_head, rows, teacher_rows, self.chunk, self.beta,
+                                         self.temperature)
+            values = token_values(call_head, self.teacher_head, rows, teacher_rows, labels[:, 1:][mask], self.chunk,
+                                  self.beta, self.temperature)
+            out = values.new_zeros(*mask.shape, 2)
+            out[mask] = values
+            return out.sum(1)
+
+        with replaced_head(self.student_head, compute):
+            return model(**data_lib.model_inputs(batch), use_cache=False).logits
+
+
+# ---------------------------------------------------------------------------------------------------- teacher
+
+
+def _load(kind, path: str, cfg: Config):
+    try:
+        return kind.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code,
+                                    **({"revision": cfg.model.revision} if path == cfg.model.name_or_path else {}))
+    except (OSError, ValueError) as e:
+        key = "model.name_or_path" if path == cfg.model.name_or_path else "distill.teacher"
+        raise ConfigError(f"{key}: cannot load {path}: {one_line(e)}") from e
+
+
+def check_vocabulary(cfg: Config) -> None:
+    """The teacher's tokenizer and vocabulary are the student's: the divergence compares the two distributions token
+    by token. One line (ConfigError) naming the first difference, before the data is read."""
+    student, teacher = cfg.model.name_or_path, cfg.distill.teacher
+    mine, theirs = (_load(AutoTokenizer, p, cfg).get_vocab() for p in (student, teacher))
+    sizes = [_load(AutoConfig, p, cfg).get_text_config().vocab_size for p in (student, teacher)]
+    why = None
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
+        token, index = differ[0]
+        why = (f"{len(theirs)} tokens against the student's {len(mine)}; token {index} is "
+               f"{next((t for t, i in theirs.items() if i == index), None)!r} in the teacher's, "
+               f"{next((t for t, i in mine.items() if i == index), None)!r} in the student's")
+    elif sizes[0] != sizes[1]:
+        why = f"vocab_size {sizes[1]} in its config.json against the student's {sizes[0]}"
+    if why:
+        raise ConfigError(f"distill.teacher: {teacher} has another vocabulary than the student {student} ({why}); "
+                          "distillation compares the two models' next-token distributions token by token: give a "
+                          "teacher with the student's tokenizer")
+
+
+def load_teacher(cfg: Config, tokenizer, device) -> torch.nn.Module:
+    """The teacher, frozen, in evaluation mode, on `device`, in model.dtype (not quantized); the embedded tiny model
+    is random, drawn from seed + 1 (the student, when it is the tiny model too, is drawn from seed)."""
+    teacher = cfg.distill.teacher
+    as_model = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, name_or_path=teacher, revision=None, random_init=is_embedded_tiny_model(teacher),
+        quantization=None, adapter_from=None))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed + 1)
+        model = build_model(as_model, tokenizer)
+    return model.requires_grad_(False).eval().to(device)
+
+
+def checked_head(model: torch.nn.Module, key: str) -> torch.nn.Module:
+    """The model's output head, where its logits are that head's output of the final hidden states (loss.loss_head's
+    check: one forward of 8 tokens); ConfigError otherwise."""
+    found = loss_head(model)
+    if found is None:
+        raise ConfigError(f"task distill: the logits of {key} are more than its output head's output (soft-capping, "
+                          "a logit scale): the divergence is computed from the heads, chunk by chunk; use another model")
+    return found.head
+
+
+# ---------------------------------------------------------------------------------------------------- on-policy
+
+
+def on_policy_step(seed: int, step: int, fraction: float) -> bool:
+    """Whether the student samples this step's responses: the same on every rank, any topology, after a resume."""
+    return fraction > 0 and row_seed(seed, step, -1, -1) / 2**63 < fraction
+
+
+def prompt_key(prompt: list[int]) -> int:
+    return int.from_bytes(hashlib.sha256(str(prompt).encode()).digest()[:8], "little")
+
+
+def prompts_of(batch: dict) -> list[list[int]]:
+    """Each sample's prompt: its tokens (padding left out, on either side) before its last trained response."""
+    prompts = []
+    for ids, mask, labels in zip(*(batch[k].tolist() for k in ("input_ids", "attention_mask", "labels"))):
+        real = [i for i, m in enumerate(mask) if m]
+        prompt, _ = split_prompt([ids[i] for i in real], [labels[i] for i in real])
+        if not prompt:
+            raise ConfigError("distill.on_policy: a sample has no prompt before its trained response; set "
+                              "distill.on_policy=0")
+        prompts.append(prompt)
+    return prompts
+
+
+@torch.no_grad()
+def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, step: int, autocast) -> list[list[int]]:
+    """The student's response to each prompt, sampled with its own noise (grpo.SeededSampler), up to and with its
+    stop token. `model`: unwrapped (no collective: each rank samples its own)."""
+    d, device = cfg.distill, next(model.parameters()).device
+    config = generation_config(model, tokenizer, d.max_new_tokens)  # greedy: the sampler picks the token
+    noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
+        row_seed(cfg.seed, step, prompt_key(p), 0))) for p in prompts]).to(device)
+    input_ids, attention_mask = left_padded(prompts, tokenizer.pad_token_id, device)
+    sampler = SeededSampler(noise, input_ids.shape[1], d.temperature, 1.0)
+    was_training = model.training
+    model.eval()
+    with autocast():
+        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             logits_processor=LogitsProcessorList([sampler]))[:, input_ids.shape[1]:].tolist()
+    model.train(was_training)
+    return [until_stop(t, config.eos_token_id, keep=True) for t in new]
+
+
+def on_policy_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
+    """Rows of prompt then response, right-padded; labels on the responses."""
+    rows = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(r) for r in rows)
+    pad = lambda values, fill: [v + [fill] * (width - len(v)) for v in values]  # noqa: E731
+    labels = [[IGNORE_INDEX] * len(p) + r for p, r in zip(prompts, responses)]
+    return {"input_ids": torch.tensor(pad(rows, pad_id), device=device),
+            "attention_mask": torch.tensor(pad([[1] * len(r) for r in rows], 0), device=device),
+            "labels": torch.tensor(pad(labels, IGNORE_INDEX), device=device)}
+
+
+# ---------------------------------------------------------------------------------------------------- the task
+
+
+class Distill(Task):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.sft = SFT(cfg)  # the data: causal_lm's formats and tokenization
+        self.distillation: Distillation | None = None
+        self.job, self.tokenizer = None, None
+
+    def columns(self, columns: list[str], source: str) -> str:
+        return self.sft.columns(columns, source)
+
+    def prepare_data(self, train_raw, eval_raw) -> None:
+        check_vocabulary(self.cfg)  # before tokenizing: a mismatch costs a second
+
+    def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
+        return self.sft.tokenize(ds, tokenizer, report, split)
+
+    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+        return self.sft.collator(tokenizer, False, attention_cost, multiple)
+
+    def count_targets(self, batch: dict):
+        return self.sft.count_targets(batch)
+
+    def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
+        if zero3(accelerator):
+            raise ConfigError("task distill is not supported under DeepSpeed ZeRO-3 (the student's output head is "
+                              "whole only inside its module's calls); use ZeRO-2, FSDP or DDP")
+        head = checked_head(model, f"model.name_or_path={self.cfg.model.name_or_path}")
+        teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
+        checked_head(teacher, f"distill.teacher={self.cfg.distill.teacher}")
+        self.distillation = Distillation(self.cfg, head, teacher, accelerator.autocast)
+        return train_ds, eval_ds
+
+    def start(self, job, tokenizer, eval_ds) -> None:
+        self.job, self.tokenizer = job, tokenizer
+
+    def window(self, batches, step: int, accum: int) -> list[dict]:
+        window = list(islice(batches, accum))
+        if not on_policy_step(self.cfg.seed, step, self.cfg.distill.on_policy):
+            return window
+        accelerator = self.job.accelerator
+        student = accelerator.unwrap_model(self.job.model, keep_torch_compile=False)
+        out = []
+        for batch in window:
+            prompts = prompts_of(batch)
+            responses = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast)
+            out.append(on_policy_batch(prompts, responses, self.tokenizer.pad_token_id, accelerator.device))
+        return out
+
+    def loss(self, model, batch: dict):
+        loss = self.distillation(model, batch)
+        return loss, loss.detach()[None]
+
+    @torch.no_grad()
+    def evaluate(self, job) -> dict:
+        """The divergence, and the student's cross-entropy and perplexity, per eval target (each sample once)."""
+        accelerator, model = job.accelerator, job.model
+        model.eval()
+        divergence_sum, cross_entropy, targets, samples = 0.0, 0.0, 0, 0
+        for batch in job.eval_dl:
+            n = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1, keepdim=True).float()
+            rows = accelerator.gather_for_metrics(torch.cat([self.distillation(model, batch, evaluation=True), n], 1))
+            divergence_sum += float(rows[:, 0].sum())
+            cross_entropy += float(rows[:, 1].sum())
+            targets += int(rows[:, 2].sum())
+            samples += len(rows)
+        model.train()
+        ce = cross_entropy / max(targets, 1)
+        return {"eval_loss": divergence_sum / max(targets, 1), "eval_cross_entropy": ce,
+                "eval_perplexity": math.exp(min(ce, 50.0)), "eval_samples": samples}
+
+    def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+        d = self.cfg.distill
+        print(f"teacher: {d.teacher} (beta {d.beta}, temperature {d.temperature}; on-policy steps: {d.on_policy:g}, "
+              f"the responses then sampled by the student, up to {d.max_new_tokens} tokens)", file=out)
+        return self.sft.inspect(train_raw, eval_raw, streamed, tokenizer, samples, out)
+
+
+TASK = Distill

@@ -1,0 +1,237 @@
+"""task distill: the step-1 loss and gradient of a run (full fine-tuning, a batch with padding and prompts) recomputed
+here from both models' logits with the divergences' formulas (forward KL, reverse KL, generalized JSD at beta 0.5),
+at a temperature other than 1; the divergence equal to TRL's GKDTrainer.generalized_jsd_loss on the same logits;
+the chunked loss and gradient equal to the unchunked ones, with no tensor of the vocabulary's width bigger than a
+chunk's; a teacher of another vocabulary refused in one line; on-policy steps sampled through
+generation.generation_config, the same for the same (seed, step). Topology, resume, SIGTERM, bad inputs and reload:
+test_conformance.py (the registry's example)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import python_m, read_metrics, said
+from tensors import LargestTensors
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from accel_train import generation, tasks
+from accel_train.config import TINY_MODEL, load_config
+from accel_train.tasks import distill
+
+pytestmark = pytest.mark.xdist_group("distill")
+
+TEMPERATURE = 0.7
+# prompt/response rows of different lengths: a batch of all four is padded, its prompts carry no loss
+ROWS = [{"prompt": "reverse abc", "response": "cba"}, {"prompt": "reverse hello world", "response": "dlrow olleh"},
+        {"prompt": "reverse x", "response": "x"}, {"prompt": "reverse a longer line", "response": "enil regnol a"}]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A teacher folder: the tiny model's config with random weights of its own seed, and its tokenizer."""
+    folder = tmp_path_factory.mktemp("distill") / "teacher"
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
+    return folder
+
+
+def formula(student_logits, teacher_logits, labels, beta: float, temperature: float) -> torch.Tensor:
+    """The divergence summed over the target tokens, from both models' whole logits (B, T, V)."""
+    s = torch.log_softmax(student_logits[:, :-1].double() / temperature, -1)  # position t predicts label t + 1
+    p = torch.log_softmax(teacher_logits[:, :-1].double() / temperature, -1)
+    if beta == 0:  # KL(teacher || student)
+        per_position = (p.exp() * (p - s)).sum(-1)
+    elif beta == 1:  # KL(student || teacher)
+        per_position = (s.exp() * (s - p)).sum(-1)
+    else:  # generalized JSD: m = beta teacher + (1 - beta) student
+        m = (beta * p.exp() + (1 - beta) * s.exp()).log()
+        per_position = beta * (p.exp() * (p - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    return per_position[labels[:, 1:] != -100].sum()
+
+
+def padded_batch(samples: list[dict], pad: int) -> dict:
+    width = max(len(s["input_ids"]) for s in samples)
+    fill = lambda key, value: torch.tensor([s[key] + [value] * (width - len(s[key])) for s in samples])  # noqa: E731
+    return {"input_ids": fill("input_ids", pad), "attention_mask": fill("attention_mask", 0),
+            "labels": fill("labels", -100)}
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_step_one_loss_and_gradient_are_the_formula(teacher, tmp_path, beta):
+    """One step of full fine-tuning at lr 1e-12 on the 4 rows in one batch (the saved model is the initial one to
+    1e-12): the logged loss is the formula's sum over the target tokens / their number, the logged grad_norm the
+    norm of its gradient."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "run"
+    proc = python_m("task=distill", f"data.path={data}", "data.eval_fraction=0", f"distill.teacher={teacher}",
+                    f"distill.beta={beta}", f"distill.temperature={TEMPERATURE}", "lora.enabled=false",
+                    "train.max_steps=1", "train.per_device_batch_size=4", "train.lr=1e-12", "train.warmup_steps=0",
+                    "train.mixed_precision=no", "track.log_with=[]", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step1 = read_metrics(out)[0][0]
+
+    cfg = load_config(out / "config.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    samples = tasks.make(cfg).tokenize(Dataset.from_list(ROWS), tokenizer)
+    batch = padded_batch(list(samples), tokenizer.pad_token_id)
+    assert (batch["attention_mask"] == 0).any() and (batch["labels"][:, 0] == -100).all()
+    student = AutoModelForCausalLM.from_pretrained(out / "model")
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        teacher_logits = teacher_model(**inputs).logits
+    targets = int((batch["labels"][:, 1:] != -100).sum())
+    loss = formula(student(**inputs).logits, teacher_logits, batch["labels"], beta, TEMPERATURE) / targets
+    loss.backward()
+    grad_norm = torch.cat([p.grad.flatten() for p in student.parameters()]).norm()
+    assert loss.item() > 1e-3  # a teacher unlike the student
+    assert step1["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert step1["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_divergence_equals_trls_generalized_jsd_loss(beta, temperature):
+    """distill.divergence summed over the target tokens = TRL's generalized_jsd_loss(reduction="sum") on the same
+    logits and labels, in fp32, to 1e-5."""
+    from trl.experimental.gkd import GKDTrainer
+
+    torch.manual_seed(0)
+    student, teacher = torch.randn(3, 7, 50) * 3, torch.randn(3, 7, 50) * 3
+    labels = torch.randint(0, 50, (3, 7))
+    labels[:, :2] = -100
+    labels[1, 5:] = -100
+    trl = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=temperature,
+                                          reduction="sum")
+    ours = distill.divergence(student, teacher, beta, temperature)[labels != -100].sum()
+    assert ours.item() == pytest.approx(trl.item(), rel=1e-5)
+    assert trl.item() > 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_chunks_give_the_unchunked_loss_and_gradient(beta):
+    """3 rows of 10 tokens (padding and prompts masked: 15 targets) in chunks of 4 positions against one chunk of
+    all: the same loss and gradient (to 1e-5), both the formula's; no tensor of the vocabulary's width is bigger
+    than a chunk of both models' positions."""
+    vocab, hidden = 301, 32
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    student, teacher = LlamaForCausalLM(config), LlamaForCausalLM(config).requires_grad_(False).eval()
+    ids = torch.randint(1, vocab, (3, 10))
+    attention_mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    attention_mask[1, 6:], labels[1, 6:] = 0, -100
+    attention_mask[2, 8:], labels[2, 8:] = 0, -100
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
+    cfg = load_config(None, ["task=distill", "distill.teacher=x", f"distill.beta={beta}",
+                             f"distill.temperature={TEMPERATURE}"])
+
+    def run(chunk: int):
+        student.zero_grad()
+        loss = distill.Distillation(cfg, student.lm_head, teacher, nullcontext, chunk=chunk)(student, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}
+
+    largest = LargestTensors(vocab, hidden)
+    with largest:
+        chunked = run(4)
+    whole = run(10**6)
+    student.zero_grad()
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids, attention_mask=attention_mask).logits
+    want = formula(student(input_ids=ids, attention_mask=attention_mask).logits, teacher_logits, labels, beta,
+                   TEMPERATURE)
+    want.backward()
+    assert int((labels[:, 1:] != -100).sum()) == 15
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
+    assert chunked[0].item() == pytest.approx(want.item(), rel=1e-5)
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(chunked[1][name], whole[1][name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(chunked[1][name], p.grad.float(), rtol=1e-4, atol=1e-6, msg=name)
+    assert max(largest.sizes.values()) <= 2 * 4 * vocab, dict(largest.sizes)  # the mixture stacks both models'
+
+
+@pytest.mark.parametrize("case", ["vocab_size", "tokenizer"])
+def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_path, case):
+    other = tmp_path / "other"
+    shutil.copytree(teacher, other)
+    if case == "vocab_size":  # one more row in its embeddings and head
+        config = AutoConfig.from_pretrained(teacher)
+        config.vocab_size += 1
+        AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    else:  # the same size, two tokens swapped
+        tokenizer = json.loads((other / "tokenizer.json").read_text())
+        tokenizer["model"]["vocab"].update(y=31, z=30)
+        (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    out = tmp_path / "run"
+    proc = python_m("task=distill", f"distill.teacher={other}", "data.builtin_size=16", "train.max_steps=1",
+                    "track.log_with=[]", f"output_dir={out}")
+    lines = said(proc.stdout + proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("accel_train: error: distill.teacher:") and "another vocabulary" in lines[0]
+    assert ("vocab_size 53" if case == "vocab_size" else "token 30 is 'z' in the teacher's, 'y' in the student's") \
+        in lines[0], lines[0]
+    assert not any(out.glob("*/*"))  # nothing trained
+
+
+def test_no_teacher_is_refused_in_one_line(tmp_path):
+    proc = python_m("task=distill", f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and said(proc.stderr) == [
+        "accel_train: error: task distill needs distill.teacher: the model to learn from (a local folder or hub id "
+        "sharing the student's tokenizer)"], proc.stderr[-3000:]
+
+
+def test_on_policy_steps_sample_the_responses_through_generation_config(teacher, monkeypatch):
+    """distill.on_policy=1: every step's responses are the student's, sampled after each sample's prompt with the
+    settings generation.generation_config gives (called once per micro-batch), ending at the end of turn or at
+    max_new_tokens; the labels cover them and nothing else; the same (seed, step) samples the same."""
+    from accelerate import Accelerator
+
+    new = 6
+    cfg = load_config(None, ["task=distill", f"distill.teacher={teacher}", "distill.on_policy=1",
+                             f"distill.max_new_tokens={new}", "distill.temperature=1.5"])
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    task = tasks.make(cfg)
+    samples = list(task.tokenize(Dataset.from_list(ROWS), tokenizer))
+    batches = [padded_batch(samples[:2], tokenizer.pad_token_id), padded_batch(samples[2:], tokenizer.pad_token_id)]
+    torch.manual_seed(1)
+    student = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL))
+    task.start(SimpleNamespace(accelerator=Accelerator(cpu=True), model=student), tokenizer, None)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return generation.generation_config(*args, **kwargs)
+
+    assert distill.generation_config is generation.generation_config
+    monkeypatch.setattr(distill, "generation_config", spy)
+    window = task.window(iter(batches), 3, 2)
+    assert len(calls) == 2
+    again = task.window(iter(batches), 3, 2)
+    later = task.window(iter(batches), 4, 2)
+    responses = []
+    for micro, source in zip(window, batches):
+        prompts = distill.prompts_of(source)
+        for ids, labels, prompt in zip(micro["input_ids"].tolist(), micro["labels"].tolist(), prompts):
+            assert ids[:len(prompt)] == prompt and labels[:len(prompt)] == [-100] * len(prompt)
+            response = [t for t in labels[len(prompt):] if t != -100]
+            assert response == ids[len(prompt):len(prompt) + len(response)]
+            assert 1 <= len(response) <= new and (len(response) == new or response[-1] == tokenizer.eos_token_id)
+            assert tokenizer.eos_token_id not in response[:-1]
+            responses.append(response)
+    for a, b in zip(window, again):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(window, later))
+    assert len({tuple(r) for r in responses}) > 1
+    assert sum(distill.on_policy_step(42, step, 0.5) for step in range(200)) == pytest.approx(100, abs=20)
