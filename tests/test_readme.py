@@ -40,11 +40,15 @@ OWN_DATA = "tests/test_data.py::test_readme_own_data_examples_resolve_and_read_t
 FIRST_HOUR = "tests/test_first_hour.py::test_a_newcomers_first_hour"
 QUICK_START = "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml --config configs/train/default.yaml"
 GRPO_RECIPE = "accel_train --config configs/train/grpo_default.yaml"
+DISTILL_RECIPE = "accel_train --config configs/train/distill_default.yaml"
+RECIPES_TINY = "tests/test_readme.py::test_the_grpo_and_distill_recipes_tiny"
 
 # command -> [(node id, [distinctive arguments its module holds]), ...]: together the tests run the command
 RUN_BY = {
     QUICK_START: [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ["accel_train_launch", "cpu_2proc.yaml", "configs/train/default.yaml"])],
-    GRPO_RECIPE: [("tests/test_readme.py::test_the_grpo_recipe_tiny", ["GRPO_RECIPE"])],
+    GRPO_RECIPE: [(RECIPES_TINY, ["GRPO_RECIPE"])],
+    DISTILL_RECIPE: [(RECIPES_TINY, ["DISTILL_RECIPE"])],
+    "accel_train merge=true": [(RECIPES_TINY, ['"merge=true"'])],
     **{f"accel_train data.path={name}_train.{ext} data.eval_path={name}_eval.{ext} output_dir=outputs/{out}":
        [(OWN_DATA, ["Train on your data"])]
        for name, ext, out in (("chat", "jsonl", "chat"), ("sharegpt", "json", "sharegpt"), ("alpaca", "jsonl", "alpaca"),
@@ -237,11 +241,13 @@ def test_config_commands_as_written():
     assert printed.returncode == 0 and "task: seq_cls" in printed.stdout and "lr: 0.001" in printed.stdout
 
 
-def test_the_grpo_recipe_tiny(tmp_path):
-    """The GRPO recipe as README gives it, for 2 steps on a few prompts, on the adapter of a 2-step default run (the
-    DPO recipe runs after the whole default in test_launch.py)."""
+def test_the_grpo_and_distill_recipes_tiny(tmp_path):
+    """The GRPO and distillation recipes as README gives them, for 2 steps on a few prompts, on a 2-step default run
+    (its adapter for GRPO, its merged model as the teacher; the DPO recipe runs after the whole default in
+    test_launch.py)."""
     sft = tmp_path / "default"
-    proc = python_m(f"output_dir={sft}", "data.builtin_size=40", "train.max_steps=2", "track.log_with=[]")
+    proc = python_m(f"output_dir={sft}", "merge=true", "data.builtin_size=40", "train.max_steps=2",
+                    "track.log_with=[]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     grpo = tmp_path / "grpo"
     proc = python_m(*_argv(GRPO_RECIPE)[1:], f"model.name_or_path={sft / 'base_model'}",
@@ -257,3 +263,10 @@ def test_the_grpo_recipe_tiny(tmp_path):
     rollouts = [json.loads(line) for line in (grpo / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 2 * 2 * 2 and all(r["prompt"] for r in rollouts)
     assert all(r["reward"] == float(r["completion"] == r["columns"]["response"]) for r in rollouts)
+    distill = tmp_path / "distill"
+    proc = python_m(*_argv(DISTILL_RECIPE)[1:], f"distill.teacher={sft / 'merged'}", f"output_dir={distill}",
+                    "data.builtin_size=40", "train.max_steps=2", "train.per_device_batch_size=2", "train.log_every=1",
+                    "track.log_with=[]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (distill / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and records[-1]["eval_loss"] > 0
