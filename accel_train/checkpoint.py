@@ -224,7 +224,7 @@ def load_checkpoint(accelerator, path: Path, state: TrainState) -> None:
         raise ConfigError(
             f"resume_from: {path} was trained with effective batch {saved['effective_batch']} "
             f"(per_device_batch_size x grad_accum_steps x processes); this run has {state.effective_batch}. "
-            "Change grad_accum_steps so that they match.")
+            "Set train.global_batch_size to it (or grad_accum_steps, with train.global_batch_size=null).")
     accelerator.load_state(str(path))
     main_logger().info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
                        f"{state.step_in_epoch} steps into the epoch")

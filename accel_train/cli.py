@@ -131,7 +131,7 @@ def check(argv: list[str]) -> Config:
     """The training arguments parsed (answering --help and --print-config) and their cheap checks: what
     `accel-train launch` runs before it starts any process."""
     cfg = parse_cli(argv)
-    preflight(cfg)
+    preflight(cfg, split=False)
     return cfg
 
 

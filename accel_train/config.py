@@ -378,7 +378,8 @@ class DistillConfig:
     """The divergence, per target token (TRL's generalized_jsd_loss): 0 forward KL(teacher || student), 1 reverse
     KL(student || teacher), between them the generalized Jensen-Shannon divergence with this beta (GKD)."""
     temperature: float = 1.0
-    """Softmax temperature of both models' logits in the divergence (and of the student's on-policy sampling)."""
+    """Softmax temperature of both models' logits in the divergence (and of the student's on-policy sampling), as
+    TRL's DistillationTrainer; TRL's GKDTrainer tempers the sampling only (the same at 1)."""
     on_policy: float = 0.0
     """GKD's lambda: the fraction of optimizer steps whose responses the student samples itself (at
     distill.temperature) after each sample's prompt, instead of the data's; chosen per step from the seed."""

@@ -23,9 +23,12 @@ from accel_train import tasks
 from accel_train.tracking import check_trackers
 
 
-def preflight(cfg: Config) -> Path | None:
-    """Every cheap check; returns the checkpoint to resume from, if any."""
-    split_global_batch(cfg, launched_world_size())
+def preflight(cfg: Config, split: bool = True) -> Path | None:
+    """Every cheap check; returns the checkpoint to resume from, if any. `split`: train.global_batch_size over the
+    processes the launcher started (not in `accel-train launch`'s own process, which does not know them yet: each
+    rank splits it)."""
+    if split:
+        split_global_batch(cfg, launched_world_size())
     check_data_source(cfg)
     check_model_source(cfg)
     check_adapter_source(cfg)
@@ -49,11 +52,12 @@ def split_global_batch(cfg: Config, processes: int) -> None:
     share, rest = divmod(t.global_batch_size, processes)
     if rest:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not divide over {processes} processes: "
-                          f"make it a multiple of {processes}")
+                          f"make it a multiple of {processes} (or null)")
     batch = max(d for d in range(1, min(share, t.per_device_batch_size) + 1) if share % d == 0)
     if t.grad_accum_steps not in (1, share // batch):  # 1, or the split itself (a run's config.yaml records it)
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} decides train.grad_accum_steps "
-                          f"({share // batch} on {processes} process(es)): drop train.grad_accum_steps={t.grad_accum_steps}")
+                          f"({share // batch} on {processes} process(es)): drop train.grad_accum_steps={t.grad_accum_steps}, "
+                          "or set train.global_batch_size=null")
     t.per_device_batch_size, t.grad_accum_steps = batch, share // batch
 
 

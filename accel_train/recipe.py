@@ -36,7 +36,7 @@ from accel_train.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.loop import TrainingJob, final_evaluation, fit
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.preflight import BASE_MODEL, make_output_dir, saved_random_base
+from accel_train.preflight import BASE_MODEL, launched_world_size, make_output_dir, saved_random_base
 from accel_train.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
                                   reset_peak_memory, truncate_log, write_summary)
 
@@ -47,6 +47,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
     try:
         configure_console(cfg)
         accelerator = make_accelerator(cfg, model_width(cfg))
+        check_split(cfg, accelerator.num_processes)
         quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
@@ -80,7 +81,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
                 results = final_evaluation(cfg, job, results)
             except Exception:
                 main_logger().error(f"the evaluation after training failed; the trained weights (step "
-                                    f"{job.state.step}) are saved in {target}")
+                                    f"{job.state.step}) are saved in {target}", main_process_only=False)
                 raise
         finally:
             job.run_log.close()
@@ -104,6 +105,16 @@ def run(cfg: Config, resume: Path | None) -> dict:
         return results
     finally:
         teardown(accelerator)
+
+
+def check_split(cfg: Config, processes: int) -> None:
+    """train.global_batch_size was split (preflight) over the processes the launcher said it started: a launcher
+    that does not say (WORLD_SIZE) would have every process take the whole global batch."""
+    t = cfg.train
+    if t.global_batch_size and t.per_device_batch_size * t.grad_accum_steps * processes != t.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size}: split for {launched_world_size()} "
+                          f"process(es) (WORLD_SIZE), but the group has {processes}; launch with accelerate launch, "
+                          "accel-train launch or torchrun")
 
 
 def start_run_dir(cfg: Config, accelerator) -> None:
@@ -257,8 +268,8 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
         f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
         f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
-        + (" (train.global_batch_size: per-device batch x accumulation x processes)"
-           if cfg.train.global_batch_size else "")
+        + (f" (train.global_batch_size split over {procs} process(es), in micro-batches of at most "
+           "train.per_device_batch_size)" if cfg.train.global_batch_size else "")
         + job.task.batch_unit()
         + f"; {job.total_steps} steps")
     warmup = cfg.train.warmup_steps

@@ -220,11 +220,11 @@ def test_global_batch_refusals_are_one_line(tmp_path):
 
     cfg = load_config(None, ["train.global_batch_size=16"])
     with pytest.raises(ConfigError, match=r"^train.global_batch_size=16 does not divide over 3 processes: make it a "
-                                          r"multiple of 3$"):
+                                          r"multiple of 3 \(or null\)$"):
         split_global_batch(cfg, 3)
     cfg = load_config(None, ["train.global_batch_size=16", "train.grad_accum_steps=4"])
     with pytest.raises(ConfigError, match=r"decides train.grad_accum_steps \(1 on 1 process\(es\)\): drop "
-                                          r"train.grad_accum_steps=4$"):
+                                          r"train.grad_accum_steps=4, or set train.global_batch_size=null$"):
         split_global_batch(cfg, 1)
     cfg = load_config(None, ["train.global_batch_size=32", "train.grad_accum_steps=2"])  # its own config.yaml
     split_global_batch(cfg, 1)
@@ -232,5 +232,25 @@ def test_global_batch_refusals_are_one_line(tmp_path):
     # under a launcher: every rank refuses before any work, one line (WORLD_SIZE as the launcher sets it)
     proc = python_m("train.global_batch_size=10", f"output_dir={tmp_path / 'run'}", env={"WORLD_SIZE": "4"})
     assert proc.returncode == 2 and proc.stderr == (
-        "accel_train: error: train.global_batch_size=10 does not divide over 4 processes: make it a multiple of 4\n")
+        "accel_train: error: train.global_batch_size=10 does not divide over 4 processes: make it a multiple of 4 "
+        "(or null)\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_accel_train_launch_leaves_the_split_to_the_ranks(tmp_path):
+    """`accel-train launch` checks the command line before it knows how many processes it starts: the split (4 x 2 on
+    2 processes, refused on 1) is each rank's, and a group other than the one split for stops at start."""
+    from accel_train.cli import check
+    from accel_train.recipe import check_split
+
+    argv = ["train.global_batch_size=16", "train.per_device_batch_size=4", "train.grad_accum_steps=2",
+            f"output_dir={tmp_path / 'run'}"]
+    cfg = check(argv)
+    assert (cfg.train.per_device_batch_size, cfg.train.grad_accum_steps) == (4, 2)
+    from accel_train.preflight import split_global_batch
+
+    split_global_batch(cfg, 2)
+    check_split(cfg, 2)
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size=16: split for 1 process\(es\) \(WORLD_SIZE\), "
+                                          r"but the group has 4"):
+        check_split(cfg, 4)

@@ -235,3 +235,16 @@ def test_on_policy_steps_sample_the_responses_through_generation_config(teacher,
     assert any(not torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(window, later))
     assert len({tuple(r) for r in responses}) > 1
     assert sum(distill.on_policy_step(42, step, 0.5) for step in range(200)) == pytest.approx(100, abs=20)
+
+
+def test_on_policy_needs_a_prompt_in_every_sample_said_before_training(tmp_path):
+    """Plain text trains on every token: nothing to answer. Refused while tokenizing, on every rank, not at the first
+    on-policy step (where a rank whose batch held such a sample would stop alone)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"reverse {w} {w[::-1]}\n" for w in ("abc", "dog", "bead", "cab") * 4))
+    proc = python_m("task=distill", "distill.teacher=configs/model/tiny-llama", "distill.on_policy=0.5",
+                    f"data.path={corpus}", "train.max_steps=2", "track.log_with=[]", f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert said(proc.stderr) == ["accel_train: error: distill.on_policy: a sample has no prompt before its trained "
+                                 "response (text data trains on every token); set distill.on_policy=0"]
+    assert " | loss " not in proc.stderr

@@ -38,7 +38,7 @@ class TaskInfo:
     generation: bool = False
     """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
     generates: bool | str = False
-    """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed); or
+    """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed ZeRO-3); or
     "module:function" of a torch-free function cfg -> that (when only some settings sample)."""
     example: tuple[str, ...] = ()
     """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on

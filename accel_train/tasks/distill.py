@@ -41,6 +41,7 @@ from itertools import islice
 
 import torch
 import torch.nn.functional as F
+from datasets import Dataset
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 
@@ -273,7 +274,15 @@ class Distill(Task):
         check_vocabulary(self.cfg)  # before tokenizing: a mismatch costs a second
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
-        return self.sft.tokenize(ds, tokenizer, report, split)
+        ds = self.sft.tokenize(ds, tokenizer, report, split)
+        if split == "train" and self.cfg.distill.on_policy > 0 and isinstance(ds, Dataset):
+            # every sample must have a prompt to answer: checked now, on every rank, not at the first on-policy step
+            # (where a rank whose batch holds such a sample would stop alone)
+            for input_ids, labels in zip(ds["input_ids"], ds["labels"]):
+                if not split_prompt(input_ids, labels)[0]:
+                    raise ConfigError("distill.on_policy: a sample has no prompt before its trained response (text "
+                                      "data trains on every token); set distill.on_policy=0")
+        return ds
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
         return self.sft.collator(tokenizer, False, attention_cost, multiple)
@@ -293,6 +302,8 @@ class Distill(Task):
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.job, self.tokenizer = job, tokenizer
+        if self.cfg.distill.on_policy > 0:  # a setting of the model's generation_config.json it cannot switch off:
+            generation_config(job.accelerator.unwrap_model(job.model), tokenizer, 1)  # refused now, on every rank
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
         window = list(islice(batches, accum))

@@ -31,7 +31,8 @@ every mu steps); checkpoints are written between batches of rollouts only (check
 
 Sampling reads the model's logits as they are (generation.generation_config): no setting of the base's
 generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
-actually sampled. Generation is refused under FSDP and DeepSpeed (sharded weights would need every rank in step).
+actually sampled. Generation is refused under FSDP and DeepSpeed ZeRO-3 (sharded weights would need every rank in step); ZeRO-1/2 keep
+the whole weights on every rank.
 
 Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
 several reward functions), frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length, /clipped_ratio (cut at
@@ -469,7 +470,7 @@ class Rollouts:
         if self.accelerator.is_main_process:
             with open(self.path, "a") as f:
                 for row in sorted(gathered, key=lambda r: (r["index"], r["generation"])):
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json.dumps(row, default=str) + "\n")  # a column of dates, bytes...
 
     def means(self, accelerator) -> dict:
         """The rollouts' statistics since the last log, over all ranks (two collectives, on every rank)."""
