@@ -357,8 +357,15 @@ class GrpoConfig:
     """How the token losses of one optimizer step are summed into its loss, over all processes and micro-batches:
     grpo: the mean over tokens of each completion, then over completions; dapo: the mean over all completion
     tokens (also BNPO's here); dr_grpo: their sum divided by completions x grpo.max_new_tokens (Dr. GRPO)."""
-    scale_rewards: bool = True
-    """Divide each group's advantages by the group's reward std; false: only subtract the mean (Dr. GRPO)."""
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """A completion's advantage. grpo: its reward less its group's mean (Shao et al. 2024); rloo: its reward less
+    the mean of the other completions of its prompt, the leave-one-out baseline (Ahmadian et al. 2024, TRL's
+    RLOOTrainer): G / (G - 1) x grpo's. The rest is the grpo task's, not RLOOTrainer's: per-token ratio and
+    grpo.loss_type (RLOOTrainer: one ratio per sequence, its summed log-prob, and the mean over completions), and
+    the KL of grpo.beta in the loss (RLOOTrainer: beta 0.05, KL summed per sequence and taken from the reward)."""
+    scale_rewards: Optional[bool] = None
+    """Divide each group's advantages by the group's reward std; false: only subtract the baseline (Dr. GRPO).
+    None: true for grpo.advantage=grpo (TRL's GRPOTrainer), false for rloo (RLOOTrainer's normalize_advantages)."""
     log_completions: bool = True
     """Write every rollout (prompt, completion, rewards, advantage) to output_dir/rollouts.jsonl."""
 
@@ -401,6 +408,8 @@ class Config:
             self.data.group_by_length = self.task == "seq_cls"
         if self.task in ("dpo", "grpo"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
+        if self.grpo.scale_rewards is None:
+            self.grpo.scale_rewards = self.grpo.advantage == "grpo"
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
             "train.grad_accum_steps": self.train.grad_accum_steps,
@@ -488,6 +497,10 @@ class Config:
         g = self.grpo
         if self.task != "grpo":
             return
+        if g.advantage == "rloo" and g.scale_rewards:
+            raise ConfigError("grpo.scale_rewards=true with grpo.advantage=rloo: the leave-one-out advantage divided "
+                              "by the group's std is grpo's times G / (G - 1); use grpo.advantage=grpo, or "
+                              "scale_rewards=false")
         if g.num_generations < 2:
             raise ConfigError(f"grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                               f"got {g.num_generations}")
