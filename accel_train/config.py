@@ -295,18 +295,30 @@ class EvalConfig:
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
 
+# dpo.loss_type values that compare the policy's own log-probs, with no reference model (tasks/dpo.py)
+REFERENCE_FREE_LOSSES = ("orpo", "simpo", "cpo")
+
+
 @dataclass
 class DpoConfig:
     beta: float = 0.1
-    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs."""
+    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs. orpo: the
+    weight of the odds-ratio term (ORPO's lambda, as TRL's beta); simpo, cpo: the scale of the log-prob margin."""
     label_smoothing: float = 0.0
-    """sigmoid loss: assumed probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on per-token mean log-probs."""
-    reference: Literal["start", "base"] = "start"
-    """The reference model. start: the policy as training starts (its initial weights; with model.adapter_from,
-    that adapter, loaded a second time and frozen: the SFT model DPO usually starts from). base: the base model
-    with the LoRA adapter disabled (the same as start for a fresh adapter)."""
+    """sigmoid, simpo, cpo: assumed probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
+    loss_type: Literal["sigmoid", "ipo", "orpo", "simpo", "cpo"] = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on per-token mean log-probs.
+    Without a reference (TRL's formulas): orpo: the chosen NLL - beta log sigmoid(log-odds(chosen) - log-odds(rejected))
+    on per-token mean log-probs (Hong et al. 2024); simpo: -log sigmoid(beta (mean logp(chosen) - mean logp(rejected))
+    - dpo.simpo_gamma) (Meng et al. 2024); cpo: -log sigmoid(beta (logp(chosen) - logp(rejected))) + the chosen NLL
+    (Xu et al. 2024)."""
+    reference: Optional[Literal["start", "base"]] = None
+    """The reference model of sigmoid and ipo (none for orpo, simpo, cpo). start (None resolves to it): the policy as
+    training starts (its initial weights; with model.adapter_from, that adapter, loaded a second time and frozen: the
+    SFT model DPO usually starts from). base: the base model with the LoRA adapter disabled (the same as start for a
+    fresh adapter)."""
+    simpo_gamma: Optional[float] = None
+    """simpo: the target reward margin gamma (TRL's simpo_gamma); None: 0.5, TRL's default."""
     rpo_alpha: float = 0.0
     """Weight of the chosen answer's negative log-likelihood (per token) added to each pair's loss (RPO, Pang et al.
     2024; TRL's rpo_alpha): keeps the chosen answers likely, which plain DPO lets fall. 0: plain DPO."""
@@ -374,7 +386,8 @@ class GrpoConfig:
 class Config:
     task: Literal[TASK_NAMES] = "causal_lm"
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
-    on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy); grpo:
+    on chosen/rejected pairs (dpo.loss_type; its reference, if any, is the model with its LoRA adapter disabled, or
+    a frozen copy); grpo:
     reinforcement learning from rewards of sampled completions to prompts (see grpo.*)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
@@ -408,6 +421,10 @@ class Config:
             self.data.group_by_length = self.task == "seq_cls"
         if self.task in ("dpo", "grpo"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
+        if self.dpo.reference is None and self.dpo.loss_type not in REFERENCE_FREE_LOSSES:
+            self.dpo.reference = "start"
+        if self.dpo.simpo_gamma is None and self.dpo.loss_type == "simpo":
+            self.dpo.simpo_gamma = 0.5
         if self.grpo.scale_rewards is None:
             self.grpo.scale_rewards = self.grpo.advantage == "grpo"
         positive = {
@@ -488,10 +505,25 @@ class Config:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
+        self._check_dpo()
         self._check_grpo()
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()
+
+    def _check_dpo(self):
+        """The keys of one dpo.loss_type that another would ignore."""
+        d = self.dpo
+        if d.loss_type in REFERENCE_FREE_LOSSES and (d.reference is not None or d.precompute_ref):
+            key = f"dpo.reference={d.reference}" if d.reference is not None else "dpo.precompute_ref=true"
+            raise ConfigError(f"{key} is about a reference model, but dpo.loss_type={d.loss_type} has none (it "
+                              "compares the policy's own log-probs); remove it, or use loss_type sigmoid or ipo")
+        if d.simpo_gamma is not None and d.loss_type != "simpo":
+            raise ConfigError(f"dpo.simpo_gamma is the target margin of dpo.loss_type=simpo, not of "
+                              f"{d.loss_type}; remove it")
+        if d.label_smoothing and d.loss_type in ("ipo", "orpo"):
+            raise ConfigError(f"dpo.label_smoothing is for dpo.loss_type sigmoid, simpo or cpo; {d.loss_type} has no "
+                              "smoothed form (set it to 0)")
 
     def _check_grpo(self):
         g = self.grpo
