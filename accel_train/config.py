@@ -300,18 +300,30 @@ class EvalConfig:
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
 
+# dpo.loss_type values that compare the policy's own log-probs, with no reference model (tasks/dpo.py)
+REFERENCE_FREE_LOSSES = ("orpo", "simpo", "cpo")
+
+
 @dataclass
 class DpoConfig:
     beta: float = 0.1
-    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs."""
+    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs. orpo: the
+    weight of the odds-ratio term (ORPO's lambda, as TRL's beta); simpo, cpo: the scale of the log-prob margin."""
     label_smoothing: float = 0.0
-    """sigmoid loss: assumed probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on per-token mean log-probs."""
-    reference: Literal["start", "base"] = "start"
-    """The reference model. start: the policy as training starts (its initial weights; with model.adapter_from,
-    that adapter, loaded a second time and frozen: the SFT model DPO usually starts from). base: the base model
-    with the LoRA adapter disabled (the same as start for a fresh adapter)."""
+    """sigmoid, simpo, cpo: assumed probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
+    loss_type: Literal["sigmoid", "ipo", "orpo", "simpo", "cpo"] = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on per-token mean log-probs.
+    Without a reference (TRL's formulas): orpo: the chosen NLL - beta log sigmoid(log-odds(chosen) - log-odds(rejected))
+    on per-token mean log-probs (Hong et al. 2024); simpo: -log sigmoid(beta (mean logp(chosen) - mean logp(rejected))
+    - dpo.simpo_gamma) (Meng et al. 2024); cpo: -log sigmoid(beta (logp(chosen) - logp(rejected))) + the chosen NLL
+    (Xu et al. 2024)."""
+    reference: Optional[Literal["start", "base"]] = None
+    """The reference model of sigmoid and ipo (none for orpo, simpo, cpo). start (None resolves to it): the policy as
+    training starts (its initial weights; with model.adapter_from, that adapter, loaded a second time and frozen: the
+    SFT model DPO usually starts from). base: the base model with the LoRA adapter disabled (the same as start for a
+    fresh adapter)."""
+    simpo_gamma: Optional[float] = None
+    """simpo: the target reward margin gamma (TRL's simpo_gamma); None: 0.5, TRL's default."""
     rpo_alpha: float = 0.0
     """Weight of the chosen answer's negative log-likelihood (per token) added to each pair's loss (RPO, Pang et al.
     2024; TRL's rpo_alpha): keeps the chosen answers likely, which plain DPO lets fall. 0: plain DPO."""
@@ -362,8 +374,15 @@ class GrpoConfig:
     """How the token losses of one optimizer step are summed into its loss, over all processes and micro-batches:
     grpo: the mean over tokens of each completion, then over completions; dapo: the mean over all completion
     tokens (also BNPO's here); dr_grpo: their sum divided by completions x grpo.max_new_tokens (Dr. GRPO)."""
-    scale_rewards: bool = True
-    """Divide each group's advantages by the group's reward std; false: only subtract the mean (Dr. GRPO)."""
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """A completion's advantage. grpo: its reward less its group's mean (Shao et al. 2024); rloo: its reward less
+    the mean of the other completions of its prompt, the leave-one-out baseline (Ahmadian et al. 2024, TRL's
+    RLOOTrainer): G / (G - 1) x grpo's. The rest is the grpo task's, not RLOOTrainer's: per-token ratio and
+    grpo.loss_type (RLOOTrainer: one ratio per sequence, its summed log-prob, and the mean over completions), and
+    the KL of grpo.beta in the loss (RLOOTrainer: beta 0.05, KL summed per sequence and taken from the reward)."""
+    scale_rewards: Optional[bool] = None
+    """Divide each group's advantages by the group's reward std; false: only subtract the baseline (Dr. GRPO).
+    None: true for grpo.advantage=grpo (TRL's GRPOTrainer), false for rloo (RLOOTrainer's normalize_advantages)."""
     log_completions: bool = True
     """Write every rollout (prompt, completion, rewards, advantage) to output_dir/rollouts.jsonl."""
 
@@ -391,9 +410,9 @@ class DistillConfig:
 class Config:
     task: Literal[TASK_NAMES] = "causal_lm"
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
-    on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy); grpo:
-    reinforcement learning from rewards of sampled completions to prompts (see grpo.*); distill: a teacher's
-    token distributions taught to the model on the responses (see distill.*)."""
+    on chosen/rejected pairs (dpo.loss_type; its reference, if any, is the model with its LoRA adapter disabled, or
+    a frozen copy); grpo: reinforcement learning from rewards of sampled completions to prompts (see grpo.*);
+    distill: a teacher's token distributions taught to the model on the responses (see distill.*)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -427,6 +446,12 @@ class Config:
             self.data.group_by_length = self.task == "seq_cls"
         if self.task in ("dpo", "grpo", "distill"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
+        if self.dpo.reference is None and self.dpo.loss_type not in REFERENCE_FREE_LOSSES:
+            self.dpo.reference = "start"
+        if self.dpo.simpo_gamma is None and self.dpo.loss_type == "simpo":
+            self.dpo.simpo_gamma = 0.5
+        if self.grpo.scale_rewards is None:
+            self.grpo.scale_rewards = self.grpo.advantage == "grpo"
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
             "train.grad_accum_steps": self.train.grad_accum_steps,
@@ -509,16 +534,35 @@ class Config:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
+        self._check_dpo()
         self._check_grpo()
         self._check_distill()
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()
 
+    def _check_dpo(self):
+        """The keys of one dpo.loss_type that another would ignore."""
+        d = self.dpo
+        if d.loss_type in REFERENCE_FREE_LOSSES and (d.reference is not None or d.precompute_ref):
+            key = f"dpo.reference={d.reference}" if d.reference is not None else "dpo.precompute_ref=true"
+            raise ConfigError(f"{key} is about a reference model, but dpo.loss_type={d.loss_type} has none (it "
+                              "compares the policy's own log-probs); remove it, or use loss_type sigmoid or ipo")
+        if d.simpo_gamma is not None and d.loss_type != "simpo":
+            raise ConfigError(f"dpo.simpo_gamma is the target margin of dpo.loss_type=simpo, not of "
+                              f"{d.loss_type}; remove it")
+        if d.label_smoothing and d.loss_type in ("ipo", "orpo"):
+            raise ConfigError(f"dpo.label_smoothing is for dpo.loss_type sigmoid, simpo or cpo; {d.loss_type} has no "
+                              "smoothed form (set it to 0)")
+
     def _check_grpo(self):
         g = self.grpo
         if self.task != "grpo":
             return
+        if g.advantage == "rloo" and g.scale_rewards:
+            raise ConfigError("grpo.scale_rewards=true with grpo.advantage=rloo: the leave-one-out advantage divided "
+                              "by the group's std is grpo's times G / (G - 1); use grpo.advantage=grpo, or "
+                              "scale_rewards=false")
         if g.num_generations < 2:
             raise ConfigError(f"grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                               f"got {g.num_generations}")

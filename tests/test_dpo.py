@@ -65,10 +65,10 @@ def sft(tmp_path_factory):
     return out
 
 
-def dpo_args(sft, out, reference: str = "base") -> list[str]:
+def dpo_args(sft, out, reference: str | None = "base") -> list[str]:
     """DPO continuing the SFT adapter; reference `base` (the adapter disabled: policy and reference differ at step 1,
-    which the formula test needs) or `start` (the SFT adapter, frozen: the recipe's)."""
-    return [f"dpo.reference={reference}", "task=dpo", "data.path=builtin:reverse_pref", f"model.name_or_path={sft / 'base_model'}",
+    which the formula test needs) or `start` (the SFT adapter, frozen: the recipe's); None for orpo, simpo, cpo."""
+    return [*([f"dpo.reference={reference}"] if reference else []), "task=dpo", "data.path=builtin:reverse_pref", f"model.name_or_path={sft / 'base_model'}",
             "model.random_init=false", f"model.adapter_from={sft / 'adapter'}", f"dpo.beta={BETA}",
             "train.mixed_precision=no", "train.log_every=1", "track.log_with=[]", "train.dist_timeout_s=120",
             f"output_dir={out}"]
@@ -228,6 +228,8 @@ BAD = {
     "prompts differ": (different_prompts, "data: row 0: chosen and rejected do not share their prompt turns"),
     "adapter_from not an adapter": (lambda t: [f"model.adapter_from={t}"],
                                     "is not a LoRA adapter folder (no adapter_config.json)"),
+    "a reference for orpo": (lambda t: ["dpo.loss_type=orpo", "dpo.reference=base"],
+                             "dpo.reference=base is about a reference model, but dpo.loss_type=orpo has none"),
 }
 
 
@@ -264,7 +266,7 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
     rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abc"},
             {"prompt": "reverse hijab", "chosen": "bajih", "rejected": "bajid"}]
     batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
-    got = loss.pair_values(model, batch)[:, 0]
+    got = loss.pair_terms(model, batch)[0]
     want = []
     for row in rows:
         with torch.no_grad():
@@ -280,3 +282,194 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
             want.append((1 - e) * math.log1p(math.exp(-z)) + e * math.log1p(math.exp(z))
                         - cfg.dpo.rpo_alpha * float(pc) / nc)
     assert got.tolist() == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- orpo, simpo, cpo
+
+# Pairs whose chosen and rejected differ in length (per-token means are not sums), from the tiny random model, whose
+# log-probs give nonzero margins of both signs.
+FREE_ROWS = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abcdef"},
+             {"prompt": "reverse hijab", "chosen": "bajih", "rejected": "baj"},
+             {"prompt": "reverse de", "chosen": "ed", "rejected": "eddie"}]
+FREE = {"orpo": ["dpo.loss_type=orpo"], "simpo": ["dpo.loss_type=simpo", "dpo.simpo_gamma=0.3"],
+        "cpo": ["dpo.loss_type=cpo"], "cpo_smoothed": ["dpo.loss_type=cpo", "dpo.label_smoothing=0.1"]}
+
+
+def free_run(overrides: list[str]):
+    """(cfg, tokenizer, model, task set up as the recipe sets it up, a batch of FREE_ROWS, a forward counter): full
+    fine-tuning of the tiny model, in evaluation mode (no dropout: the same numbers in every forward)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from accel_train import tasks
+    from accel_train.model import build_model, build_tokenizer
+    from accel_train.tasks.dpo import PairCollator, tokenize_pair
+
+    cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
+    tokenizer = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, tokenizer).eval()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    task = tasks.make(cfg)
+    accelerator = SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), num_processes=1)
+    task.setup(accelerator, model, tokenizer, None, None)
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(FREE_ROWS)])
+    return cfg, tokenizer, model, task, batch, forwards
+
+
+def product_step(task, model, batch) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """The step's loss as the loop makes it (one micro-batch: the window, the loss, divided by the pairs), its
+    gradient (flat), and the logged METRICS' means."""
+    model.zero_grad()
+    (micro,) = task.window(iter([batch]), 0, 1)
+    loss, sums = task.loss(model, micro)
+    pairs = task.count_targets(batch)
+    (loss / pairs).backward()
+    return (loss / pairs).detach(), flat_grad(model), (sums[1:] / pairs).tolist()
+
+
+def flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).clone()
+
+
+def sequence_token_logps(model, tokenizer, prompt: str, response: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of the response's tokens, log-probs of every token after the first: prompt and response), with
+    their gradient, in fp64 from the model's fp32 logits."""
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    start = len(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)["input_ids"])
+    ids = torch.tensor(tokenizer.apply_chat_template(messages)["input_ids"])
+    logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].double(), -1)
+    every = logp.gather(1, ids[1:, None])[:, 0]
+    return every[start - 1:], every
+
+
+def paper_loss(cfg, model, tokenizer) -> tuple[torch.Tensor, list[float]]:
+    """The loss over FREE_ROWS written from the papers, with TRL's normalisations (mean over pairs; the chosen NLL a
+    mean over all the chosen rows' tokens), and the METRICS as TRL logs them (beta x the compared log-probs)."""
+    d = cfg.dpo
+    beta, e = d.beta, d.label_smoothing
+    pair_losses, nll, nll_tokens, metrics = [], 0.0, 0, []
+    for row in FREE_ROWS:
+        (chosen, chosen_all), (rejected, _) = (sequence_token_logps(model, tokenizer, row["prompt"], row[k])
+                                               for k in ("chosen", "rejected"))
+        if d.loss_type == "cpo":  # Xu et al. 2024, eq. 3: summed log-probs
+            lc, lr = chosen.sum(), rejected.sum()
+            z = beta * (lc - lr)
+        else:  # per-token means (length-normalised)
+            lc, lr = chosen.mean(), rejected.mean()
+            z = beta * (lc - lr) - (d.simpo_gamma or 0.0)  # SimPO, Meng et al. 2024, eq. 6
+        if d.loss_type == "orpo":  # Hong et al. 2024, eqs. 4, 6, 7: odds(y|x) = P / (1 - P), P = exp(mean log-prob)
+            pc, pr = lc.exp(), lr.exp()
+            log_odds_ratio = torch.log((pc / (1 - pc)) / (pr / (1 - pr)))
+            pair_losses.append(-beta * torch.log(torch.sigmoid(log_odds_ratio)))
+        else:  # the conservative form with label smoothing e (0: the papers')
+            pair_losses.append(-(1 - e) * torch.log(torch.sigmoid(z)) - e * torch.log(torch.sigmoid(-z)))
+        if d.loss_type in ("orpo", "cpo"):  # the chosen NLL: orpo over prompt and response, cpo the response
+            tokens = chosen_all if d.loss_type == "orpo" else chosen
+            nll, nll_tokens = nll - tokens.sum(), nll_tokens + len(tokens)
+        rc, rr = float(beta * lc.detach()), float(beta * lr.detach())
+        metrics.append([rc, rr, rc - rr, float(rc > rr), float(lc.detach()), float(lr.detach())])
+    loss = sum(pair_losses) / len(FREE_ROWS) + (nll / nll_tokens if nll_tokens else 0.0)
+    return loss, [sum(m[i] for m in metrics) / len(metrics) for i in range(6)]
+
+
+@pytest.mark.parametrize("case", FREE)
+def test_reference_free_loss_and_gradient_are_the_papers_formula_with_no_reference(case):
+    """orpo, simpo, cpo: the step's loss and its gradient (every weight's) through the task, as the loop takes them,
+    against the formula written out here from the model's own log-probs; the logged rewards and log-probs; one
+    forward per step (the policy's: no reference pass) and no frozen copy under full fine-tuning."""
+    cfg, tokenizer, model, task, batch, forwards = free_run(FREE[case])
+    assert task.preference.reference is None and not task.frozen_reference_adapter()
+    loss, grad, metrics = product_step(task, model, batch)
+    assert len(forwards) == 1
+    model.zero_grad()
+    want, want_metrics = paper_loss(cfg, model, tokenizer)
+    want.backward()
+    want_grad = flat_grad(model)
+    assert abs(want_metrics[2]) > 1e-3 and 0 < want_metrics[3] < 1, "the check needs margins of both signs"
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert float((grad - want_grad.float()).norm()) < 1e-5 * float(want_grad.norm())
+    assert metrics == pytest.approx(want_metrics, rel=1e-5, abs=1e-7)
+
+
+def trl_trainer(cfg, model, tokenizer, tmp_path):
+    """TRL's trainer of the loss (trl.experimental, TRL 1.13): CPOTrainer for simpo (cpo_alpha 0: no NLL) and cpo
+    (loss_type sigmoid, cpo_alpha 1), ORPOTrainer for orpo, on the same model."""
+    import os
+
+    from datasets import Dataset
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    d = cfg.dpo
+    common = {"output_dir": str(tmp_path), "report_to": [], "use_cpu": True, "beta": d.beta}
+    if d.loss_type == "orpo":
+        trainer, args = ORPOTrainer, ORPOConfig(**common)
+    else:
+        trainer, args = CPOTrainer, CPOConfig(**common, loss_type="simpo" if d.loss_type == "simpo" else "sigmoid",
+                                              cpo_alpha=0.0 if d.loss_type == "simpo" else 1.0,
+                                              simpo_gamma=d.simpo_gamma or 0.5, label_smoothing=d.label_smoothing)
+    return trainer(model=model, args=args, train_dataset=Dataset.from_list(FREE_ROWS), processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("case", FREE)
+def test_reference_free_loss_equals_trls(case, tmp_path):
+    """The same model and batch (our tokenized pairs, as TRL's chosen_*/rejected_* columns) through TRL's
+    get_batch_loss_metrics: the same loss, gradient and logged rewards and log-probs, to 1e-5 in fp32."""
+    cfg, tokenizer, model, task, batch, _ = free_run(FREE[case])
+    trainer = trl_trainer(cfg, model, tokenizer, tmp_path)
+    pairs = len(FREE_ROWS)
+    halves = {"chosen": slice(0, pairs), "rejected": slice(pairs, None)}
+    trl_batch = {f"{k}_{name}": batch[name][rows] for k, rows in halves.items()
+                 for name in ("input_ids", "attention_mask", "labels")}
+    model.zero_grad()
+    want, trl_metrics = trainer.get_batch_loss_metrics(model, trl_batch)
+    want.backward()
+    want_grad = flat_grad(model)
+    loss, grad, metrics = product_step(task, model, batch)
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert float((grad - want_grad).norm()) < 1e-5 * float(want_grad.norm())
+    names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected"]
+    assert metrics == pytest.approx([trl_metrics[n] for n in names], rel=1e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def orpo_runs(sft):
+    """orpo from the SFT adapter on topologies A (1 process, batch 8) and C (2 processes, batch 2 x accumulation 2)."""
+    results = {}
+    for name in ("A", "C"):
+        procs, extra = TOPOLOGIES[name]
+        out = sft.parent / f"orpo-{name}"
+        proc = launch(procs, *dpo_args(sft, out, reference=None), "dpo.loss_type=orpo", *TOPOLOGY, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = {"out": out, "train": read_metrics(out)[0]}
+    return results
+
+
+def test_orpo_nll_is_a_mean_over_the_steps_tokens_on_any_topology(orpo_runs):
+    """The chosen NLL's tokens are counted over the whole step on both ranks: 2 processes with accumulation log the
+    losses and metrics of 1 (per-micro-batch means would differ: the pairs' lengths vary), over 14 steps across the
+    epoch boundary (where a rank out of pairs replays one with weight 0). config.yaml records no reference."""
+    assert_same_steps(orpo_runs["C"]["train"], orpo_runs["A"]["train"], rel=1e-5)
+    assert load_config(orpo_runs["A"]["out"] / "config.yaml").dpo.reference is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dpo.loss_type=simpo", "dpo.precompute_ref=true"],
+     "dpo.precompute_ref=true is about a reference model, but dpo.loss_type=simpo has none"),
+    (["dpo.loss_type=cpo", "dpo.reference=start"], "dpo.reference=start is about a reference model, but "
+                                                   "dpo.loss_type=cpo has none"),
+    (["dpo.simpo_gamma=1.0"], "dpo.simpo_gamma is the target margin of dpo.loss_type=simpo, not of sigmoid"),
+    (["dpo.loss_type=orpo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing is for dpo.loss_type sigmoid, simpo or "
+                                                        "cpo; orpo has no smoothed form"),
+], ids=["precompute_ref", "reference", "simpo_gamma", "smoothing"])
+def test_a_key_the_loss_would_ignore_is_refused_in_one_line(overrides, message):
+    from accel_train.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["task=dpo", *overrides])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

@@ -1,6 +1,6 @@
 """task grpo, launched as users launch it, after a short SFT run whose adapter it continues (model.adapter_from),
 on builtin:reverse with exact_match and a user's reward function from a file: the step-1 advantages, loss and
-gradient norm of each loss normalisation recomputed here from the rollouts and the model's log-probs (and the KL
+gradient norm of each loss normalisation (and of RLOO's leave-one-out advantages) recomputed here from the rollouts and the model's log-probs (and the KL
 to the reference at step 2, at another temperature); full fine-tuning's KL to a frozen copy of the initial model, with
 a reward function that returns None for some completions (TRL's "not applicable"); the same completions, losses and
 rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
@@ -81,9 +81,11 @@ def grpo_args(sft, out, *extra) -> list[str]:
 
 
 # step-1 runs, one per loss normalisation: 1 process, 2 prompts per micro-batch, 2 micro-batches (16 completions);
-# dapo also at temperature 0.7 with a KL term, for 2 steps (the policy differs from the reference at step 2 only)
+# dapo also at temperature 0.7 with a KL term, for 2 steps (the policy differs from the reference at step 2 only);
+# rloo: the leave-one-out advantages (unscaled), normalised as grpo
 STEP_ONE = {
     "grpo": ["grpo.loss_type=grpo", "train.max_steps=1"],
+    "rloo": ["grpo.advantage=rloo", "grpo.loss_type=grpo", "train.max_steps=1"],
     "dr_grpo": ["grpo.loss_type=dr_grpo", "train.max_steps=1"],
     "dapo": ["grpo.loss_type=dapo", "grpo.beta=0.05", "grpo.temperature=0.7", "train.max_steps=2",
              "checkpoint.save_every=1", "train.lr=5e-3", "train.warmup_steps=0"],
@@ -165,10 +167,15 @@ def token_logps(model, row: dict, temperature: float) -> tuple[torch.Tensor, tor
     return logp.gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
 
 
+def leave_one_out(rewards: list[float]) -> list[float]:
+    """RLOO's advantages: each reward less the mean of the group's other rewards."""
+    return [r - sum(o for j, o in enumerate(rewards) if j != i) / (len(rewards) - 1) for i, r in enumerate(rewards)]
+
+
 def check_rollouts(sft, run: dict, step: int, odd: bool = False) -> list[tuple[dict, float]]:
     """The step's rollout rows against the data, the rewards recomputed here and the group advantages
-    (r - mean) / (std + 1e-4): (row, advantage) per completion. `odd`: the run also rewards with odd_only, weighted
-    ODD_WEIGHT, whose None is left out of the sum."""
+    (r - mean) / (std + 1e-4), or with grpo.advantage=rloo the leave-one-out ones: (row, advantage) per completion.
+    `odd`: the run also rewards with odd_only, weighted ODD_WEIGHT, whose None is left out of the sum."""
     cfg = load_config(run["out"] / "config.yaml")
     train, _ = data_lib.load_splits(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
@@ -198,7 +205,8 @@ def check_rollouts(sft, run: dict, step: int, odd: bool = False) -> list[tuple[d
             rewards.append(WEIGHTS[0] * em + WEIGHTS[1] * o
                            + (ODD_WEIGHT * odd_value if odd and odd_value is not None else 0))
         r = torch.tensor(rewards, dtype=torch.float64)
-        advantages = ((r - r.mean()) / (r.std() + 1e-4)).tolist()
+        advantages = (leave_one_out(rewards) if cfg.grpo.advantage == "rloo" else
+                      ((r - r.mean()) / (r.std() + 1e-4)).tolist())
         for row, want, a in zip(group, rewards, advantages):
             assert row["reward"] == pytest.approx(want, abs=1e-6)
             assert row["advantage"] == pytest.approx(a, rel=1e-5, abs=1e-5)
@@ -269,19 +277,19 @@ def step_metrics(rows: list[tuple[dict, float]]) -> dict:
             "completions/clipped_ratio": sum(r["completion_ids"][-1] != EOS for r, _ in rows) / len(rows)}
 
 
-@pytest.mark.parametrize("loss_type", STEP_ONE)
-def test_step_one_loss_and_gradient_are_the_formula(sft, step_one, loss_type):
+@pytest.mark.parametrize("name", STEP_ONE)
+def test_step_one_loss_and_gradient_are_the_formula(sft, step_one, name):
     """Step 1 from the SFT adapter on 4 prompts x 4 completions in 2 micro-batches: ratio 1, so the loss is minus
     the normalised advantage sum and the gradient -sum A grad logp, normalised over the whole step (with beta > 0,
     the KL term and its gradient are 0: the reference is the SFT adapter, frozen, the policy at step 1)."""
-    run = step_one[loss_type]
+    run = step_one[name]
     cfg = load_config(run["out"] / "config.yaml")
     rows = check_rollouts(sft, run, step=1)
     lengths = {len(r["completion_ids"]) for r, _ in rows}
     spread = step_metrics(rows)["frac_reward_zero_std"] < 0.5
     assert len(lengths) > 1 and spread, "the check needs varied lengths and rewards"
     beta = cfg.grpo.beta
-    want = step_values(sft_policy(sft), rows, loss_type, cfg.grpo.temperature, beta,
+    want = step_values(sft_policy(sft), rows, cfg.grpo.loss_type, cfg.grpo.temperature, beta,
                        reference=sft_policy(sft).eval() if beta else None)
     step1 = run["train"][0]
     assert step1["step"] == 1
@@ -372,6 +380,27 @@ def test_unscored_completions_get_advantage_0_and_stay_out_of_their_group():
     assert got == [pytest.approx(w, rel=1e-12) for w in want]
     assert grpo.group_advantages(total, scale=False).tolist() == [
         pytest.approx([1.5 - mean, 0.0, 3 - mean, 1 - mean]), [0.0] * 4]
+
+
+def test_rloo_advantages_are_the_leave_one_out_baseline():
+    """grpo.advantage=rloo: each reward less the mean of its group's other rewards (written out here), unscaled
+    (RLOOTrainer's default), G / (G - 1) x the group-centred reward; an unscored completion (NaN) is left out of the
+    others' baselines and gets 0, as does a group's only scored one (TRL's RLOOTrainer)."""
+    nan = math.nan
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 2.0], [0.25, nan, 1.0, 0.0], [nan, nan, 3.0, nan]], dtype=torch.float64)
+    got = grpo.group_advantages(rewards, scale=False, leave_one_out=True).tolist()
+    assert got[0] == pytest.approx(leave_one_out([1.0, 0.0, 0.5, 2.0]), rel=1e-12)
+    assert got[0] == pytest.approx([4 / 3 * (r - 0.875) for r in (1.0, 0.0, 0.5, 2.0)], rel=1e-12)
+    scored = leave_one_out([0.25, 1.0, 0.0])
+    assert got[1] == pytest.approx([scored[0], 0.0, scored[1], scored[2]], rel=1e-12)
+    assert got[2] == [0.0] * 4
+
+
+def test_rloo_refuses_a_std_scaling_in_one_line():
+    with pytest.raises(ConfigError, match=r"^grpo.scale_rewards=true with grpo.advantage=rloo: .* G / \(G - 1\)"):
+        load_config(None, ["task=grpo", "grpo.advantage=rloo", "grpo.scale_rewards=true"])
+    assert load_config(None, ["task=grpo", "grpo.advantage=rloo"]).grpo.scale_rewards is False
+    assert load_config(None, ["task=grpo"]).grpo.scale_rewards is True
 
 
 FLAKY_PY = '''

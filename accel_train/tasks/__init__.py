@@ -2,7 +2,7 @@
 
     causal_lm  sft.py             supervised fine-tuning on responses (or plain text)
     seq_cls    classification.py  sequence classification
-    dpo        dpo.py             preference pairs against a reference
+    dpo        dpo.py             preference pairs, against a reference or not (orpo, simpo, cpo)
     grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
     distill    distill.py         a teacher's token distributions taught on the responses (GKD)
 
@@ -74,7 +74,7 @@ REGISTRY: dict[str, TaskInfo] = {
                           example=("data.path=builtin:reverse",)),
     "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True,
                         example=("data.path=builtin:sentiment",)),
-    "dpo": TaskInfo("dpo", "causal_lm", "preference tuning on chosen/rejected pairs against a reference",
+    "dpo": TaskInfo("dpo", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
                     results=("loss", *DPO_RESULTS), example=("data.path=builtin:reverse_pref", "dpo.reference=base")),
     "grpo": TaskInfo("grpo", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
                      results="accel_train.tasks.rewards:eval_results", generates=True,

@@ -27,6 +27,21 @@ dpo.rpo_alpha = a > 0 adds a x the chosen response's negative log-likelihood per
 per-pair losses and divides by the number of pairs in the effective batch (all ranks, all micro-batches), as it
 does with target tokens for causal_lm.
 
+The reference-free losses (config.REFERENCE_FREE_LOSSES) compare the policy's own log-probs, l = the summed or, as
+"mean", the per-token mean log-prob of a response; no reference is built and none runs. As TRL's CPOTrainer and
+ORPOTrainer (trl.experimental), with s(z) = -(1 - e) log sigmoid(z) - e log sigmoid(-z):
+
+    orpo:   NLL - beta log sigmoid(log-odds(chosen) - log-odds(rejected)), log-odds = mean - log(1 - exp(mean))
+            (Hong et al. 2024; beta is their lambda)
+    simpo:  s(beta (mean(chosen) - mean(rejected)) - dpo.simpo_gamma)          (Meng et al. 2024)
+    cpo:    s(beta (l(chosen) - l(rejected))) + NLL                            (Xu et al. 2024)
+
+NLL is the chosen rows' negative log-likelihood as a mean over their tokens (not a mean of per-pair means: TRL's
+cross-entropy over the batch), on the response for cpo and on prompt and response for orpo (TRL's and ORPO's own
+code). Its tokens are counted over the whole step, on all ranks (`window`), so that neither the processes nor the
+accumulation change it. Logged rewards are beta x the log-probs the loss compares, and logps/* those log-probs
+(per-token means for orpo and simpo), as TRL logs them; without a reference they are not implicit rewards.
+
 Logged, as means over the pairs of the log interval on all ranks (eval_ prefixed at evaluation): rewards/chosen
 and rewards/rejected (beta x the policy - reference log-ratio), rewards/margin, rewards/accuracy (the share of pairs
 whose chosen reward is the higher), logps/chosen, logps/rejected. Plain DPO on near-identical pairs lowers
@@ -47,7 +62,7 @@ from accelerate.utils import send_to_device
 from datasets import Dataset, IterableDataset
 
 from accel_train import faults, formats
-from accel_train.config import Config, ConfigError, DataConfig, DpoConfig
+from accel_train.config import REFERENCE_FREE_LOSSES, Config, ConfigError, DataConfig, DpoConfig
 from accel_train.data import columns as data_columns
 from accel_train.dist import gather_setup
 from accel_train.formats import IGNORE_INDEX
@@ -172,13 +187,29 @@ class PairCollator:
 # ---------------------------------------------------------------------------------------------------- loss
 
 
+def token_logps(model, batch: dict) -> torch.Tensor:
+    """(2B, length - 1) log-probability of each row's next token, in fp32 (at padding too: mask it)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+
+
 def sequence_logps(model, batch: dict) -> torch.Tensor:
     """(2B,) log-probability of each row's labelled tokens, summed, in fp32."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    token_logps = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
-                                   reduction="none")  # 0 where ignored
-    return token_logps.sum(1)
+    return token_logps(model, batch).masked_fill(batch["labels"][:, 1:] == IGNORE_INDEX, 0.0).sum(1)
+
+
+def nll_mask(batch: dict, loss_type: str) -> torch.Tensor:
+    """(B, length - 1) the chosen rows' tokens whose NLL orpo and cpo add: prompt and response for orpo, the
+    response for cpo."""
+    chosen = slice(0, batch["input_ids"].shape[0] // 2)
+    if loss_type == "orpo":
+        return batch["attention_mask"][chosen, 1:] == 1
+    return batch["labels"][chosen, 1:] != IGNORE_INDEX
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (TRL's, after Maechler 2012)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 @contextmanager
@@ -210,13 +241,14 @@ def adapter(model, name: str):
 
 
 class PreferenceLoss:
-    """The DPO loss of a batch of pairs, and its reward metrics."""
+    """The preference loss of a batch of pairs, and its reward metrics."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, accelerator):
         """`model`: the policy before accelerate wraps it (the same module afterwards)."""
         self.cfg, self.lora, self.autocast = cfg.dpo, cfg.lora.enabled, accelerator.autocast
-        if cfg.dpo.precompute_ref:
-            self.reference = None  # the batches carry ref_logps
+        self.nll = cfg.dpo.loss_type in ("orpo", "cpo")  # adds the chosen answers' NLL, a mean over tokens
+        if cfg.dpo.precompute_ref or cfg.dpo.loss_type in REFERENCE_FREE_LOSSES:
+            self.reference = None  # the batches carry ref_logps, or there is no reference
         elif cfg.lora.enabled:
             self.reference = model
         else:  # full fine-tuning: the initial weights, frozen
@@ -229,46 +261,80 @@ class PreferenceLoss:
         with reference_mode(reference, self.lora), self.autocast():
             return sequence_logps(reference, batch)
 
-    def pair_values(self, model, batch: dict) -> torch.Tensor:
-        """(B, 1 + len(METRICS)): each pair's loss, then its METRICS."""
-        reference = self.reference_logps(batch)
-        policy = sequence_logps(model, batch)
-        n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)  # each answer's, for per-token means
-        if self.cfg.loss_type == "ipo":  # per-token means
-            policy_used, reference = policy / n_tokens, reference / n_tokens
+    def pair_terms(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """((B,) each pair's loss without the chosen NLL of orpo and cpo; (B, 2 + len(METRICS)) that NLL summed over
+        its tokens, their number, and the pair's METRICS)."""
+        tokens = token_logps(model, batch)
+        answer = batch["labels"][:, 1:] != IGNORE_INDEX
+        policy = tokens.masked_fill(~answer, 0.0).sum(1)
+        n_tokens = answer.sum(1).clamp(min=1)  # each answer's, for per-token means
+        loss_type, beta, e = self.cfg.loss_type, self.cfg.beta, self.cfg.label_smoothing
+        if loss_type in REFERENCE_FREE_LOSSES:  # the policy's own log-probs, as TRL's
+            chosen, rejected = (policy if loss_type == "cpo" else policy / n_tokens).chunk(2)
+            logps_chosen, logps_rejected = chosen.detach(), rejected.detach()
         else:
-            policy_used = policy
-        chosen, rejected = (policy_used - reference).chunk(2)
-        margin, beta = chosen - rejected, self.cfg.beta
-        if self.cfg.loss_type == "ipo":
+            reference = self.reference_logps(batch)
+            policy_used = policy / n_tokens if loss_type == "ipo" else policy
+            chosen, rejected = (policy_used - (reference / n_tokens if loss_type == "ipo" else reference)).chunk(2)
+            logps_chosen, logps_rejected = policy.detach().chunk(2)
+        margin = chosen - rejected
+        if loss_type == "ipo":
             losses = (margin - 1 / (2 * beta)) ** 2
-        else:
-            e = self.cfg.label_smoothing
-            losses = -(1 - e) * F.logsigmoid(beta * margin) - e * F.logsigmoid(-beta * margin)
+        elif loss_type == "orpo":
+            log_odds = margin - (log1mexp(chosen) - log1mexp(rejected))
+            losses = -beta * F.logsigmoid(log_odds)
+        else:  # sigmoid, simpo, cpo
+            z = beta * margin - (self.cfg.simpo_gamma if loss_type == "simpo" else 0.0)
+            losses = -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z)
         if self.cfg.rpo_alpha:  # the chosen answers' NLL per token (rows: chosen first)
             losses = losses - self.cfg.rpo_alpha * (policy / n_tokens).chunk(2)[0]
+        if self.nll:
+            mask = nll_mask(batch, loss_type)
+            nll = -tokens[:mask.shape[0]].masked_fill(~mask, 0.0).sum(1)
+            nll_tokens = mask.sum(1).float()
+        else:
+            nll = nll_tokens = torch.zeros_like(losses)
         reward_chosen, reward_rejected = (beta * chosen).detach(), (beta * rejected).detach()
-        logps_chosen, logps_rejected = policy.detach().chunk(2)
-        return torch.stack([losses, reward_chosen, reward_rejected, reward_chosen - reward_rejected,
-                            (reward_chosen > reward_rejected).float(), logps_chosen, logps_rejected], 1)
+        return losses, torch.stack([nll, nll_tokens, reward_chosen, reward_rejected, reward_chosen - reward_rejected,
+                                    (reward_chosen > reward_rejected).float(), logps_chosen, logps_rejected], 1)
 
     def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed pair losses, detached sums of [loss, *METRICS] over the batch's pairs)."""
-        values = self.pair_values(model, batch)
-        return values[:, 0].sum(), values.detach().sum(0)
+        """(summed pair losses, detached sums of [loss, *METRICS] over the batch's pairs). orpo, cpo: the chosen NLL
+        summed over its tokens and scaled by batch["nll_scale"], the step's pairs / its NLL tokens (`window`), so that
+        the loop's division by the pairs makes it a mean over the step's tokens."""
+        losses, terms = self.pair_terms(model, batch)
+        loss = losses.sum() + (terms[:, 0].sum() * batch["nll_scale"] if self.nll else 0.0)
+        return loss, torch.cat([loss.detach()[None], terms[:, 2:].detach().sum(0)])
+
+
+def step_nll_scale(accelerator, window: list[dict], loss_type: str) -> float:
+    """orpo, cpo: the step's pairs / the step's chosen NLL tokens, over its micro-batches on every rank (a
+    collective: every rank calls it for every step)."""
+    counts = torch.zeros(2, device=accelerator.device)
+    for batch in window:
+        counts += torch.stack([torch.tensor(batch["input_ids"].shape[0] // 2, device=counts.device),
+                               nll_mask(batch, loss_type).sum()]).to(counts.dtype)
+    if accelerator.num_processes > 1:
+        counts = accelerator.reduce(counts, reduction="sum")
+    pairs, tokens = counts.tolist()
+    return pairs / max(tokens, 1.0)
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, eval_dl, loss: PreferenceLoss) -> dict:
-    """Mean loss and METRICS over every eval pair (gather_for_metrics drops the repeated ones)."""
+    """Mean loss and METRICS over every eval pair (gather_for_metrics drops the repeated ones); orpo's and cpo's
+    NLL a mean over all the eval pairs' tokens."""
     model.eval()
     sums, pairs = 0, 0
     for batch in eval_dl:
-        values = accelerator.gather_for_metrics(loss.pair_values(model, batch))
+        losses, terms = loss.pair_terms(model, batch)
+        values = accelerator.gather_for_metrics(torch.cat([losses[:, None], terms], 1))
         sums, pairs = sums + values.sum(0), pairs + len(values)
     model.train()
     means = (sums / max(pairs, 1)).tolist()
-    return {"eval_loss": means[0], "eval_samples": pairs, **{f"eval_{k}": v for k, v in zip(METRICS, means[1:])}}
+    nll = sums[1].item() / max(sums[2].item(), 1.0) if pairs and loss.nll else 0.0
+    return {"eval_loss": means[0] + nll, "eval_samples": pairs,
+            **{f"eval_{k}": v for k, v in zip(METRICS, means[3:])}}
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -325,6 +391,7 @@ class DPO(Task):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.preference: PreferenceLoss | None = None
+        self.accelerator = None  # setup's: orpo's and cpo's windows count their tokens over the ranks
 
     def columns(self, columns: list[str], source: str) -> None:
         pair_columns(self.cfg, columns, source)
@@ -339,17 +406,28 @@ class DPO(Task):
         return batch["labels"].shape[0] // 2  # pairs: chosen and rejected rows
 
     def frozen_reference_adapter(self) -> bool:
-        return self.cfg.dpo.reference == "start"
+        return self.cfg.dpo.reference == "start"  # None for the reference-free losses
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
         """The reference: this model with its adapter disabled, or a frozen copy of its initial weights; with
-        dpo.precompute_ref, its log-probs added to the data now."""
-        self.preference = PreferenceLoss(self.cfg, model, accelerator)
+        dpo.precompute_ref, its log-probs added to the data now; none for orpo, simpo and cpo."""
+        self.preference, self.accelerator = PreferenceLoss(self.cfg, model, accelerator), accelerator
         if self.cfg.dpo.precompute_ref:
             collate = self.collator(tokenizer)
             train_ds, eval_ds = (ds if ds is None else add_reference_logps(ds, self.cfg, accelerator, model, collate)
                                  for ds in (train_ds, eval_ds))
         return train_ds, eval_ds
+
+    def window(self, batches, step: int, accum: int) -> list[dict]:
+        """The step's micro-batches; for orpo and cpo each carries `nll_scale` (PreferenceLoss)."""
+        window = super().window(batches, step, accum)
+        if self.preference.nll:
+            scale = step_nll_scale(self.accelerator, window, self.cfg.dpo.loss_type)
+            window = [{**batch, "nll_scale": scale} for batch in window]
+        return window
+
+    def replay(self, batch: dict) -> dict:
+        return {**batch, "nll_scale": 0.0}  # run with weight 0
 
     def loss(self, model, batch: dict):
         return self.preference(model, batch)

@@ -15,8 +15,10 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
               Generating runs no collective: every rank generates its own prompts' completions.
     rewards   r = sum_f w_f reward_f, a function's None left out (TRL's nansum); advantages within each
               prompt's group: A = (r - mean) / (std + 1e-4) (std unbiased), or r - mean with
-              grpo.scale_rewards=false (Dr. GRPO). A completion every function gives None is left out of its
-              group's mean and std, and gets A = 0. A reward function that fails stops every rank, with a checkpoint.
+              grpo.scale_rewards=false (Dr. GRPO), or with grpo.advantage=rloo r - the mean of the group's other
+              rewards (RLOO's leave-one-out baseline, unscaled as TRL's RLOOTrainer's). A completion every function
+              gives None is left out of its group's mean, std and baselines, and gets A = 0. A reward function that
+              fails stops every rank, with a checkpoint.
     loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
               ratio = exp(logp - logp_old) (logp at grpo.temperature; logp_old: logp itself, detached, or with
               grpo.num_iterations > 1 the log-prob at generation) and KL = exp(ref - logp) - (ref - logp) - 1
@@ -282,10 +284,14 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- rollouts
 
 
-def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
-    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std (unbiased).
-    An unscored completion (NaN: every function returned None) is left out of its group's mean and std, and gets
-    advantage 0 (TRL's nanmean, nanstd)."""
+def group_advantages(rewards: torch.Tensor, scale: bool, leave_one_out: bool = False) -> torch.Tensor:
+    """(prompts, G) rewards -> advantages: each reward less its group's mean, divided by the group's std (unbiased);
+    `leave_one_out` (rloo): less the mean of the group's other rewards, G / (G - 1) x (r - mean) (RLOOTrainer's).
+    An unscored completion (NaN: every function returned None) is left out of its group's mean, std and the
+    others' baselines, and gets advantage 0, as does the one scored completion of a group (TRL's nanmean, nanstd)."""
+    if leave_one_out:
+        scored = (~rewards.isnan()).sum(1, keepdim=True)
+        return (rewards - (rewards.nansum(1, keepdim=True) - rewards) / (scored - 1)).nan_to_num(0.0)
     centred = rewards - rewards.nanmean(1, keepdim=True)
     if scale:
         scored = (~rewards.isnan()).sum(1, keepdim=True)
@@ -420,7 +426,7 @@ class Rollouts:
             [0.0] * len(completions) for _ in self.rewards.names]
         values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
         total = weighted_total(values, self.rewards.weights)  # NaN: unscored
-        advantages = group_advantages(total, self.g.scale_rewards).reshape(-1)
+        advantages = group_advantages(total, self.g.scale_rewards, self.g.advantage == "rloo").reshape(-1)
         lengths = [len(c) for c in completions]
         if log:
             self.generated_tokens += sum(lengths)
