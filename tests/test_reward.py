@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import python_m, read_metrics, said, tokenized
+from conftest import check_columns, python_m, read_metrics, said, tokenized
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from accel_train import tasks
-from accel_train.config import load_config
+from accel_train.config import ConfigError, load_config
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("reward")
@@ -196,3 +196,20 @@ def test_a_causal_lm_adapter_is_refused_for_a_reward_model(sft, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = said(proc.stdout + proc.stderr)
     assert "is a causal_lm adapter; task reward trains a seq_cls model" in line
+
+
+def test_margins_are_read_from_their_column_and_checked():
+    """The column `margin` is read where the data has one (TRL's name); reward.margin_field names another, which must
+    be there; a margin that is not a number is refused naming its row."""
+    tokenizer = AutoTokenizer.from_pretrained(load_config(None, []).model.name_or_path)
+    ds = Dataset.from_list([{**p, "score": p["margin"]} for p in PAIRS[:2]])
+    cfg = load_config(None, ["task=reward"])
+    assert check_columns(cfg, ds) == "pairs from column(s) prompt, chosen, rejected, margin"
+    assert tokenized(ds, tokenizer, cfg)["margin"] == [0.5, -0.25]
+    scored = load_config(None, ["task=reward", "reward.margin_field=score"])
+    assert tokenized(ds.remove_columns("margin"), tokenizer, scored)["margin"] == [0.5, -0.25]
+    with pytest.raises(ConfigError, match="reward.margin_field=gap: .* has no such column"):
+        check_columns(load_config(None, ["task=reward", "reward.margin_field=gap"]), ds)
+    bad = Dataset.from_list([{**PAIRS[0], "margin": "wide"}])
+    with pytest.raises(ConfigError, match="row 0: margin is 'wide'; a margin is a finite number"):
+        tokenized(bad, tokenizer, cfg)

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from accel_train.config import Config, ConfigError, RewardConfig
 from accel_train.data import columns as data_columns
 from accel_train.tasks import REWARD_RESULTS, Task
-from accel_train.tasks.dpo import PairCollator, _turns, evaluate, inspect_pairs, pair_columns, renderer, tokenize_pair, \
-    tokenize_pairs
+from accel_train.tasks.dpo import (PairCollator, _turns, evaluate, inspect_pairs, pair_columns, renderer,
+                                   tokenize_pair, tokenize_pairs)
 
 METRICS = REWARD_RESULTS  # logged per pair after the loss (tasks/__init__.py holds them: eval.metric_for_best)
 SECTION = "reward"  # the config section naming the pair's columns
