@@ -338,11 +338,26 @@ class DpoConfig:
 
 
 @dataclass
+class RewardConfig:
+    center_rewards_coefficient: float = 0.0
+    """Weight of the mean squared summed reward, mean((r_chosen + r_rejected)^2), added to the loss (TRL's
+    center_rewards_coefficient, e.g. 0.01): it keeps the scores centred on 0. 0: off."""
+    margin_field: Optional[str] = None
+    """Column with each pair's required margin m (a number): the loss is -log sigmoid(r_chosen - r_rejected - m).
+    None: the column `margin` where the data has one (as TRL), else no margin; a name given must be a column."""
+    chosen_field: str = "chosen"
+    """Column with the preferred response: text, or a conversation ending with the assistant's answer."""
+    rejected_field: str = "rejected"
+    """Column with the dispreferred response (same form as chosen; a conversation shares chosen's prompt turns)."""
+
+
+@dataclass
 class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed with grpo.reward_weights: built-ins exact_match (against grpo.answer_field),
     regex_match (grpo.regex), length_penalty; or your own as module:function or path/to/file.py:function, called
-    as TRL's: (prompts, completions, completion_ids, **columns) -> one number per completion (accel_train/tasks/rewards.py)."""
+    as TRL's: (prompts, completions, completion_ids, **columns) -> one number per completion (accel_train/tasks/rewards.py);
+    or a reward model trained by task reward as model:PATH (its output_dir, or its adapter/ or model/ folder)."""
     reward_weights: Optional[list[float]] = None
     """Weight of each reward function, in the order of grpo.rewards; None: 1 each."""
     answer_field: str = "answer"
@@ -412,7 +427,9 @@ class Config:
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
     on chosen/rejected pairs (dpo.loss_type; its reference, if any, is the model with its LoRA adapter disabled, or
     a frozen copy); grpo: reinforcement learning from rewards of sampled completions to prompts (see grpo.*);
-    distill: a teacher's token distributions taught to the model on the responses (see distill.*)."""
+    distill: a teacher's token distributions taught to the model on the responses (see distill.*); reward: a reward
+    model (one score per sequence) trained on chosen/rejected pairs (see reward.*), usable in grpo.rewards as
+    model:PATH."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -433,6 +450,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -444,7 +462,7 @@ class Config:
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         if self.data.group_by_length is None:
             self.data.group_by_length = self.task == "seq_cls"
-        if self.task in ("dpo", "grpo", "distill"):  # resolved here, so config.yaml records what the run did
+        if self.task in ("dpo", "grpo", "distill", "reward"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
         if self.dpo.reference is None and self.dpo.loss_type not in REFERENCE_FREE_LOSSES:
             self.dpo.reference = "start"
@@ -517,9 +535,9 @@ class Config:
                               "be used with random weights (model.random_init)")
         if self.model.adapter_from and not self.lora.enabled:
             raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
-        if self.task == "dpo" and self.data.group_by_length:
-            raise ConfigError("data.group_by_length is not supported with task dpo (pairs are padded in the order "
-                              "they are read); set it to false")
+        if self.task in ("dpo", "reward") and self.data.group_by_length:
+            raise ConfigError(f"data.group_by_length is not supported with task {self.task} (pairs are padded in the "
+                              "order they are read); set it to false")
         if self.task == "dpo" and self.dpo.precompute_ref and self.data.streaming:
             raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
                               "training: not with data.streaming=true, whose pairs are read as training goes; set "
@@ -527,11 +545,16 @@ class Config:
         if self.data.truncation != "prompt_first" and (self.task not in ("causal_lm", "distill")
                                                        or self.data.format == "text"):
             raise ConfigError(f"data.truncation={self.data.truncation} is for causal_lm conversations: "
-                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo") else
-                                 "format text is split into max_length chunks" if self.task != "seq_cls" else
+                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo", "reward") else
+                                 "format text is split into max_length chunks" if self.task in ("causal_lm", "distill") else
                                  "seq_cls texts are cut at max_length"))
         if self.dpo.rpo_alpha < 0:
             raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.dpo.rpo_alpha}")
+        if self.task == "reward" and self.model.num_labels not in (None, 1):
+            raise ConfigError(f"model.num_labels={self.model.num_labels}: task reward trains one score per sequence "
+                              "(num_labels 1); leave model.num_labels unset")
+        if self.reward.center_rewards_coefficient < 0:
+            raise ConfigError(f"reward.center_rewards_coefficient must be >= 0, got {self.reward.center_rewards_coefficient}")
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
         self._check_dpo()

@@ -17,7 +17,7 @@ from pathlib import Path
 from accel_train.checkpoint import resolve_resume
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
 from accel_train.data_sources import check_data_source
-from accel_train.model_sources import check_model
+from accel_train.model_sources import check_model, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train import tasks
 from accel_train.tracking import check_trackers
@@ -151,6 +151,14 @@ def check_adapter_source(cfg: Config) -> None:
     if not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"model.adapter_from: {folder} is not a LoRA adapter folder (no adapter_config.json); "
                           "give a run's output_dir/adapter")
+    # peft wraps the model by the adapter's task type: a causal LM's adapter on a classifier would leave its head
+    # (modules_to_save) frozen, unsaved, random
+    trained, head = trained_task(folder), tasks.info(cfg.task).head
+    if trained is not None and trained != head:
+        fresh = " (for a reward model: a fresh adapter on the SFT run merged, python -m accel_train.export RUN)" if (
+            head == "seq_cls") else ""
+        raise ConfigError(f"model.adapter_from: {folder} is a {trained} adapter; task {cfg.task} trains a {head} model: "
+                          f"give an adapter of a {cfg.task} run, or none{fresh}")
     named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
     same = (Path(named).expanduser().resolve() == Path(cfg.model.name_or_path).expanduser().resolve()
             if Path(named).expanduser().is_dir() else named == cfg.model.name_or_path)

@@ -128,7 +128,7 @@ def _source(cfg: Config, name: str) -> str:
 # eval.greater_is_better is inferred from for eval.metric_for_best.
 GREATER_IS_BETTER = ("accuracy", "exact_match", "f1", "precision", "recall", "matthews_correlation", "rouge1",
                      "rouge2", "rougeL", "rougeLsum", "sacrebleu", "bleu", "google_bleu", "chrf", "meteor", "bertscore",
-                     "rewards/margin", "rewards/accuracy", "reward")
+                     "rewards/margin", "rewards/accuracy", "reward", "margin")
 LOWER_IS_BETTER = ("loss", "perplexity", "ter", "wer", "cer")
 
 

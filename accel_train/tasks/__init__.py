@@ -5,6 +5,7 @@
     dpo        dpo.py             preference pairs, against a reference or not (orpo, simpo, cpo)
     grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
     distill    distill.py         a teacher's token distributions taught on the responses (GKD)
+    reward     reward.py          a reward model: one score per sequence, trained on preference pairs
 
 The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
 only through `Task`: they never ask which task it is. A new objective is one module with a `Task` subclass named
@@ -68,6 +69,10 @@ def _function(ref: str):
 DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
                "logps/rejected")
 
+# reward's evaluation results besides loss (tasks/reward.py METRICS): pairwise accuracy, mean r_chosen - r_rejected,
+# mean score
+REWARD_RESULTS = ("accuracy", "margin", "mean_reward")
+
 REGISTRY: dict[str, TaskInfo] = {
     "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
                           results=("loss", "perplexity"), metrics=True, generation=True,
@@ -88,6 +93,8 @@ REGISTRY: dict[str, TaskInfo] = {
                         example=("data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
                                  "distill.on_policy=0.5", "distill.max_new_tokens=8"),
                         preflight="accel_train.preflight:check_teacher"),
+    "reward": TaskInfo("reward", "seq_cls", "a reward model (one score per sequence) on chosen/rejected pairs (reward.*)",
+                       results=("loss", *REWARD_RESULTS), example=("data.path=builtin:reverse_pref",)),
 }
 NAMES = tuple(REGISTRY)
 

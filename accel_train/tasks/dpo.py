@@ -78,13 +78,15 @@ METRICS = DPO_RESULTS  # (tasks/__init__.py holds them: eval.metric_for_best may
 # ---------------------------------------------------------------------------------------------------- data
 
 
-def pair_columns(cfg: Config, columns: list[str], source: str | None = None) -> None:
-    """The chosen and rejected columns are there (the prompt is optional: conversations carry it)."""
-    missing = [c for c in (cfg.dpo.chosen_field, cfg.dpo.rejected_field) if c not in columns]
+def pair_columns(cfg: Config, columns: list[str], source: str | None = None, section: str = "dpo") -> None:
+    """The chosen and rejected columns are there (the prompt is optional: conversations carry it). `section`: the
+    config section naming them (chosen_field, rejected_field): dpo, or reward for task reward."""
+    fields = getattr(cfg, section)
+    missing = [c for c in (fields.chosen_field, fields.rejected_field) if c not in columns]
     if missing:
-        raise ConfigError(f"data: {source or cfg.data.path} lacks column(s) {', '.join(missing)} needed by task dpo; columns "
-                          f"found: {', '.join(columns)} (set dpo.chosen_field, dpo.rejected_field, "
-                          f"data.prompt_field to map them)")
+        raise ConfigError(f"data: {source or cfg.data.path} lacks column(s) {', '.join(missing)} needed by task "
+                          f"{cfg.task}; columns found: {', '.join(columns)} (set {section}.chosen_field, "
+                          f"{section}.rejected_field, data.prompt_field to map them)")
 
 
 def _turns(value, row: int, role: str) -> list[dict]:
@@ -94,12 +96,12 @@ def _turns(value, row: int, role: str) -> list[dict]:
     return [{"role": role, "content": "" if value is None else str(value)}]
 
 
-def pair_conversations(example: dict, cfg: Config, row: int) -> tuple[list[dict], list[dict]]:
+def pair_conversations(example: dict, cfg: Config, row: int, section: str = "dpo") -> tuple[list[dict], list[dict]]:
     """(chosen, rejected) as conversations: the prompt turns, then the answer."""
     prompt = example.get(cfg.data.prompt_field)
     head = [] if prompt is None else _turns(prompt, row, "user")
-    pair = []
-    for name in (cfg.dpo.chosen_field, cfg.dpo.rejected_field):
+    pair, fields = [], getattr(cfg, section)
+    for name in (fields.chosen_field, fields.rejected_field):
         messages = head + _turns(example[name], row, "assistant")
         if messages[-1]["role"] != "assistant":
             raise ConfigError(f"data: row {row}: {name} ends with {messages[-1]['role']!r}, not the assistant's "
@@ -108,7 +110,7 @@ def pair_conversations(example: dict, cfg: Config, row: int) -> tuple[list[dict]
             raise ConfigError(f"data: row {row}: the {name} response is empty; fill it or drop the row")
         pair.append(messages)
     if pair[0][:-1] != pair[1][:-1]:
-        raise ConfigError(f"data: row {row}: {cfg.dpo.chosen_field} and {cfg.dpo.rejected_field} do not share "
+        raise ConfigError(f"data: row {row}: {fields.chosen_field} and {fields.rejected_field} do not share "
                           "their prompt turns (only the last, the assistant's answer, may differ)")
     return pair[0], pair[1]
 
@@ -119,12 +121,20 @@ def _split(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
     return ids[:start], ids[start:]
 
 
-def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION) -> dict:
+def renderer(tokenizer):
+    """(input ids, labels) of a conversation as the tokenizer renders it: through its chat template, or without one
+    as lines of text, an eos after each answer (formats)."""
+    return formats.tokens_with_template if tokenizer.chat_template else formats.tokens_without_template
+
+
+def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION,
+                  section: str = "dpo") -> dict:
     """Prompt + chosen and prompt + rejected token ids and labels, truncated to data.max_length prompt first."""
-    render = formats.tokens_with_template if tokenizer.chat_template else formats.tokens_without_template
+    render = renderer(tokenizer)
     try:
         (prompt, chosen), (prompt_rejected, rejected) = (
-            _split(*render(messages, tokenizer, "last_assistant")) for messages in pair_conversations(example, cfg, row))
+            _split(*render(messages, tokenizer, "last_assistant"))
+            for messages in pair_conversations(example, cfg, row, section))
     except formats.UnmaskableRow as e:
         raise ConfigError(f"data: row {row}: {e}") from None
     if prompt != prompt_rejected:
@@ -142,31 +152,37 @@ def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int 
     return out
 
 
-def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str]) -> Dataset | IterableDataset:
-    """Tokenized pairs; the truncated ones are counted, the identical ones dropped and counted (in-memory data)."""
-    d = cfg.data
-    # Only what tokenizing reads goes into the cache key (see data.tokenize).
-    key = Config(task="dpo", data=DataConfig(prompt_field=d.prompt_field, max_length=d.max_length),
-                 dpo=DpoConfig(chosen_field=cfg.dpo.chosen_field, rejected_field=cfg.dpo.rejected_field))
-    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
+def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str], section: str = "dpo",
+                   row_fn=tokenize_pair) -> Dataset | IterableDataset:
+    """Tokenized pairs; the truncated ones are counted, the identical ones dropped and counted (in-memory data).
+    `section`: the config section naming the pair's columns (its *_field keys); `row_fn`: tokenize_pair, or a task's
+    own that calls it and adds columns (task reward: the margin)."""
+    d, fields = cfg.data, getattr(cfg, section)
+    # Only what tokenizing reads goes into the cache key (see data.tokenize): the data keys and the section's columns.
+    columns = {f.name: getattr(fields, f.name) for f in dataclasses.fields(fields) if f.name.endswith("_field")}
+    key = Config(task=cfg.task, data=DataConfig(prompt_field=d.prompt_field, max_length=d.max_length),
+                 **{section: type(fields)(**columns)})
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION,
+                            "section": section},
               "remove_columns": cols, "with_indices": True}  # version: formats.TOKENIZE_VERSION, for the cache key
-    ds = ds.map(tokenize_pair, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
-        tokenize_pair, **kwargs, desc="tokenizing pairs")
+    ds = ds.map(row_fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
+        row_fn, **kwargs, desc="tokenizing pairs")
     n, truncated = (len(ds), sum(ds["truncated"])) if isinstance(ds, Dataset) else (None, 0)
     ds = ds.filter(lambda c, r: c != r, input_columns=["chosen_input_ids", "rejected_input_ids"])
     ds = ds.remove_columns("truncated")
     if n is not None:
         if truncated:
-            logger.info(f"dpo: {truncated} of {n} pairs truncated to data.max_length={d.max_length} (prompt first)")
+            logger.info(f"{cfg.task}: {truncated} of {n} pairs truncated to data.max_length={d.max_length} (prompt first)")
         if len(ds) < n:
-            logger.warning(f"dpo: dropped {n - len(ds)} of {n} pairs whose chosen and rejected are identical "
+            logger.warning(f"{cfg.task}: dropped {n - len(ds)} of {n} pairs whose chosen and rejected are identical "
                            f"(after truncation to data.max_length={d.max_length})")
     return ds
 
 
 class PairCollator:
-    """A batch of B pairs as 2B padded rows, chosen first (one forward for both); labels IGNORE_INDEX on prompt and
-    padding; with precomputed reference log-probs, `ref_logps` (2B,) in the same order."""
+    """A batch of B pairs as 2B padded rows (on the right), chosen first (one forward for both); labels IGNORE_INDEX
+    on prompt and padding; with precomputed reference log-probs, `ref_logps` (2B,) in the same order; with margins
+    (task reward), `margin` (B,)."""
 
     def __init__(self, pad_token_id: int, multiple: int = 1):
         self.pad_token_id, self.multiple = pad_token_id, multiple
@@ -181,6 +197,8 @@ class PairCollator:
         if "ref_chosen_logps" in features[0]:
             batch["ref_logps"] = torch.tensor([f[f"ref_{k}_logps"] for k in ("chosen", "rejected") for f in features],
                                               dtype=torch.float32)
+        if "margin" in features[0]:
+            batch["margin"] = torch.tensor([f["margin"] for f in features], dtype=torch.float32)
         return batch
 
 
@@ -436,53 +454,58 @@ class DPO(Task):
         return evaluate(job.accelerator, job.model, job.eval_dl, self.preference)
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
-        """task dpo: the pairs as the run sees them (prompt, chosen and rejected tokens, what truncation cuts and drops,
-        how much padding the batches of 2 x per_device_batch_size rows hold)."""
-        from accel_train.views import STREAM_ROWS, distribution, show_tokens
+        return inspect_pairs(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
 
-        cfg = self.cfg
-        train = self.tokenize(train_raw, tokenizer)
-        # The same pairs without truncation: how many max_length cuts (identical pairs are dropped from both).
-        whole = type(self)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_length=10**9))).tokenize(
-            train_raw, tokenizer)
-        cut = sum(max(len(c), len(r)) > cfg.data.max_length
-                  for c, r in zip(whole["chosen_input_ids"], whole["rejected_input_ids"]))
-        prompts = [next(i for i, t in enumerate(labels) if t != IGNORE_INDEX) for labels in train["chosen_labels"]]
-        chosen = [len(ids) - n for ids, n in zip(train["chosen_input_ids"], prompts)]
-        rejected = [len(ids) - n for ids, n in zip(train["rejected_input_ids"], prompts)]
-        figures = {"train_rows": len(train_raw), "train_pairs": len(train), "cut": cut,
-                   "dropped": len(train_raw) - len(train), "prompt_lengths": prompts, "chosen_lengths": chosen,
-                   "rejected_lengths": rejected}
 
-        color, d, p = out.isatty(), cfg.data, cfg.dpo
-        print(f"data: {d.path} (task dpo, pairs {d.prompt_field}/{p.chosen_field}/{p.rejected_field}, max_length "
-              f"{d.max_length}); tokenizer {cfg.model.name_or_path}", file=out)
-        print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
-              f"{len(eval_raw) if eval_raw is not None else 0} eval", file=out)
-        print(f"pairs: {len(train)} kept; {figures['dropped']} dropped (chosen and rejected identical after truncation), "
-              f"{cut} cut to max_length (the prompt first)", file=out)
-        for i in range(min(samples, len(train))):
-            pair = train[i]
-            print(f"--- pair {i}: prompt {prompts[i]} tokens; chosen {chosen[i]}, rejected {rejected[i]} with loss, in "
-                  "[[ ]]", file=out)
-            for name in ("chosen", "rejected"):
-                print(f"{name}: {show_tokens(pair[f'{name}_input_ids'], pair[f'{name}_labels'], tokenizer, color)}",
-                      file=out)
-        print("---", file=out)
-        if not len(train):
-            return figures
-        for name, lengths in (("prompt", prompts), ("chosen", chosen), ("rejected", rejected)):
-            print(f"{name} tokens: {distribution(lengths)}", file=out)
-        # Training batches: per_device_batch_size pairs in a seeded random order, 2 rows each, padded to the longest.
-        batch = cfg.train.per_device_batch_size
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        rows = [(prompts[i] + chosen[i], prompts[i] + rejected[i]) for i in order]
-        batches = [rows[start: start + batch] for start in range(0, len(rows), batch)]
-        real = sum(c + r for c, r in rows)
-        padded = sum(2 * len(b) * max(max(pair) for pair in b) for b in batches)
-        print(f"padding (batch {batch} pairs, {2 * batch} rows): efficiency {real / padded:.3f} (chosen and rejected "
-              "rows padded to the batch's longest)", file=out)
+def inspect_pairs(task: Task, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out,
+                  section: str = "dpo") -> dict:
+    """`inspect` of a task on pairs (dpo, reward): the pairs as the run sees them (prompt, chosen and rejected tokens,
+    what truncation cuts and drops, how much padding the batches of 2 x per_device_batch_size rows hold)."""
+    from accel_train.views import STREAM_ROWS, distribution, show_tokens
+
+    cfg = task.cfg
+    train = task.tokenize(train_raw, tokenizer)
+    # The same pairs without truncation: how many max_length cuts (identical pairs are dropped from both).
+    whole = type(task)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_length=10**9))).tokenize(
+        train_raw, tokenizer)
+    cut = sum(max(len(c), len(r)) > cfg.data.max_length
+              for c, r in zip(whole["chosen_input_ids"], whole["rejected_input_ids"]))
+    prompts = [next(i for i, t in enumerate(labels) if t != IGNORE_INDEX) for labels in train["chosen_labels"]]
+    chosen = [len(ids) - n for ids, n in zip(train["chosen_input_ids"], prompts)]
+    rejected = [len(ids) - n for ids, n in zip(train["rejected_input_ids"], prompts)]
+    figures = {"train_rows": len(train_raw), "train_pairs": len(train), "cut": cut,
+               "dropped": len(train_raw) - len(train), "prompt_lengths": prompts, "chosen_lengths": chosen,
+               "rejected_lengths": rejected}
+
+    color, d, p = out.isatty(), cfg.data, getattr(cfg, section)
+    print(f"data: {d.path} (task {cfg.task}, pairs {d.prompt_field}/{p.chosen_field}/{p.rejected_field}, max_length "
+          f"{d.max_length}); tokenizer {cfg.model.name_or_path}", file=out)
+    print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+          f"{len(eval_raw) if eval_raw is not None else 0} eval", file=out)
+    print(f"pairs: {len(train)} kept; {figures['dropped']} dropped (chosen and rejected identical after truncation), "
+          f"{cut} cut to max_length (the prompt first)", file=out)
+    for i in range(min(samples, len(train))):
+        pair = train[i]
+        margin = f"; margin {pair['margin']:g}" if "margin" in pair else ""
+        print(f"--- pair {i}: prompt {prompts[i]} tokens; chosen {chosen[i]}, rejected {rejected[i]} with loss, in "
+              f"[[ ]]{margin}", file=out)
+        for name in ("chosen", "rejected"):
+            print(f"{name}: {show_tokens(pair[f'{name}_input_ids'], pair[f'{name}_labels'], tokenizer, color)}",
+                  file=out)
+    print("---", file=out)
+    if not len(train):
         return figures
-
+    for name, lengths in (("prompt", prompts), ("chosen", chosen), ("rejected", rejected)):
+        print(f"{name} tokens: {distribution(lengths)}", file=out)
+    # Training batches: per_device_batch_size pairs in a seeded random order, 2 rows each, padded to the longest.
+    batch = cfg.train.per_device_batch_size
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    rows = [(prompts[i] + chosen[i], prompts[i] + rejected[i]) for i in order]
+    batches = [rows[start: start + batch] for start in range(0, len(rows), batch)]
+    real = sum(c + r for c, r in rows)
+    padded = sum(2 * len(b) * max(max(pair) for pair in b) for b in batches)
+    print(f"padding (batch {batch} pairs, {2 * batch} rows): efficiency {real / padded:.3f} (chosen and rejected "
+          "rows padded to the batch's longest)", file=out)
+    return figures
 
 TASK = DPO

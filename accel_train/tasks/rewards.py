@@ -17,6 +17,12 @@ Built-ins (grpo.rewards):
     length_penalty  DAPO's soft overlong penalty: 0 up to max_new_tokens - length_buffer tokens, then down to -1
                     (linearly) at max_new_tokens
 
+A reward model trained by task reward (tasks/reward.py) is a reward too: `model:PATH`, PATH its output_dir (or
+its adapter/ or model/ folder). Each process loads it once, frozen, on its device, and scores its own completions
+without gradient, a batch of train.eval_batch_size at a time: each completion after its prompt, rendered as the
+reward model's pairs were (the prompt a user turn, or the prompt's turns; the completion the assistant's answer;
+through the reward run's chat template), its last data.max_length tokens.
+
 Importing this module imports no torch: preflight resolves the names with it before the heavy imports.
 """
 
@@ -26,6 +32,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import re
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from accel_train.config import Config, ConfigError
+from accel_train.model_sources import TRAINED_FOLDERS, trained_folder, trained_task
 
 
 def exact_match(prompts, completions, completion_ids, *, answers, **_) -> list[float]:
@@ -51,12 +59,52 @@ def length_penalty(prompts, completions, completion_ids, *, max_new_tokens, buff
 
 
 BUILTIN = {"exact_match": exact_match, "regex_match": regex_match, "length_penalty": length_penalty}
+MODEL = "model:"  # grpo.rewards: model:PATH, a reward model
+
+
+class ModelReward:
+    """grpo.rewards model:PATH as a reward function: the model is loaded at the first call (tasks/reward.py, once per
+    process), so that preflight, which only checks PATH, imports no torch."""
+
+    def __init__(self, path: str, cfg: Config):
+        self.path, self.dtype = path, cfg.model.dtype
+        self.max_length, self.batch_size = cfg.data.max_length, cfg.train.eval_batch_size
+
+    def __call__(self, prompts, completions, completion_ids=None, **_) -> list[float]:
+        from accel_train.tasks.reward import reward_model
+
+        return reward_model(self.path, self.dtype).score(prompts, completions, self.max_length, self.batch_size)
+
+
+def model_label(name: str) -> str:
+    """model:PATH in the logs: model:RUN, RUN the name of the reward run's folder."""
+    path = Path(name.removeprefix(MODEL).rstrip("/"))
+    return MODEL + (path.parent.name if path.name in TRAINED_FOLDERS else path.name)
+
+
+def check_reward_model(name: str) -> None:
+    """model:PATH names a folder holding a reward model (a one-output sequence classifier), read from its files."""
+    path = name.removeprefix(MODEL)
+    if not path:
+        raise ConfigError("grpo.rewards: model: needs a path: model:PATH, a reward run's output_dir")
+    try:
+        folder = trained_folder(path)
+    except ConfigError as e:
+        raise ConfigError(f"grpo.rewards: {name}: {str(e).removeprefix('PATH: ')}") from None
+    kind = trained_task(folder)
+    config = folder / "config.json"
+    outputs = json.loads(config.read_text()).get("id2label") if config.is_file() else None
+    if kind != "seq_cls" or (outputs is not None and len(outputs) != 1):
+        what = (f"a classifier of {len(outputs)} classes" if kind == "seq_cls" else
+                "a causal language model" if kind == "causal_lm" else "no model this can read")
+        raise ConfigError(f"grpo.rewards: {name}: {folder} holds {what}, not a reward model (one score per "
+                          "sequence: the output of a task reward run)")
 
 
 def labels(names: list[str]) -> list[str]:
     """Each reward's name in the logs (rewards/LABEL/mean): a built-in's name, a user function's own name (as TRL
-    logs it), or its whole grpo.rewards entry where two functions share a name."""
-    short = [n.rpartition(":")[2] for n in names]
+    logs it), model:RUN for a reward model, or its whole grpo.rewards entry where two functions share a name."""
+    short = [model_label(n) if n.startswith(MODEL) else n.rpartition(":")[2] for n in names]
     return [s if short.count(s) == 1 else n for s, n in zip(short, names)]
 
 
@@ -105,7 +153,8 @@ class Rewards:
         self.answer_field = g.answer_field
         self.builtin_kwargs = {"pattern": g.regex, "max_new_tokens": g.max_new_tokens,
                                "buffer": g.length_buffer or max(g.max_new_tokens // 4, 1)}
-        self.functions = [BUILTIN.get(n) or load_function(n) for n in self.names]
+        self.functions = [BUILTIN.get(n) or (ModelReward(n.removeprefix(MODEL), cfg) if n.startswith(MODEL) else
+                                             load_function(n)) for n in self.names]
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]],
                  columns: dict[str, list]) -> list[list[float]]:
@@ -149,7 +198,12 @@ def check_rewards(cfg: Config) -> None:
             re.compile(g.regex)
         except re.error as e:
             raise ConfigError(f"grpo.regex: {g.regex!r} is not a valid regular expression: {e}") from None
+    for name in g.rewards:
+        if name.startswith(MODEL):
+            check_reward_model(name)
     for name, fn in zip(g.rewards, Rewards(cfg).functions):
+        if name.startswith(MODEL):
+            continue
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
