@@ -290,7 +290,8 @@ class EvalConfig:
     metric_for_best: Optional[str] = None
     """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
     loss, perplexity (causal_lm), a result of eval.metrics (or of eval.generation_metrics with eval.generate), or
-    one of dpo's (rewards/margin, ...) for task dpo, or grpo's (reward, rewards/NAME/mean); checked before training."""
+    one of dpo's (rewards/margin, ...) for task dpo, kto's (rewards/chosen, kl, ...) for task kto, or grpo's
+    (reward, rewards/NAME/mean); checked before training."""
     greater_is_better: Optional[bool] = None
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
@@ -315,9 +316,28 @@ class DpoConfig:
     step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA. Not with
     data.streaming."""
     chosen_field: str = "chosen"
-    """Column with the preferred response: text, or a conversation ending with the assistant's answer."""
+    """Column with the preferred response: text, or a conversation ending with the assistant's answer (also task
+    kto's, whose pairs become a desirable and an undesirable row)."""
     rejected_field: str = "rejected"
     """Column with the dispreferred response (same form as chosen; a conversation shares chosen's prompt turns)."""
+
+
+@dataclass
+class KtoConfig:
+    beta: float = 0.1
+    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs."""
+    desirable_weight: float = 1.0
+    """Weight of a desirable row's loss (TRL's desirable_weight); with fewer desirable than undesirable rows, the
+    KTO paper suggests desirable_weight x desirable rows / (undesirable_weight x undesirable rows) in [1, 4/3]."""
+    undesirable_weight: float = 1.0
+    """Weight of an undesirable row's loss (TRL's undesirable_weight)."""
+    reference: Literal["start", "base"] = "start"
+    """The reference model, as dpo.reference: start, the policy as training starts (with model.adapter_from, that
+    adapter loaded a second time and frozen); base, the base model with the LoRA adapter disabled."""
+    completion_field: str = "completion"
+    """Column with the answer of an unpaired row: text, or a conversation ending with the assistant's answer."""
+    label_field: str = "label"
+    """Column saying whether the row's completion is desirable: true or false (1 or 0)."""
 
 
 @dataclass
@@ -368,7 +388,8 @@ class Config:
     task: Literal[TASK_NAMES] = "causal_lm"
     """causal_lm: supervised fine-tuning on responses; seq_cls: sequence classification; dpo: preference tuning
     on chosen/rejected pairs (the reference is the model with its LoRA adapter disabled, or a frozen copy); grpo:
-    reinforcement learning from rewards of sampled completions to prompts (see grpo.*)."""
+    reinforcement learning from rewards of sampled completions to prompts (see grpo.*); kto: answers labelled
+    desirable or undesirable, against a reference (see kto.*)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -389,6 +410,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    kto: KtoConfig = field(default_factory=KtoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     save: SaveConfig = field(default_factory=SaveConfig)
@@ -399,7 +421,7 @@ class Config:
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         if self.data.group_by_length is None:
             self.data.group_by_length = self.task == "seq_cls"
-        if self.task in ("dpo", "grpo"):  # resolved here, so config.yaml records what the run did
+        if self.task in ("dpo", "grpo", "kto"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
@@ -420,6 +442,9 @@ class Config:
             "eval.temperature": self.eval.temperature,
             "eval.top_p": self.eval.top_p,
             "dpo.beta": self.dpo.beta,
+            "kto.beta": self.kto.beta,
+            "kto.desirable_weight": self.kto.desirable_weight,
+            "kto.undesirable_weight": self.kto.undesirable_weight,
             "grpo.max_new_tokens": self.grpo.max_new_tokens,
             "grpo.temperature": self.grpo.temperature,
             "grpo.top_p": self.grpo.top_p,
@@ -463,16 +488,16 @@ class Config:
                               "be used with random weights (model.random_init)")
         if self.model.adapter_from and not self.lora.enabled:
             raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
-        if self.task == "dpo" and self.data.group_by_length:
-            raise ConfigError("data.group_by_length is not supported with task dpo (pairs are padded in the order "
-                              "they are read); set it to false")
+        if self.task in ("dpo", "kto") and self.data.group_by_length:
+            raise ConfigError(f"data.group_by_length is not supported with task {self.task} (its rows are padded in "
+                              "the order they are read); set it to false")
         if self.task == "dpo" and self.dpo.precompute_ref and self.data.streaming:
             raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
                               "training: not with data.streaming=true, whose pairs are read as training goes; set "
                               "dpo.precompute_ref=false (the reference is then computed at each step)")
         if self.data.truncation != "prompt_first" and (self.task != "causal_lm" or self.data.format == "text"):
             raise ConfigError(f"data.truncation={self.data.truncation} is for causal_lm conversations: "
-                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo") else
+                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo", "kto") else
                                  "format text is split into max_length chunks" if self.task == "causal_lm" else
                                  "seq_cls texts are cut at max_length"))
         if self.dpo.rpo_alpha < 0:
@@ -480,6 +505,7 @@ class Config:
         if not 0 <= self.dpo.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.dpo.label_smoothing}")
         self._check_grpo()
+        self._check_sections()
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()
@@ -516,6 +542,20 @@ class Config:
             raise ConfigError("eval.generate=true is for task causal_lm; task grpo evaluates its greedy answers "
                               "with its own rewards (eval_reward)")
 
+    def _check_sections(self):
+        """The kto section is read by task kto only, and task kto reads no key of the dpo section but its column
+        names (paired data): a key set there would be ignored."""
+        ignored = []
+        if self.task != "kto":
+            ignored = [f"kto.{k}" for k in _changed(self.kto)]
+        else:
+            ignored = [f"dpo.{k}" for k in _changed(self.dpo) if k not in ("chosen_field", "rejected_field")]
+        if ignored:
+            owner = "kto" if self.task != "kto" else "dpo"
+            raise ConfigError(f"{', '.join(ignored)} would be ignored: the {owner} section is read by task {owner}, "
+                              f"and this run is task {self.task}"
+                              + ("; set the same key under kto" if owner == "dpo" else ""))
+
     def max_prompt_length(self) -> int:
         """grpo: the tokens a prompt keeps (its last ones), so that prompt and completion fit data.max_length."""
         return self.data.max_length - self.grpo.max_new_tokens
@@ -547,6 +587,12 @@ class Config:
         if self.save.final == "best" and not self.checkpoint.keep_best:
             raise ConfigError("save.final=best needs checkpoint.keep_best=true: the best weights are read from the "
                               "best checkpoint")
+
+
+def _changed(section) -> list[str]:
+    """The fields of a section set to other than their defaults."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
 
 
 # ---------------------------------------------------------------------------------------------------- loading

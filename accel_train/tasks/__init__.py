@@ -4,6 +4,7 @@
     seq_cls    classification.py  sequence classification
     dpo        dpo.py             preference pairs against a reference
     grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
+    kto        kto.py             answers labelled desirable or undesirable, against a reference
 
 The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
 only through `Task`: they never ask which task it is. A new objective is one module with a `Task` subclass named
@@ -62,6 +63,8 @@ def _function(ref: str):
 # dpo's evaluation results besides loss (tasks/dpo.py METRICS; tests/test_config.py checks that the two agree)
 DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
                "logps/rejected")
+# kto's (tasks/kto.py METRICS): TRL's names, kl being the reference point z0
+KTO_RESULTS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
 
 REGISTRY: dict[str, TaskInfo] = {
     "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
@@ -76,6 +79,8 @@ REGISTRY: dict[str, TaskInfo] = {
                      example=("data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=6",
                               "grpo.rewards=[length_penalty]"),
                      preflight="accel_train.tasks.rewards:check_rewards"),
+    "kto": TaskInfo("kto", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
+                    results=("loss", *KTO_RESULTS), example=("data.path=builtin:reverse_pref", "kto.reference=base")),
 }
 NAMES = tuple(REGISTRY)
 
