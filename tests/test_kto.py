@@ -308,3 +308,21 @@ def test_bad_keys_are_one_line(overrides, message):
 def test_paired_column_names_map_under_kto():
     cfg = load_config(None, ["task=kto", "dpo.chosen_field=good", "dpo.rejected_field=bad"])
     assert "pairs prompt/good/bad" in tasks.make(cfg).columns(["prompt", "good", "bad"], "x")
+
+
+def test_unbalanced_rows_are_warned_of_with_weights_that_fit(caplog):
+    """3 desirable rows for 1 undesirable at weights 1 and 1: the KTO paper's range for desirable_weight x desirable /
+    (undesirable_weight x undesirable) is [1, 4/3]; the warning names a weight that fits."""
+    from datasets import Dataset
+
+    cfg = load_config(None, ["task=kto", "data.path=builtin:reverse_pref"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    with caplog.at_level("WARNING"):
+        tasks.make(cfg).tokenize(Dataset.from_list(unpaired(4)), tokenizer)
+    assert "kto: 3 desirable and 1 undesirable training rows" in caplog.text
+    assert "(e.g. kto.desirable_weight=0.333)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        tasks.make(load_config(None, ["task=kto", "kto.undesirable_weight=3"])).tokenize(
+            Dataset.from_list(unpaired(4)), tokenizer)
+    assert "desirable training rows" not in caplog.text
