@@ -295,7 +295,8 @@ class EvalConfig:
     metric_for_best: Optional[str] = None
     """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
     loss, perplexity (causal_lm), a result of eval.metrics (or of eval.generation_metrics with eval.generate), or
-    one of dpo's (rewards/margin, ...) for task dpo, or grpo's (reward, rewards/NAME/mean); checked before training."""
+    one of dpo's (rewards/margin, ...) for task dpo, kto's (rewards/chosen, kl, ...) for task kto, or grpo's
+    (reward, rewards/NAME/mean); checked before training."""
     greater_is_better: Optional[bool] = None
     """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
 
@@ -332,7 +333,8 @@ class DpoConfig:
     step: no frozen copy of the model under full fine-tuning, one forward less per step under LoRA. Not with
     data.streaming."""
     chosen_field: str = "chosen"
-    """Column with the preferred response: text, or a conversation ending with the assistant's answer."""
+    """Column with the preferred response: text, or a conversation ending with the assistant's answer (also task
+    kto's, whose pairs become a desirable and an undesirable row)."""
     rejected_field: str = "rejected"
     """Column with the dispreferred response (same form as chosen; a conversation shares chosen's prompt turns)."""
 
@@ -349,6 +351,24 @@ class RewardConfig:
     """Column with the preferred response: text, or a conversation ending with the assistant's answer."""
     rejected_field: str = "rejected"
     """Column with the dispreferred response (same form as chosen; a conversation shares chosen's prompt turns)."""
+
+
+@dataclass
+class KtoConfig:
+    beta: float = 0.1
+    """Strength of the KL penalty to the reference: rewards are beta x (policy - reference) log-probs."""
+    desirable_weight: float = 1.0
+    """Weight of a desirable row's loss (TRL's desirable_weight); with fewer desirable than undesirable rows, the
+    KTO paper suggests desirable_weight x desirable rows / (undesirable_weight x undesirable rows) in [1, 4/3]."""
+    undesirable_weight: float = 1.0
+    """Weight of an undesirable row's loss (TRL's undesirable_weight)."""
+    reference: Literal["start", "base"] = "start"
+    """The reference model, as dpo.reference: start, the policy as training starts (with model.adapter_from, that
+    adapter loaded a second time and frozen); base, the base model with the LoRA adapter disabled."""
+    completion_field: str = "completion"
+    """Column with the answer of an unpaired row: text, or a conversation ending with the assistant's answer."""
+    label_field: str = "label"
+    """Column saying whether the row's completion is desirable: true or false (1 or 0)."""
 
 
 @dataclass
@@ -429,7 +449,7 @@ class Config:
     a frozen copy); grpo: reinforcement learning from rewards of sampled completions to prompts (see grpo.*);
     distill: a teacher's token distributions taught to the model on the responses (see distill.*); reward: a reward
     model (one score per sequence) trained on chosen/rejected pairs (see reward.*), usable in grpo.rewards as
-    model:PATH."""
+    model:PATH; kto: answers labelled desirable or undesirable, against a reference (see kto.*)."""
     output_dir: str = "outputs/default"
     """Where the adapter, config.yaml and logs are written."""
     seed: int = 42
@@ -451,6 +471,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    kto: KtoConfig = field(default_factory=KtoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -462,10 +483,10 @@ class Config:
             self.model.random_init = is_embedded_tiny_model(self.model.name_or_path)
         if self.data.group_by_length is None:
             self.data.group_by_length = self.task == "seq_cls"
-        if self.task in ("dpo", "grpo", "distill", "reward"):  # resolved here, so config.yaml records what the run did
+        if self.task in ("dpo", "grpo", "distill", "reward", "kto"):  # resolved here, so config.yaml records what the run did
             self.data.packing = False
-        if self.dpo.reference is None and self.dpo.loss_type not in REFERENCE_FREE_LOSSES:
-            self.dpo.reference = "start"
+        if self.task == "dpo" and self.dpo.reference is None and self.dpo.loss_type not in REFERENCE_FREE_LOSSES:
+            self.dpo.reference = "start"  # resolved for the run's own task only (other tasks must not see it set)
         if self.dpo.simpo_gamma is None and self.dpo.loss_type == "simpo":
             self.dpo.simpo_gamma = 0.5
         if self.grpo.scale_rewards is None:
@@ -489,6 +510,9 @@ class Config:
             "eval.temperature": self.eval.temperature,
             "eval.top_p": self.eval.top_p,
             "dpo.beta": self.dpo.beta,
+            "kto.beta": self.kto.beta,
+            "kto.desirable_weight": self.kto.desirable_weight,
+            "kto.undesirable_weight": self.kto.undesirable_weight,
             "grpo.max_new_tokens": self.grpo.max_new_tokens,
             "grpo.temperature": self.grpo.temperature,
             "grpo.top_p": self.grpo.top_p,
@@ -535,9 +559,9 @@ class Config:
                               "be used with random weights (model.random_init)")
         if self.model.adapter_from and not self.lora.enabled:
             raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
-        if self.task in ("dpo", "reward") and self.data.group_by_length:
-            raise ConfigError(f"data.group_by_length is not supported with task {self.task} (pairs are padded in the "
-                              "order they are read); set it to false")
+        if self.task in ("dpo", "reward", "kto") and self.data.group_by_length:
+            raise ConfigError(f"data.group_by_length is not supported with task {self.task} (its rows are padded in "
+                              "the order they are read); set it to false")
         if self.task == "dpo" and self.dpo.precompute_ref and self.data.streaming:
             raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
                               "training: not with data.streaming=true, whose pairs are read as training goes; set "
@@ -545,7 +569,7 @@ class Config:
         if self.data.truncation != "prompt_first" and (self.task not in ("causal_lm", "distill")
                                                        or self.data.format == "text"):
             raise ConfigError(f"data.truncation={self.data.truncation} is for causal_lm conversations: "
-                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo", "reward") else
+                              + (f"task {self.task} always cuts the prompt first" if self.task in ("dpo", "grpo", "reward", "kto") else
                                  "format text is split into max_length chunks" if self.task in ("causal_lm", "distill") else
                                  "seq_cls texts are cut at max_length"))
         if self.dpo.rpo_alpha < 0:
@@ -560,6 +584,7 @@ class Config:
         self._check_dpo()
         self._check_grpo()
         self._check_distill()
+        self._check_sections()
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         self._check_best()
@@ -625,6 +650,20 @@ class Config:
             raise ConfigError(f"distill.on_policy={d.on_policy} samples answers to prompts: not with data.format=text "
                               "or data.train_on=all, where every token is trained and there is no prompt")
 
+    def _check_sections(self):
+        """The kto section is read by task kto only, and task kto reads no key of the dpo section but its column
+        names (paired data): a key set there would be ignored."""
+        ignored = []
+        if self.task != "kto":
+            ignored = [f"kto.{k}" for k in _changed(self.kto)]
+        else:
+            ignored = [f"dpo.{k}" for k in _changed(self.dpo) if k not in ("chosen_field", "rejected_field")]
+        if ignored:
+            owner = "kto" if self.task != "kto" else "dpo"
+            raise ConfigError(f"{', '.join(ignored)} would be ignored: the {owner} section is read by task {owner}, "
+                              f"and this run is task {self.task}"
+                              + ("; set the same key under kto" if owner == "dpo" else ""))
+
     def max_prompt_length(self) -> int:
         """grpo: the tokens a prompt keeps (its last ones), so that prompt and completion fit data.max_length."""
         return self.data.max_length - self.grpo.max_new_tokens
@@ -656,6 +695,12 @@ class Config:
         if self.save.final == "best" and not self.checkpoint.keep_best:
             raise ConfigError("save.final=best needs checkpoint.keep_best=true: the best weights are read from the "
                               "best checkpoint")
+
+
+def _changed(section) -> list[str]:
+    """The fields of a section set to other than their defaults."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
 
 
 # ---------------------------------------------------------------------------------------------------- loading

@@ -77,7 +77,7 @@ CASES = {
     "batch size 0": (lambda t: ["train.per_device_batch_size=0"], "train.per_device_batch_size must be > 0, got 0"),
     "max length <= 0": (lambda t: ["data.max_length=0"], "data.max_length must be > 0, got 0"),
     "lora r <= 0": (lambda t: ["lora.r=0"], "lora.r must be > 0, got 0"),
-    "unknown task": (lambda t: ["task=summarize"], "task must be one of 'causal_lm', 'seq_cls', 'dpo', 'grpo', 'distill', 'reward', got 'summarize'"),
+    "unknown task": (lambda t: ["task=summarize"], "task must be one of 'causal_lm', 'seq_cls', 'dpo', 'grpo', 'distill', 'reward', 'kto', got 'summarize'"),
     "missing data file": (lambda t: [f"data.path={t / 'nope.jsonl'}"], "data.path: data file not found:"),
     "unreadable data file": (bad_json, "broken.jsonl: ValueError: Trailing data"),
     "missing columns": (wrong_columns, "lacks column(s) prompt, response needed by task causal_lm; columns found: "

@@ -53,7 +53,7 @@ def test_override_beats_file(tmp_path):
     (["train.epochs=two"], "train.epochs must be int, got 'two'"),
     (["train.epochs=1.5"], "train.epochs must be int"),
     (["lora.enabled=maybe"], "lora.enabled must be bool"),
-    (["task=translation"], "task must be one of 'causal_lm', 'seq_cls', 'dpo', 'grpo', 'distill', 'reward', got 'translation'"),
+    (["task=translation"], "task must be one of 'causal_lm', 'seq_cls', 'dpo', 'grpo', 'distill', 'reward', 'kto', got 'translation'"),
     (["train.lr=0"], "train.lr must be > 0, got 0.0"),
     (["train.per_device_batch_size=0"], "train.per_device_batch_size must be > 0"),
     (["data.max_length=-1"], "data.max_length must be > 0"),

@@ -6,6 +6,7 @@
     grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
     distill    distill.py         a teacher's token distributions taught on the responses (GKD)
     reward     reward.py          a reward model: one score per sequence, trained on preference pairs
+    kto        kto.py             answers labelled desirable or undesirable, against a reference
 
 The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
 only through `Task`: they never ask which task it is. A new objective is one module with a `Task` subclass named
@@ -68,6 +69,8 @@ def _function(ref: str):
 # dpo's evaluation results besides loss (tasks/dpo.py METRICS; tests/test_config.py checks that the two agree)
 DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
                "logps/rejected")
+# kto's (tasks/kto.py METRICS): TRL's names, kl being the reference point z0
+KTO_RESULTS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
 
 # reward's evaluation results besides loss (tasks/reward.py METRICS): pairwise accuracy, mean r_chosen - r_rejected,
 # mean score
@@ -95,6 +98,8 @@ REGISTRY: dict[str, TaskInfo] = {
                         preflight="accel_train.preflight:check_teacher"),
     "reward": TaskInfo("reward", "seq_cls", "a reward model (one score per sequence) on chosen/rejected pairs (reward.*)",
                        results=("loss", *REWARD_RESULTS), example=("data.path=builtin:reverse_pref",)),
+    "kto": TaskInfo("kto", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
+                    results=("loss", *KTO_RESULTS), example=("data.path=builtin:reverse_pref", "kto.reference=base")),
 }
 NAMES = tuple(REGISTRY)
 

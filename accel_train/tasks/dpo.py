@@ -96,19 +96,21 @@ def _turns(value, row: int, role: str) -> list[dict]:
     return [{"role": role, "content": "" if value is None else str(value)}]
 
 
+def conversation(prompt, answer, row: int, name: str) -> list[dict]:
+    """The prompt turns (a text is one user turn; None: none), then the answer, which must be the assistant's and
+    not empty. `name`: the answer's column, for the error."""
+    messages = ([] if prompt is None else _turns(prompt, row, "user")) + _turns(answer, row, "assistant")
+    if messages[-1]["role"] != "assistant":
+        raise ConfigError(f"data: row {row}: {name} ends with {messages[-1]['role']!r}, not the assistant's answer")
+    if not messages[-1]["content"].strip():
+        raise ConfigError(f"data: row {row}: the {name} response is empty; fill it or drop the row")
+    return messages
+
+
 def pair_conversations(example: dict, cfg: Config, row: int, section: str = "dpo") -> tuple[list[dict], list[dict]]:
-    """(chosen, rejected) as conversations: the prompt turns, then the answer."""
-    prompt = example.get(cfg.data.prompt_field)
-    head = [] if prompt is None else _turns(prompt, row, "user")
-    pair, fields = [], getattr(cfg, section)
-    for name in (fields.chosen_field, fields.rejected_field):
-        messages = head + _turns(example[name], row, "assistant")
-        if messages[-1]["role"] != "assistant":
-            raise ConfigError(f"data: row {row}: {name} ends with {messages[-1]['role']!r}, not the assistant's "
-                              "answer")
-        if not messages[-1]["content"].strip():
-            raise ConfigError(f"data: row {row}: the {name} response is empty; fill it or drop the row")
-        pair.append(messages)
+    """(chosen, rejected) as conversations: the prompt turns, then the answer (the columns named by `section`)."""
+    prompt, fields = example.get(cfg.data.prompt_field), getattr(cfg, section)
+    pair = [conversation(prompt, example[name], row, name) for name in (fields.chosen_field, fields.rejected_field)]
     if pair[0][:-1] != pair[1][:-1]:
         raise ConfigError(f"data: row {row}: {fields.chosen_field} and {fields.rejected_field} do not share "
                           "their prompt turns (only the last, the assistant's answer, may differ)")
@@ -127,24 +129,32 @@ def renderer(tokenizer):
     return formats.tokens_with_template if tokenizer.chat_template else formats.tokens_without_template
 
 
+def prompt_and_response(messages: list[dict], tokenizer, row: int) -> tuple[list[int], list[int]]:
+    """A conversation's tokens as (prompt, response): the response is the last assistant turn and its end of turn."""
+    try:
+        return _split(*renderer(tokenizer)(messages, tokenizer, "last_assistant"))
+    except formats.UnmaskableRow as e:
+        raise ConfigError(f"data: row {row}: {e}") from None
+
+
+def fit_prompt_first(prompt: list[int], responses: list[list[int]], size: int) -> tuple[list[int], list, bool]:
+    """(prompt, responses, whether any was cut) within `size` tokens each as prompt + response: the prompt keeps its
+    last tokens (at least one, which predicts the response's first token), then the responses lose their last."""
+    longest = max(len(r) for r in responses)
+    keep = min(len(prompt), max(size - longest, 1))
+    truncated = keep < len(prompt) or longest > size - keep
+    return prompt[len(prompt) - keep:], [r[:size - keep] for r in responses], truncated
+
+
 def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION,
                   section: str = "dpo") -> dict:
     """Prompt + chosen and prompt + rejected token ids and labels, truncated to data.max_length prompt first."""
-    render = renderer(tokenizer)
-    try:
-        (prompt, chosen), (prompt_rejected, rejected) = (
-            _split(*render(messages, tokenizer, "last_assistant"))
-            for messages in pair_conversations(example, cfg, row, section))
-    except formats.UnmaskableRow as e:
-        raise ConfigError(f"data: row {row}: {e}") from None
+    (prompt, chosen), (prompt_rejected, rejected) = (
+        prompt_and_response(messages, tokenizer, row) for messages in pair_conversations(example, cfg, row, section))
     if prompt != prompt_rejected:
         raise ConfigError("the tokenizer's chat template renders the shared prompt of a pair differently before "
                           "chosen and rejected; use another template")
-    size = cfg.data.max_length
-    # Keep the prompt's last tokens (at least one, which predicts the response's first token), then the responses.
-    keep = min(len(prompt), max(size - max(len(chosen), len(rejected)), 1))
-    truncated = keep < len(prompt) or max(len(chosen), len(rejected)) > size - keep
-    prompt, chosen, rejected = prompt[len(prompt) - keep:], chosen[:size - keep], rejected[:size - keep]
+    prompt, (chosen, rejected), truncated = fit_prompt_first(prompt, [chosen, rejected], cfg.data.max_length)
     out = {"truncated": truncated}
     for name, response in (("chosen", chosen), ("rejected", rejected)):
         out[f"{name}_input_ids"] = prompt + response
@@ -179,6 +189,16 @@ def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: 
     return ds
 
 
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad_token_id: int, multiple: int = 1) -> dict:
+    """input_ids, attention_mask and labels of (ids, labels) rows, right-padded to the longest (rounded up to a
+    multiple of `multiple`); labels IGNORE_INDEX on the padding."""
+    width = max(len(ids) for ids, _ in rows)
+    width = -(-width // multiple) * multiple
+    return {"input_ids": torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in rows]),
+            "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]),
+            "labels": torch.tensor([labels + [IGNORE_INDEX] * (width - len(labels)) for _, labels in rows])}
+
+
 class PairCollator:
     """A batch of B pairs as 2B padded rows (on the right), chosen first (one forward for both); labels IGNORE_INDEX
     on prompt and padding; with precomputed reference log-probs, `ref_logps` (2B,) in the same order; with margins
@@ -189,11 +209,7 @@ class PairCollator:
 
     def __call__(self, features: list[dict]) -> dict:
         rows = [(f[f"{k}_input_ids"], f[f"{k}_labels"]) for k in ("chosen", "rejected") for f in features]
-        width = max(len(ids) for ids, _ in rows)
-        width = -(-width // self.multiple) * self.multiple
-        batch = {"input_ids": torch.tensor([ids + [self.pad_token_id] * (width - len(ids)) for ids, _ in rows]),
-                 "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]),
-                 "labels": torch.tensor([labels + [IGNORE_INDEX] * (width - len(labels)) for _, labels in rows])}
+        batch = pad_rows(rows, self.pad_token_id, self.multiple)
         if "ref_chosen_logps" in features[0]:
             batch["ref_logps"] = torch.tensor([f[f"ref_{k}_logps"] for k in ("chosen", "rejected") for f in features],
                                               dtype=torch.float32)
@@ -228,6 +244,13 @@ def nll_mask(batch: dict, loss_type: str) -> torch.Tensor:
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, without cancellation (TRL's, after Maechler 2012)."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def reference_model(cfg: Config, model: torch.nn.Module, accelerator) -> torch.nn.Module:
+    """The reference of the policy `model` (before accelerate wraps it): under LoRA the model itself (reference_mode
+    disables its adapter, or switches to the frozen one), under full fine-tuning a frozen copy of its initial
+    weights."""
+    return model if cfg.lora.enabled else copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
 
 
 @contextmanager
@@ -265,12 +288,9 @@ class PreferenceLoss:
         """`model`: the policy before accelerate wraps it (the same module afterwards)."""
         self.cfg, self.lora, self.autocast = cfg.dpo, cfg.lora.enabled, accelerator.autocast
         self.nll = cfg.dpo.loss_type in ("orpo", "cpo")  # adds the chosen answers' NLL, a mean over tokens
-        if cfg.dpo.precompute_ref or cfg.dpo.loss_type in REFERENCE_FREE_LOSSES:
-            self.reference = None  # the batches carry ref_logps, or there is no reference
-        elif cfg.lora.enabled:
-            self.reference = model
-        else:  # full fine-tuning: the initial weights, frozen
-            self.reference = copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
+        # the batches carry ref_logps (precomputed), or the loss has no reference
+        self.reference = (None if cfg.dpo.precompute_ref or cfg.dpo.loss_type in REFERENCE_FREE_LOSSES
+                          else reference_model(cfg, model, accelerator))
 
     def reference_logps(self, batch: dict, reference=None) -> torch.Tensor:
         if "ref_logps" in batch:
