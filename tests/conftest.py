@@ -142,6 +142,16 @@ def ctrl_c_launch(config: str, *args, after: str = " | epoch ") -> tuple[int, st
     return launcher.returncode, "".join(lines) + rest
 
 
+def fresh_accelerator(**kwargs):
+    """An Accelerator(cpu=True, **kwargs) in a test process: accelerate keeps one state per process, so a test that
+    builds one after another test built one with other settings (a worker runs many modules) starts it over."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(cpu=True, **kwargs)
+
+
 def said(text: str) -> list[str]:
     """accel_train's own lines in a run's output (stop, error, refusal), but the start line every run prints first
     (`accel_train: starting OUTPUT_DIR ...`)."""

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import python_m, read_metrics, said
+from conftest import fresh_accelerator, python_m, read_metrics, said
 from tensors import LargestTensors
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -196,8 +196,6 @@ def test_on_policy_steps_sample_the_responses_through_generation_config(teacher,
     """distill.on_policy=1: every step's responses are the student's, sampled after each sample's prompt with the
     settings generation.generation_config gives (called once per micro-batch), ending at the end of turn or at
     max_new_tokens; the labels cover them and nothing else; the same (seed, step) samples the same."""
-    from accelerate import Accelerator
-
     new = 6
     cfg = load_config(None, ["task=distill", f"distill.teacher={teacher}", "distill.on_policy=1",
                              f"distill.max_new_tokens={new}", "distill.temperature=1.5"])
@@ -207,7 +205,7 @@ def test_on_policy_steps_sample_the_responses_through_generation_config(teacher,
     batches = [padded_batch(samples[:2], tokenizer.pad_token_id), padded_batch(samples[2:], tokenizer.pad_token_id)]
     torch.manual_seed(1)
     student = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL))
-    task.start(SimpleNamespace(accelerator=Accelerator(cpu=True), model=student), tokenizer, None)
+    task.start(SimpleNamespace(accelerator=fresh_accelerator(mixed_precision="no"), model=student), tokenizer, None)
     calls = []
 
     def spy(*args, **kwargs):

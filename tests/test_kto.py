@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from conftest import fresh_accelerator
 from transformers import AutoTokenizer
 
 from accel_train import tasks
@@ -71,9 +72,7 @@ def setup(tmp_path_factory):
 
 
 def accelerator():
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=True, mixed_precision="no")
+    return fresh_accelerator(mixed_precision="no")
 
 
 def answer_logps(model, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ def test_notebook_trains_on_two_processes(tmp_path):
     # not notebook_launcher's "Launching training on 2 CUDAs." (on a CPU too): the run's own lines say where it runs
     training = rendered("".join(o.get("text", "") for o in nb.cells[1].outputs))
     assert any("255/255" in line and "step/s" in line for line in training), training
-    assert training[0].startswith("accel_train: starting ") and "] final: " in training[-1], training
+    assert training[0].startswith("accel_train: starting ") and " final: " in training[-1], training
+    assert not any("[RANK" in line for line in training)  # the main process's lines, without accelerate's prefix
     assert len(training) <= 16, "\n".join(training)
     assert "Launching training on" not in shown

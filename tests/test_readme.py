@@ -41,13 +41,17 @@ FIRST_HOUR = "tests/test_first_hour.py::test_a_newcomers_first_hour"
 QUICK_START = "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml --config configs/train/default.yaml"
 GRPO_RECIPE = "accel_train --config configs/train/grpo_default.yaml"
 DISTILL_RECIPE = "accel_train --config configs/train/distill_default.yaml"
-RECIPES_TINY = "tests/test_readme.py::test_the_grpo_and_distill_recipes_tiny"
+REWARD_RECIPE = "accel_train --config configs/train/reward_default.yaml"
+KTO_RECIPE = "accel_train --config configs/train/kto_default.yaml"
+RECIPES_TINY = "tests/test_readme.py::test_the_recipes_after_sft_tiny"
 
 # command -> [(node id, [distinctive arguments its module holds]), ...]: together the tests run the command
 RUN_BY = {
     QUICK_START: [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ["accel_train_launch", "cpu_2proc.yaml", "configs/train/default.yaml"])],
     GRPO_RECIPE: [(RECIPES_TINY, ["GRPO_RECIPE"])],
     DISTILL_RECIPE: [(RECIPES_TINY, ["DISTILL_RECIPE"])],
+    REWARD_RECIPE: [(RECIPES_TINY, ["REWARD_RECIPE"])],
+    KTO_RECIPE: [(RECIPES_TINY, ["KTO_RECIPE"])],
     "accel_train merge=true": [(RECIPES_TINY, ['"merge=true"'])],
     **{f"accel_train data.path={name}_train.{ext} data.eval_path={name}_eval.{ext} output_dir=outputs/{out}":
        [(OWN_DATA, ["Train on your data"])]
@@ -241,10 +245,10 @@ def test_config_commands_as_written():
     assert printed.returncode == 0 and "task: seq_cls" in printed.stdout and "lr: 0.001" in printed.stdout
 
 
-def test_the_grpo_and_distill_recipes_tiny(tmp_path):
-    """The GRPO and distillation recipes as README gives them, for 2 steps on a few prompts, on a 2-step default run
-    (its adapter for GRPO, its merged model as the teacher; the DPO recipe runs after the whole default in
-    test_launch.py)."""
+def test_the_recipes_after_sft_tiny(tmp_path):
+    """The GRPO, distillation, reward-model and KTO recipes as README gives them, for 2 steps on a few rows, on a
+    2-step default run (its adapter for GRPO and KTO, its merged model as the teacher and the reward model's base;
+    the DPO recipe runs after the whole default in test_launch.py)."""
     sft = tmp_path / "default"
     proc = python_m(f"output_dir={sft}", "merge=true", "data.builtin_size=40", "train.max_steps=2",
                     "track.log_with=[]")
@@ -270,3 +274,13 @@ def test_the_grpo_and_distill_recipes_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (distill / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2] and records[-1]["eval_loss"] > 0
+    tiny = ["data.builtin_size=40", "train.max_steps=2", "train.global_batch_size=2", "train.log_every=1",
+            "track.log_with=[]"]
+    for recipe, base in ((REWARD_RECIPE, [f"model.name_or_path={sft / 'merged'}"]),
+                         (KTO_RECIPE, [f"model.name_or_path={sft / 'base_model'}",
+                                       f"model.adapter_from={sft / 'adapter'}"])):
+        out = tmp_path / recipe.split("/")[-1].removesuffix("_default.yaml")
+        proc = python_m(*_argv(recipe)[1:], *base, f"output_dir={out}", *tiny)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "loss" in r] == [1, 2] and records[-1]["eval_loss"] > 0
