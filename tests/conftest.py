@@ -200,23 +200,28 @@ def tmp_out(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> dict:
     """The topology runs of test_topology.py (same samples per step, 1 or 2 processes, with or without
-    accumulation or packing), once per session: other tests compare their own launches with them."""
+    accumulation or packing), each made the first time a test of this worker asks for it: other tests compare
+    their own launches with them (those that need run C alone make only C)."""
     from safetensors.torch import load_file
     from test_topology import TOPOLOGIES, overrides, write_data
 
     root = tmp_path_factory.mktemp("topology")
     data = root / "data.jsonl"
     write_data(data)
-    results = {}
-    for name, (procs, extra) in TOPOLOGIES.items():
-        out = root / name
-        args = overrides(data, out) + extra
-        proc = python_m(*args) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        train, evals = read_metrics(out)
-        results[name] = {"train": train, "eval": evals[-1], "out": out, "data": data,
-                         "weights": load_file(out / "adapter" / "adapter_model.safetensors")}
-    return results
+
+    class Runs(dict):
+        def __missing__(self, name):
+            procs, extra = TOPOLOGIES[name]
+            out = root / name
+            args = overrides(data, out) + extra
+            proc = python_m(*args) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            train, evals = read_metrics(out)
+            self[name] = {"train": train, "eval": evals[-1], "out": out, "data": data,
+                          "weights": load_file(out / "adapter" / "adapter_model.safetensors")}
+            return self[name]
+
+    return Runs()
 
 
 @pytest.fixture(scope="session")

@@ -201,7 +201,7 @@ def test_bench_trl_contender_needs_trl(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().endswith("the trl contender needs TRL: pip install trl")
 
 
-@pytest.mark.xdist_group("topology")  # the session's topology runs (conftest.runs): no launch of its own
+@pytest.mark.xdist_group("topology")  # runs A and C of the session's topology runs (conftest.runs)
 def test_mfu_on_1_and_2_processes_divides_by_the_peak_of_every_process(runs):
     """The same job on 1 process (run A, batch 4) and on 2 (run C, batch 2 each): each logged MFU times the peak
     FLOP/s of the processes that did the work (summary.json's peak_flops, one per process, measured at once),

@@ -24,7 +24,9 @@ from accel_train import tasks
 from accel_train.config import ConfigError, load_config
 from accel_train.data_sources import builtin_rows
 
-pytestmark = [pytest.mark.xdist_group("conformance"), pytest.mark.parametrize("name", tasks.NAMES)]
+# One group per task: its runs are made once, on one worker, and the tasks spread over the workers.
+pytestmark = pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"conformance-{n}"))
+                                              for n in tasks.NAMES])
 
 # fp32 and a fixed seed: the same samples per step on any topology give the same numbers (test_topology.py)
 SMALL = ["data.builtin_size=48", "data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",

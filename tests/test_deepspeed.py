@@ -32,7 +32,7 @@ from test_topology import TOPOLOGIES, overrides
 pytest.importorskip("deepspeed")
 
 # The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
-pytestmark = [pytest.mark.xdist_group("topology"), pytest.mark.long]
+pytestmark = [pytest.mark.xdist_group("ddp_reference"), pytest.mark.long]
 
 DS_ARGS = TOPOLOGIES["D"][1] + ["checkpoint.save_every=5"]
 # Crash before the 2nd micro-batch of step 8: the last checkpoint is step 5, steps 6-7 are lost, 8 is half done.

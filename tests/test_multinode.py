@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from test_topology import TOPOLOGIES, overrides
 
 # The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
-pytestmark = pytest.mark.xdist_group("topology")
+pytestmark = pytest.mark.xdist_group("ddp_reference")
 
 TIMEOUT_S = 240  # a hang guard, not a speed bound: a passing run takes 10-20 s on 2 idle cores, over 60 s beside other runs
 

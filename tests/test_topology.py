@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from accel_train import data as data_lib
 from accel_train.config import load_config
 
-# The session's topology runs (conftest.runs) are computed once per test worker: these modules share one.
+# The session's topology runs (conftest.runs) are made once per test worker; test_deepspeed, test_fsdp and test_multinode
+# compare with run C alone, in their own group (ddp_reference).
 pytestmark = pytest.mark.xdist_group("topology")
 
 N_TRAIN, N_EVAL = 22, 7  # eval: odd and not a multiple of the eval batch (4)
