@@ -81,11 +81,19 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
                                             **extra)
         model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
-        # A pretrained classifier with another number of classes gets a new head (transformers says which).
-        mismatch = {"ignore_mismatched_sizes": True} if head_of(cfg) == "seq_cls" else {}
-        model = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
-                                     trust_remote_code=m.trust_remote_code, **extra, **mismatch,
-                                     **quantization(cfg, device))
+        # A pretrained classifier with another number of classes, or a causal LM, gets a new head: said in one line,
+        # not transformers' LOAD REPORT table (held back when the head is all it lacks)
+        classifier = head_of(cfg) == "seq_cls"
+        mismatch = {"ignore_mismatched_sizes": True} if classifier else {}
+        with held_load_report() as held:
+            model, loading = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
+                                                  trust_remote_code=m.trust_remote_code, **extra, **mismatch,
+                                                  **quantization(cfg, device), output_loading_info=True)
+            new = sorted(set(loading["missing_keys"]) | {key for key, *_ in loading["mismatched_keys"]})
+            if classifier and new and supplied_by(list(CLASSIFIER_HEADS), loading):
+                held.drop = True
+                logger.info(f"model: a new classification head ({', '.join(new)}) on {m.name_or_path}, trained "
+                            "from scratch")
         if m.quantization:
             # Casts norms and the head to fp32 and makes the frozen embeddings' output require grad, so that
             # gradients reach the adapter through checkpointed layers.
@@ -239,6 +247,10 @@ def load_trained(path, auto_cls, **kw):
     model.eval()
     set_pad_token_id(model, tokenizer)
     return model, tokenizer
+
+
+# The output heads of transformers' *ForSequenceClassification models (peft's SEQ_CLS modules_to_save).
+CLASSIFIER_HEADS = ("classifier", "score")
 
 
 class held_load_report:

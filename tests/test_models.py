@@ -196,3 +196,26 @@ def test_attention_implementation_and_revision_reach_from_pretrained(tmp_path, m
     model_lib.build_model(load_config(None, ["task=seq_cls", f"model.name_or_path={base}", "model.revision=v1.0",
                                              "model.num_labels=2"]), tokenizer)
     assert seen["revision"] == "v1.0"
+
+
+def test_a_new_classifier_head_is_one_line_not_a_load_report(tmp_path, caplog):
+    """A classifier (task seq_cls or reward) on a causal LM's checkpoint lacks only its head (score): transformers'
+    LOAD REPORT table (with its ANSI colours) is held back and one line says the head is new."""
+    import logging
+
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    from accel_train.config import load_config
+    from accel_train.model import build_model
+
+    PartialState(cpu=True)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).save_pretrained(tmp_path / "lm")
+    cfg = load_config(None, ["task=seq_cls", f"model.name_or_path={tmp_path / 'lm'}", "model.random_init=false",
+                             "model.num_labels=2"])
+    with caplog.at_level(logging.INFO):
+        model = build_model(cfg, AutoTokenizer.from_pretrained(TINY_MODEL), {"num_labels": 2})
+    assert model.score.out_features == 2
+    text = caplog.text
+    assert "LOAD REPORT" not in text and "\x1b[" not in text
+    assert f"model: a new classification head (score.weight) on {tmp_path / 'lm'}, trained from scratch" in text
