@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,93 @@ def accelerate_launch(config: str, *args, script: str = "accel_train/train.py", 
                 "--main_process_port", str(free_port()), script, *args], **kw)
 
 
+_LAUNCH_ENV: dict[str, tuple[dict, int]] = {}
+
+
+def launch_environment(config: str) -> tuple[dict, int]:
+    """(what accelerate launch adds to its workers' environment, their number) for configs/accelerate/CONFIG:
+    accelerate's own launch command, run in this process up to where it hands the workers to torchrun."""
+    if config not in _LAUNCH_ENV:
+        from unittest import mock
+
+        import torch.distributed.run as distrib_run
+        from accelerate.commands.launch import launch_command, launch_command_parser
+
+        handed = {}
+
+        def torchrun(args):
+            handed.update(env={k: v for k, v in os.environ.items() if before.get(k) != v},
+                          nproc=int(args.nproc_per_node), nnodes=str(args.nnodes))
+
+        before = dict(os.environ)
+        with mock.patch.object(distrib_run, "run", torchrun):
+            launch_command(launch_command_parser().parse_args(["--config_file", str(ACCEL_CONFIGS / config), "--main_process_port", str(free_port()),
+                                                               "accel_train/train.py"]))
+        assert handed and handed["nnodes"] in ("1", "1:1"), f"{config}: not a one-machine torchrun launch"
+        _LAUNCH_ENV[config] = handed["env"], handed["nproc"]
+    return _LAUNCH_ENV[config]
+
+
+def forked_launch(config: str, *args, script: str = "accel_train/train.py", timeout: float = 300,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file configs/accelerate/CONFIG SCRIPT ARGS` where the launcher is not what a
+    test looks at: its workers, with the environment accelerate launch gives them (launch_environment) and the
+    variables torchrun adds (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT ...), forked from the fork server
+    instead of started as fresh interpreters (~5 s of imports each, twice per launch). As torchrun: they share
+    stdout and stderr; when one fails, the others get SIGTERM (SIGKILL 30 s later) and the status is 1 (each
+    rank's own: `.codes`, in rank order; the first failed rank's: `.first`).
+    Launchers themselves (exit statuses, signals, a killed launcher) are tested with real launches:
+    `accelerate_launch`, `accel_train_launch`, test_launch.py, test_faults.py."""
+    import multiprocessing.connection
+
+    added, nproc = launch_environment(config)
+    port = free_port()
+    cmd = ["accelerate", "launch", "--config_file", str(ACCEL_CONFIGS / config), script, *map(str, args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        out.touch(), err.touch()
+        workers = []
+        for rank in range(nproc):
+            torchrun = {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                        "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                        "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+                        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            worker = _forkserver().Process(target=forked_cli.child, args=(
+                script, list(map(str, args)), {**os.environ, **(env or {}), **added, **torchrun}, str(REPO),
+                str(out), str(err), True))
+            worker.start()
+            workers.append(worker)
+        timed_out, ended = False, []
+        waiting = {w.sentinel: w for w in workers}
+        deadline = time.monotonic() + timeout
+        while waiting and not any(ended):
+            ready = multiprocessing.connection.wait(list(waiting), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                timed_out = True
+                break
+            for sentinel in ready:
+                worker = waiting.pop(sentinel)
+                worker.join()
+                ended.append(worker.exitcode)
+        for worker in waiting.values():  # torchrun's shutdown of the others
+            worker.terminate()
+        for worker in waiting.values():
+            worker.join(30)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        proc = subprocess.CompletedProcess(cmd, 1 if any(ended) or timed_out else 0, out.read_text(), err.read_text())
+        proc.codes = codes = [w.exitcode for w in workers]  # each rank's (-N: killed by signal N)
+        proc.first = next((code for code in ended if code), 0)  # the first failed rank's: what stopped the job
+    print(f"$ {' '.join(cmd)} (workers forked; exit codes {codes})\n--- stdout\n{proc.stdout[-4000:]}\n"
+          f"--- stderr\n{proc.stderr[-8000:]}")
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
+    return proc
+
+
 def accel_train_launch(config: str, *args, **kw) -> subprocess.CompletedProcess:
     """`accel-train launch --config_file configs/accelerate/CONFIG ARGS`: accelerate's launcher on the training entry,
     with accel_train's exit statuses (accel_train/launch.py)."""
@@ -214,7 +302,7 @@ def runs(tmp_path_factory) -> dict:
             procs, extra = TOPOLOGIES[name]
             out = root / name
             args = overrides(data, out) + extra
-            proc = python_m(*args) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args)
+            proc = python_m(*args) if procs == 1 else forked_launch("cpu_2proc.yaml", *args)
             assert proc.returncode == 0, proc.stderr[-3000:]
             train, evals = read_metrics(out)
             self[name] = {"train": train, "eval": evals[-1], "out": out, "data": data,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import accelerate_launch, python_m, read_metrics, run
+from conftest import forked_launch, python_m, read_metrics, run
 from safetensors.torch import load_file
 
 from accel_train.checkpoint import resolve_resume
@@ -27,7 +27,7 @@ CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=8,micro=1,rank=0"}
 
 
 def launch(procs: int, *args, env=None):
-    return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
+    return python_m(*args, env=env) if procs == 1 else forked_launch("cpu_2proc.yaml", *args, env=env)
 
 
 def assert_quiet(stderr: str) -> None:

@@ -4,9 +4,8 @@ names a task. What is task-specific comes from `tasks.info(name).example` (a sma
 
 Each task's runs, made once (fixture `once`) and shared by its checks:
     reference  1 process, batch 2 x accumulation 2, 4 steps, evaluation at steps 2 and 4, checkpoints every 2
-    two        accel-train launch, 2 processes x batch 2, rank 1 sent SIGTERM during step 3 (faults.py): its steps
-               1-3 and evaluation at step 2 check the topology, its end checks the stop by signal (one launch of 2
-               processes per task: the suite's largest cost)
+    two        2 processes x batch 2 (conftest.forked_launch), rank 1 sent SIGTERM during step 3 (faults.py): its
+               steps 1-3 and evaluation at step 2 check the topology, its end checks the stop by signal
     resumed    1 process, crashed before the 2nd micro-batch of step 3 (last checkpoint: step 2), then resume_from=latest
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
@@ -18,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import accel_train_launch, python_m, said
+from conftest import forked_launch, python_m, said
 
 from accel_train import tasks
 from accel_train.config import ConfigError, load_config
@@ -100,8 +99,8 @@ def reference(name, root, once):
 def two(name, root, once):
     def make():
         out = root / "two"
-        return accel_train_launch("cpu_2proc.yaml", *args(name, out, *TWO),
-                                  env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"}), out
+        return forked_launch("cpu_2proc.yaml", *args(name, out, *TWO),
+                             env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"}), out
 
     return once(("two", name), make)
 
@@ -150,10 +149,11 @@ def test_crash_then_resume_reproduces_the_uninterrupted_run(reference, resumed):
 @pytest.mark.long
 def test_sigterm_to_one_rank_checkpoints_every_rank(two):
     """Rank 1 signalled during step 3: both ranks stop after it with one checkpoint holding each rank's state, one
-    line says so, and the status is 128+15."""
+    line says so, and the status of the rank that ends first is 128+15 (the job's, under accel-train launch:
+    test_launch.py); the other's too, or the launcher's SIGTERM ended it after its checkpoint (-15)."""
     proc, out = two
     text = proc.stdout + proc.stderr
-    assert proc.returncode == 128 + 15, text[-3000:]
+    assert proc.first == 128 + 15 and set(proc.codes) <= {128 + 15, -15}, (proc.codes, text[-3000:])
     lines = said(text)
     assert len(lines) == 1 and lines[0].startswith("accel_train: stopped by SIGTERM; checkpoint saved:"), lines
     assert "Traceback" not in text

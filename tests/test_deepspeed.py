@@ -24,7 +24,7 @@ the loop may run fewer micro-batches than grad_accum_steps and DeepSpeed counts 
 from __future__ import annotations
 
 import pytest
-from conftest import ACCEL_CONFIGS, accel_train_launch, accelerate_launch, read_metrics, said
+from conftest import ACCEL_CONFIGS, accel_train_launch, forked_launch, read_metrics, said
 from safetensors.torch import load_file
 from test_launch import eval_loss_from_saved
 from test_topology import TOPOLOGIES, overrides
@@ -45,7 +45,7 @@ def ds_runs(tmp_path_factory, ddp_reference) -> dict:
     runs = {}
     for stage, config in STAGES.items():
         out = tmp_path_factory.mktemp(stage) / "run"
-        proc = accelerate_launch(config, *overrides(ddp_reference["data"], out), *DS_ARGS)
+        proc = forked_launch(config, *overrides(ddp_reference["data"], out), *DS_ARGS)
         assert proc.returncode == 0, proc.stderr[-3000:]
         log = proc.stdout + proc.stderr
         assert "2 process(es) on cpu (DEEPSPEED)" in log
@@ -95,10 +95,10 @@ def test_zero3_final_save_loads_as_the_run_evaluated_it(ds_runs):
 def test_zero3_resumes_exactly_after_a_crash_mid_window(tmp_path, ds_runs, ddp_reference):
     out = tmp_path / "run"
     args = [*overrides(ddp_reference["data"], out), *DS_ARGS]
-    crashed = accelerate_launch(STAGES["zero3"], *args, env=CRASH)
+    crashed = forked_launch(STAGES["zero3"], *args, env=CRASH)
     assert crashed.returncode != 0
     assert (out / "checkpoints" / "step-5" / "COMPLETE").is_file()
-    resumed = accelerate_launch(STAGES["zero3"], *args, "resume_from=latest")
+    resumed = forked_launch(STAGES["zero3"], *args, "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step 5, epoch 0, 5 steps into the epoch" in resumed.stdout + resumed.stderr
     got, want = read_metrics(out)[0], read_metrics(ds_runs["zero3"])[0]

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import accelerate_launch, python_m, read_metrics
+from conftest import forked_launch, python_m, read_metrics
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,7 +51,7 @@ def assert_same_steps(got: list[dict], want: list[dict], rel: float) -> None:
 
 
 def launch(procs: int, *args, env=None):
-    return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
+    return python_m(*args, env=env) if procs == 1 else forked_launch("cpu_2proc.yaml", *args, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, free_port, python_m,
+from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, forked_launch, free_port, python_m,
                       read_metrics, said)
 
 pytestmark = pytest.mark.faults
@@ -170,7 +170,7 @@ def test_exception_on_one_rank_ends_the_job(tmp_path):
 
 def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
     out = tmp_path / "run"
-    proc = accelerate_launch("cpu_2proc.yaml", *RUN, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "nan@step=4,rank=1"})
+    proc = forked_launch("cpu_2proc.yaml", *RUN, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "nan@step=4,rank=1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("step 4: non-finite gradient norm, step skipped (1 in a row, 1 in all)") == 1
     train, _ = read_metrics(out)

@@ -10,7 +10,7 @@ too; test_topology.py shows the two splits train identically.
 from __future__ import annotations
 
 import pytest
-from conftest import accelerate_launch, read_metrics
+from conftest import forked_launch, read_metrics
 from peft import PeftModel
 from safetensors.torch import load_file
 from test_launch import eval_loss_from_saved
@@ -28,7 +28,7 @@ CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=8,micro=1,rank=0"}
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory, ddp_reference):
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    proc = accelerate_launch("fsdp2.yaml", *overrides(ddp_reference["data"], out), *FSDP_ARGS)
+    proc = forked_launch("fsdp2.yaml", *overrides(ddp_reference["data"], out), *FSDP_ARGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) on cpu:0 (FSDP)" in proc.stdout + proc.stderr
     return out
@@ -62,14 +62,14 @@ def test_fsdp_saves_the_adapter_alone_and_peft_loads_it(fsdp_run, ddp_reference)
 def test_fsdp_checkpoint_is_sharded_and_resumes_exactly(tmp_path, fsdp_run, ddp_reference):
     out = tmp_path / "run"
     args = [*overrides(ddp_reference["data"], out), *FSDP_ARGS]
-    crashed = accelerate_launch("fsdp2.yaml", *args, env=CRASH)
+    crashed = forked_launch("fsdp2.yaml", *args, env=CRASH)
     assert crashed.returncode != 0
     ckpt = out / "checkpoints" / "step-5"
     assert (ckpt / "COMPLETE").is_file()
     # torch.distributed.checkpoint: one file per rank for the model and for the optimizer, no gathered copy
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert sorted(p.name for p in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"], part
-    resumed = accelerate_launch("fsdp2.yaml", *args, "resume_from=latest")
+    resumed = forked_launch("fsdp2.yaml", *args, "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step 5, epoch 0, 5 steps into the epoch" in resumed.stdout + resumed.stderr
     got, want = read_metrics(out)[0], read_metrics(fsdp_run)[0]

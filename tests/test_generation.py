@@ -15,7 +15,7 @@ import json
 
 import pytest
 import yaml
-from conftest import accelerate_launch, python_m, read_metrics
+from conftest import forked_launch, python_m, read_metrics
 from safetensors.torch import load_file
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("generation")
     one = python_m(*COMMON, "train.per_device_batch_size=32", "merge=true", f"output_dir={root / 'one'}", env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = accelerate_launch("cpu_2proc.yaml", *COMMON, *EARLY, "train.per_device_batch_size=16",
+    two = forked_launch("cpu_2proc.yaml", *COMMON, *EARLY, "train.per_device_batch_size=16",
                             f"output_dir={root / 'two'}", env=ENV)
     assert two.returncode == 0, two.stderr[-3000:]
     return {"one": root / "one", "two": root / "two", "two_log": two.stdout + two.stderr}
@@ -143,7 +143,7 @@ def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
 def test_generation_is_refused_under_fsdp(tmp_out):
     """Sharded parameters: generate() would need every rank in lock-step; refused by every rank before it loads
     anything (preflight), not a hang."""
-    proc = accelerate_launch("fsdp2.yaml", "eval.generate=true", "train.max_steps=2", f"output_dir={tmp_out}")
+    proc = forked_launch("fsdp2.yaml", "eval.generate=true", "train.max_steps=2", f"output_dir={tmp_out}")
     assert proc.returncode != 0
     # the launcher stops the other rank once one has failed: one line, or the same line from both
     errors = {line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")}

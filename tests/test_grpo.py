@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import tokenized, accel_train_launch, accelerate_launch, python_m, said
+from conftest import tokenized, accel_train_launch, forked_launch, python_m, said
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,7 +98,7 @@ TOPOLOGIES = {"A": (1, ["train.per_device_batch_size=2", "train.grad_accum_steps
 
 
 def launch(procs: int, *args, env=None):
-    return python_m(*args, env=env) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, env=env)
+    return python_m(*args, env=env) if procs == 1 else forked_launch("cpu_2proc.yaml", *args, env=env)
 
 
 def read_run(out) -> dict:
@@ -511,7 +511,7 @@ def test_deepspeed_zero2_rolls_out_and_trains_as_ddp(sft, runs):
     """ZeRO-2 keeps the whole weights on every rank: each generates its own completions with no collective, and the
     run is run C's (2 processes under DDP) step for step: the same completions, losses, rewards and evaluation."""
     out = sft.parent / "C-zero2"
-    proc = accelerate_launch("cpu_deepspeed_zero2.yaml", *grpo_args(sft, out, *TOPOLOGY, *TOPOLOGIES["C"][1]))
+    proc = forked_launch("cpu_deepspeed_zero2.yaml", *grpo_args(sft, out, *TOPOLOGY, *TOPOLOGIES["C"][1]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(DEEPSPEED)" in proc.stderr
     run, ddp = read_run(out), runs["C"]

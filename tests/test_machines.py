@@ -12,32 +12,22 @@ import sys
 
 import pytest
 import torch
-from conftest import ACCEL_CONFIGS, accelerate_launch, python_m, python_script, read_metrics, run
+from conftest import forked_launch, launch_environment, python_m, python_script, read_metrics, run
 
 from accel_train.config import load_config
 
 QUICK = ["data.builtin_size=200", "train.max_steps=4", "train.log_every=1", "track.log_with=[]"]
 
 
-def multi_gpu_launch_environment(config) -> dict:
-    """What `accelerate launch --config_file CONFIG` puts in the environment of its workers (torchrun branch)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
-        ["--config_file", str(ACCEL_CONFIGS / config), "accel_train/train.py"]))
-    return prepare_multi_gpu_env(args)
-
-
 def test_the_cpu_config_hides_every_gpu_from_its_workers():
     """On a laptop with one GPU (or a box with eight) the README's first command must run on the CPU: two workers
     on one GPU would be refused, and a config named for the CPU must not train on GPUs."""
-    env = multi_gpu_launch_environment("cpu_2proc.yaml")
+    env, _ = launch_environment("cpu_2proc.yaml")
     assert env["CUDA_VISIBLE_DEVICES"] == "-1,-1"
     probe = "import torch; print(torch.cuda.device_count())"
     hidden = run([sys.executable, "-c", probe], env={"CUDA_VISIBLE_DEVICES": env["CUDA_VISIBLE_DEVICES"]})
     assert hidden.stdout.strip() == "0"
-    assert multi_gpu_launch_environment("2gpu.yaml").get("CUDA_VISIBLE_DEVICES") is None  # the GPU config keeps them
+    assert "CUDA_VISIBLE_DEVICES" not in launch_environment("2gpu.yaml")[0]  # the GPU config keeps them
 
 
 def test_precision_on_a_cpu_with_and_without_native_bf16(monkeypatch):
@@ -59,7 +49,7 @@ def test_bf16_launch_config_on_a_cpu_without_bf16_trains_in_fp32(tmp_out):
     speed: no rank measures an emulated bf16 matmul for minutes while the other waits in a collective."""
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs: the config runs on them instead")
-    proc = accelerate_launch("2gpu.yaml", f"output_dir={tmp_out}", *QUICK, "train.dist_timeout_s=60",
+    proc = forked_launch("2gpu.yaml", f"output_dir={tmp_out}", *QUICK, "train.dist_timeout_s=60",
                              env={"ACCEL_TRAIN_CPU_BF16": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TRAIN_CONFIGS, accelerate_launch, python_m, read_metrics, run
+from conftest import TRAIN_CONFIGS, forked_launch, python_m, read_metrics, run
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from accel_train.config import TINY_MODEL
@@ -149,7 +149,7 @@ def train_bbc(bbc, out, processes: int, *extra):
             "data.max_length=64", "lora.target_modules=[query,value]", "train.epochs=1", "train.lr=6e-3",
             "train.warmup_steps=5", f"train.per_device_batch_size={32 // processes}", "track.log_with=[]",
             "train.dist_timeout_s=120", f"output_dir={out}", *extra]
-    return python_m(*args, timeout=600) if processes == 1 else accelerate_launch("cpu_2proc.yaml", *args, timeout=600)
+    return python_m(*args, timeout=600) if processes == 1 else forked_launch("cpu_2proc.yaml", *args, timeout=600)
 
 
 @pytest.mark.long

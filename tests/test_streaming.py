@@ -10,7 +10,7 @@ import random
 import sys
 
 import pytest
-from conftest import accelerate_launch, python_m, read_metrics, run
+from conftest import forked_launch, python_m, read_metrics, run
 
 
 def write_rows(path, n: int, seed: int = 0, prompt_len: int = 6):
@@ -27,7 +27,7 @@ def test_each_rank_streams_its_own_samples(tmp_path):
     in one 2-process launch."""
     n_train, batch = 23, 2
     probe = [n_train, 3, batch, "seed=7", "data.streaming=true", "train.max_steps=1", "data.shuffle_buffer=8"]
-    proc = accelerate_launch("cpu_2proc.yaml", tmp_path / "4", *probe, "shards=4", "--", tmp_path / "3", *probe,
+    proc = forked_launch("cpu_2proc.yaml", tmp_path / "4", *probe, "shards=4", "--", tmp_path / "3", *probe,
                              "shards=3", script="tests/scripts/shard_probe.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for shards in (4, 3):
@@ -51,16 +51,16 @@ def test_streamed_run_resumes_exactly(tmp_path):
     data = tmp_path / "d.jsonl"
     write_rows(data, 60)
     args = [f"data.path={data}", "data.eval_fraction=0", *STREAM, "checkpoint.save_every=3"]
-    whole = accelerate_launch("cpu_2proc.yaml", *args, f"output_dir={tmp_path / 'whole'}")
+    whole = forked_launch("cpu_2proc.yaml", *args, f"output_dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "streamed train" in whole.stderr
     want = read_metrics(tmp_path / "whole")[0]
     assert [r["step"] for r in want] == list(range(1, 15)) and want[-1]["loss"] < want[0]["loss"]
     assert {r["epoch"] for r in want} == {0, 1}  # crossed into a second pass over the stream
     out = tmp_path / "resumed"
-    crashed = accelerate_launch("cpu_2proc.yaml", *args, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "crash@step=11"})
+    crashed = forked_launch("cpu_2proc.yaml", *args, f"output_dir={out}", env={"ACCEL_TRAIN_FAULT": "crash@step=11"})
     assert crashed.returncode != 0
-    resumed = accelerate_launch("cpu_2proc.yaml", *args, f"output_dir={out}", "resume_from=latest")
+    resumed = forked_launch("cpu_2proc.yaml", *args, f"output_dir={out}", "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = read_metrics(out)[0]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
@@ -99,7 +99,7 @@ def test_tokenized_data_is_cached_once_and_reused(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     files = {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")}
     assert files  # the tokenized splits (and the filter) were cached
-    second = accelerate_launch("cpu_2proc.yaml", *common, "train.lr=1e-3", f"output_dir={tmp_path / 'b'}", env=env)
+    second = forked_launch("cpu_2proc.yaml", *common, "train.lr=1e-3", f"output_dir={tmp_path / 'b'}", env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")} == files
 
@@ -118,7 +118,7 @@ def test_stream_without_a_target_stops_instead_of_reading_forever(tmp_path, proc
     line (the same decision on every rank, so none waits for another) instead of reading the stream again forever."""
     args = ["data.streaming=true", "data.max_length=4", "data.builtin_size=40", "train.max_steps=3",
             "track.log_with=[]", "train.dist_timeout_s=30", f"output_dir={tmp_path / 'out'}"]
-    proc = python_m(*args, timeout=120) if procs == 1 else accelerate_launch("cpu_2proc.yaml", *args, timeout=180)
+    proc = python_m(*args, timeout=120) if procs == 1 else forked_launch("cpu_2proc.yaml", *args, timeout=180)
     message = ("accel_train: error: data: a whole pass over the training stream gave no batch: no sample keeps a "
                "target token after truncation to data.max_length=4")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")]

@@ -16,7 +16,7 @@ import json
 import random
 
 import pytest
-from conftest import accelerate_launch, python_script, read_metrics
+from conftest import forked_launch, python_script, read_metrics
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,7 +139,7 @@ def probed(tmp_path_factory):
     """{probe: [rank 0's ids, rank 1's]} from one launch of every PROBES probe on 2 processes."""
     root = tmp_path_factory.mktemp("probes")
     segments = [a for name, args in PROBES.items() for a in ("--", root / name, *args)][1:]
-    proc = accelerate_launch("cpu_2proc.yaml", *segments, script="tests/scripts/shard_probe.py")
+    proc = forked_launch("cpu_2proc.yaml", *segments, script="tests/scripts/shard_probe.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)] for name in PROBES}
 
@@ -193,9 +193,9 @@ def test_resume_into_an_uneven_last_window(runs, tmp_path):
     and resumed from the step-5 checkpoint: rank 1 must replay a weight-0 batch it has never seen in this process."""
     out = tmp_path / "C-resumed"
     args = overrides(runs["C"]["data"], out) + TOPOLOGIES["C"][1] + ["checkpoint.save_every=5"]
-    crashed = accelerate_launch("cpu_2proc.yaml", *args, env={"ACCEL_TRAIN_FAULT": "crash@step=6,rank=0"})
+    crashed = forked_launch("cpu_2proc.yaml", *args, env={"ACCEL_TRAIN_FAULT": "crash@step=6,rank=0"})
     assert crashed.returncode != 0
-    resumed = accelerate_launch("cpu_2proc.yaml", *args, "resume_from=latest")
+    resumed = forked_launch("cpu_2proc.yaml", *args, "resume_from=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, want = read_metrics(out)[0], runs["C"]["train"]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)

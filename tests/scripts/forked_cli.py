@@ -15,15 +15,20 @@ import sys
 import warnings
 
 
-def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
-    """Run `target` (a module, or the path of a .py script) with `args` as `python -m target` or `python target`."""
+def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str, rank: bool = False) -> None:
+    """Run `target` (a module, or the path of a .py script) with `args` as `python -m target` or `python target`.
+    rank: one worker of a launch (conftest.forked_launch): it appends to the output its peers share, unbuffered, as
+    torchrun's `python -u` workers write to the launcher's stdout and stderr."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, stdout), (2, stderr)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if rank else os.O_TRUNC))
         os.dup2(opened, fd)
         os.close(opened)
+    if rank:
+        sys.stdout.reconfigure(line_buffering=True, write_through=True)
+        sys.stderr.reconfigure(line_buffering=True, write_through=True)
     if "OMP_NUM_THREADS" in env:  # read by torch at import, in the server: apply it as a fresh process would
         import torch
 
