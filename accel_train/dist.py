@@ -276,6 +276,20 @@ LAUNCHER_GONE = signal.SIGRTMIN + 1 if sys.platform == "linux" else None
 
 
 _launcher = None  # the pid of the process that started this rank (stop_with_launcher)
+_preemption: "Preemption | None" = None  # during training: the launcher's death asks it for a stop
+_trained = False  # training ended (or stopped): the launcher's death changes nothing left to do
+
+
+def _on_launcher_gone(signum, frame) -> None:
+    """LAUNCHER_GONE's handler for the rank's whole life, since the kernel may send it again at any later moment
+    (after the stop's checkpoint, say: the signal's default action would then end the rank before its line):
+    before training the rank just ends (that default action); during training it asks Preemption for a stop with a
+    checkpoint; after training the rank finishes what it is doing (its weights, its line) and leaves."""
+    if _preemption is not None:
+        _preemption.signum = _preemption.signum or signal.SIGTERM
+    elif not _trained:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
 
 
 def launcher_gone() -> bool:
@@ -294,6 +308,7 @@ def stop_with_launcher() -> None:
     if LAUNCHER_GONE is not None:
         # The kernel signals when the thread that started this process exits: torch elastic starts the workers from
         # the launcher's main thread (its agent's run loop), so the signal comes when the launcher exits.
+        signal.signal(LAUNCHER_GONE, _on_launcher_gone)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, LAUNCHER_GONE) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -447,22 +462,24 @@ class Preemption:
         self._previous = {}
 
     def install(self) -> "Preemption":
-        for sig in (signal.SIGTERM, signal.SIGINT, *([LAUNCHER_GONE] if LAUNCHER_GONE else [])):
+        global _preemption
+        for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        _preemption = self  # LAUNCHER_GONE: _on_launcher_gone, not a second request however often it comes
         return self
 
     def _handle(self, signum, frame):
-        if signum == LAUNCHER_GONE:  # the kernel may send it again: not a second request
-            self.signum = self.signum or signal.SIGTERM
-            return
         if self.signum:  # a second signal: the user does not want to wait for the checkpoint
             self.restore()
             signal.raise_signal(signum)
         self.signum = signum
 
     def restore(self) -> None:
+        global _preemption, _trained
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if _preemption is self:
+            _preemption, _trained = None, True
 
 
 class Preempted(StoppedWithCheckpoint):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import python_m
+from conftest import forked_launch, python_m
 
 from accel_train import bench, dist
 
@@ -22,16 +22,17 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     """--quick end to end, every contender's real process: the causal-LM contenders on `skewed` (`fixed` runs the
     same code on other lengths: its rows and ratios are test_bench_rows_and_ratios_of_every_workload's), the
     2-process run, and `cls` with its epoch-long window. The benchmark's main runs here; each contender it starts
-    as `python -m ...` is forked as python_m forks the CLI (the same entry, without ~5 s of imports each), the
-    2-process run is a real `accelerate launch`. Small batches and rows, and 32 batches of classification texts
+    as `python -m ...` is forked as python_m forks the CLI (the same entry, without ~5 s of imports each), and the
+    2-process run's workers as conftest.forked_launch forks them. Small batches and rows, and 32 batches of classification texts
     (not 200: test_bench_rows_and_ratios_of_every_workload checks that count): this checks the figures are there
     and agree with each other, not their values. grpo's real run of ours is test_bench_reads_ours_grpo_run's."""
-    launch = bench._run
-
     def run(cmd, tag):
-        if cmd[:2] != [sys.executable, "-m"]:
-            return launch(cmd, tag)
-        proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
+        if cmd[1] == "launch":  # accelerate launch --config_file CONFIG --main_process_port PORT SCRIPT ARGS
+            assert cmd[2] == "--config_file" and cmd[4] == "--main_process_port", cmd
+            proc = forked_launch(Path(cmd[3]).name, *cmd[7:], script=cmd[6])
+        else:
+            assert cmd[:2] == [sys.executable, "-m"], cmd
+            proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
 
     monkeypatch.setattr(bench, "_run", run)

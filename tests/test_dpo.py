@@ -97,6 +97,7 @@ def logps(model, tokenizer, prompt: str, response: str) -> torch.Tensor:
     return logp.gather(1, ids[0, start:, None]).sum()
 
 
+@pytest.mark.long
 def test_step_one_loss_is_the_dpo_formula_on_the_models_logps(runs, sft):
     """Step 1 of run A from the SFT adapter (policy) and the base with the adapter disabled (reference), on the
     first 8 pairs of the seeded shuffle, with -log sigmoid(beta ((pc - rc) - (pr - rr))) written out here."""
@@ -126,11 +127,13 @@ def test_step_one_loss_is_the_dpo_formula_on_the_models_logps(runs, sft):
 
 
 @pytest.mark.parametrize("name", ["P", "Q"])
+@pytest.mark.long
 def test_same_losses_and_rewards_with_the_reference_precomputed_on_1_and_2_processes(runs, name):
     assert runs["A"]["train"][-1]["epoch"] == 1
     assert_same_steps(runs[name]["train"], runs["A"]["train"], rel=1e-5)
 
 
+@pytest.mark.long
 def test_main_process_work_outlasting_the_collective_timeout(runs):
     """Run Q ended as usual (exit 0: checked where it ran) although its main process worked alone for longer than
     train.dist_timeout_s before training (tokenizing, a share of the reference log-probs) and after it (the merge):
@@ -141,6 +144,7 @@ def test_main_process_work_outlasting_the_collective_timeout(runs):
     assert "final: " in lines[-1] and log.count("final: ") == 1, lines[-3:]
 
 
+@pytest.mark.long
 def test_adapter_continued_and_saved_on_its_base(runs, sft):
     out = runs["A"]["out"]
     # the start line says what the base is: not "pretrained weights"

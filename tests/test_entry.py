@@ -122,6 +122,7 @@ def test_notebook_launcher_reports_the_exit_status(tmp_out):
     assert BAD_KEY_ERROR in proc.stderr and "exit code 2" in proc.stderr
 
 
+@pytest.mark.long
 def test_module_entry_under_accelerate_launch_with_the_gpu_config_on_a_cpu_machine(tmp_out):
     """`accelerate launch -m accel_train` (torchrun -m: test_launch.py), here with the 2-GPU config: on a machine
     without GPUs it forms one 2-rank CPU (gloo) group, never two separate trainings."""

@@ -11,8 +11,10 @@ import time
 
 import psutil
 import pytest
-from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, accelerate_launch, forked_launch, free_port, python_m,
+from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, forked_launch, free_port, python_m, python_script,
                       read_metrics, said)
+
+from accel_train import dist
 
 pytestmark = pytest.mark.faults
 
@@ -42,6 +44,7 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.long
 def test_killed_launcher_leaves_no_orphaned_ranks(tmp_path):
     """SIGKILL of the launcher (OOM killer, scheduler, a killed shell) cannot be forwarded to the ranks, which run in
     their own sessions: each must notice its launcher is gone and stop as on SIGTERM, with a checkpoint of one step
@@ -124,6 +127,38 @@ def test_launcher_gone_without_a_parent_death_signal(tmp_path):
             psutil.Process(orphan).kill()
 
 
+# A rank whose launcher dies: the kernel's parent-death signal, sent (as seen) more than once, at any moment.
+LAUNCHER_DIES = r"""
+import signal, sys
+from accel_train import dist
+
+dist.stop_with_launcher()
+if sys.argv[1] == "before training":
+    signal.raise_signal(dist.LAUNCHER_GONE)
+    sys.exit("still running")
+preemption = dist.Preemption().install()  # training
+signal.raise_signal(dist.LAUNCHER_GONE)
+assert preemption.signum == signal.SIGTERM, preemption.signum
+signal.raise_signal(dist.LAUNCHER_GONE)  # not a second request (which would stop at once, without a checkpoint)
+preemption.restore()  # the stop's checkpoint is saved: the run ends (teardown, then its line)
+signal.raise_signal(dist.LAUNCHER_GONE)
+print("stopped by", signal.Signals(preemption.signum).name)
+"""
+
+
+@pytest.mark.parametrize("when", ["before training", "during training"])
+def test_the_launchers_death_signalled_again_after_the_checkpoint_still_lets_the_rank_say_it(tmp_path, when):
+    """Before training the rank just ends (the signal's default action); during training the first signal asks
+    for the stop with a checkpoint, and later ones, even after training stopped, change nothing: the rank's line
+    is printed (test_killed_launcher_leaves_no_orphaned_ranks once lost it to a late second signal, under load)."""
+    script = tmp_path / "rank.py"
+    script.write_text(LAUNCHER_DIES)
+    proc = python_script(str(script), when)
+    if when == "before training":
+        assert proc.returncode == -dist.LAUNCHER_GONE and not proc.stderr, (proc.returncode, proc.stderr)
+    else:
+        assert proc.returncode == 0 and proc.stdout == "stopped by SIGTERM\n", (proc.returncode, proc.stderr)
+
 
 @pytest.mark.long
 def test_one_rank_killed_mid_step(tmp_path):
@@ -145,7 +180,7 @@ def test_one_rank_killed_mid_step(tmp_path):
 @pytest.mark.long
 def test_checkpoint_write_failure_keeps_the_previous_one(tmp_path):
     out = tmp_path / "run"
-    proc, seconds = timed(accelerate_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
+    proc, seconds = timed(forked_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}",
                           env={"ACCEL_TRAIN_FAULT": "ioerror@step=6,rank=0"})
     assert proc.returncode != 0 and seconds < BOUND_S
     assert "No space left on device (injected while writing the checkpoint of step 6)" in proc.stderr
@@ -157,6 +192,7 @@ def test_checkpoint_write_failure_keeps_the_previous_one(tmp_path):
     assert complete(out) == [9, 12]
 
 
+@pytest.mark.long
 def test_exception_on_one_rank_ends_the_job(tmp_path):
     """A crash keeps its traceback under accel-train launch, with the launcher's failure report after it (status 1);
     the other rank, whose collective broke, adds none."""
@@ -178,6 +214,7 @@ def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
     assert all(r["loss"] == r["loss"] for r in train if r["step"] != 4)  # no NaN leaks into later steps
 
 
+@pytest.mark.long
 def test_nonfinite_stop_policy_saves_last_good_state(tmp_path):
     out = tmp_path / "run"
     proc, seconds = timed(accel_train_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}", "train.on_nonfinite=stop",

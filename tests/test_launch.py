@@ -126,6 +126,7 @@ def test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe(
     assert evals[-1]["eval_rewards/margin"] > 0
 
 
+@pytest.mark.long
 def test_torchrun(tmp_out):
     """`torchrun -m accel_train` (the script, accel_train/train.py, is what every accelerate launch here runs)."""
     # two epochs of a third of the builtin data: 900 train samples, 29 steps of 2 x 16 an epoch (the last short)
@@ -171,6 +172,7 @@ def test_a_refusal_is_one_line_once_under_either_launcher(tmp_path):
     assert plain.returncode == 1 and said(plain.stderr) == [line.strip()]
 
 
+@pytest.mark.long
 def test_ctrl_c_under_accel_train_launch_checkpoints_and_exits_130(tmp_path):
     """Ctrl-C in a terminal sends SIGINT to the launcher's process group: the ranks save a checkpoint, one line says
     so, and the launcher exits 130 without a traceback or torch elastic's warnings."""

@@ -102,6 +102,7 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth pair along
 
 
+@pytest.mark.long
 def test_two_machines(tmp_path, ddp_reference, two_hosts):
     namespaces, address, env = two_hosts
     out = tmp_path / "run"

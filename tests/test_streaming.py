@@ -66,6 +66,7 @@ def test_streamed_run_resumes_exactly(tmp_path):
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
 
 
+@pytest.mark.long
 def test_streaming_memory_does_not_grow_with_the_data(tmp_path):
     """80 steps of 20 samples (~70 tokens each) streamed from 160 samples (ten passes) and from 1,600 (one pass):
     the same steps and shapes, ten times the data, the same peak memory."""
