@@ -124,6 +124,14 @@ def cli(argv: list[str] | None = None) -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except Exception:
+        if launched_world_size() == 1:
+            raise
+        # A crash of one rank: its traceback as the interpreter prints it (torch's hook adds [rankN]), then the
+        # same exit without finalization as any multi-process run (exit_process): finalizing after the broken
+        # collectives aborted the rank (SIGABRT), which the launcher then reported as a kill instead of the crash.
+        sys.excepthook(*sys.exc_info())
+        code = 1
     exit_process(code)
 
 
