@@ -55,6 +55,9 @@ HARMLESS_WARNINGS = (
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
     # accelerate under notebook_launcher on a CPU, per process: one thread each, as torchrun sets it
     (UserWarning, r"OMP_NUM_THREADS/MKL_NUM_THREADS unset"),
+    # DeepSpeed's ZeRO (0.19) calls torch's old collective names (deprecated in torch 2.13), at every step: nothing
+    # its user can change
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
 )
 
 
