@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
     one = python_m(*COMMON, "train.per_device_batch_size=32", "merge=true", f"output_dir={root / 'one'}", env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
     two = forked_launch("cpu_2proc.yaml", *COMMON, *EARLY, "train.per_device_batch_size=16",
-                            f"output_dir={root / 'two'}", env=ENV)
+                        f"output_dir={root / 'two'}", env=ENV)
     assert two.returncode == 0, two.stderr[-3000:]
     return {"one": root / "one", "two": root / "two", "two_log": two.stdout + two.stderr}
 

@@ -50,7 +50,7 @@ def test_bf16_launch_config_on_a_cpu_without_bf16_trains_in_fp32(tmp_out):
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs: the config runs on them instead")
     proc = forked_launch("2gpu.yaml", f"output_dir={tmp_out}", *QUICK, "train.dist_timeout_s=60",
-                             env={"ACCEL_TRAIN_CPU_BF16": "0"})
+                         env={"ACCEL_TRAIN_CPU_BF16": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "this CPU has no native bf16" in log and "mixed precision no (train.mixed_precision=auto)" in log

@@ -28,7 +28,7 @@ def test_each_rank_streams_its_own_samples(tmp_path):
     n_train, batch = 23, 2
     probe = [n_train, 3, batch, "seed=7", "data.streaming=true", "train.max_steps=1", "data.shuffle_buffer=8"]
     proc = forked_launch("cpu_2proc.yaml", tmp_path / "4", *probe, "shards=4", "--", tmp_path / "3", *probe,
-                             "shards=3", script="tests/scripts/shard_probe.py")
+                         "shards=3", script="tests/scripts/shard_probe.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for shards in (4, 3):
         ranks = [json.loads((tmp_path / str(shards) / f"rank{r}.json").read_text())["train"] for r in (0, 1)]
