@@ -134,6 +134,23 @@ def generation_config(model, tokenizer, max_new_tokens: int, do_sample: bool | N
     return GenerationConfig(**{**OFF, **sampling, "do_sample": False, "num_beams": 1, **given, **fixed})
 
 
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: int):
+    """The KV cache of each (left-padded) prompt but its last token, computed once and repeated for the `repeats`
+    rows that sample from it (prompt-major), for generate(input_ids=each prompt `repeats` times,
+    past_key_values=it): generate() then runs the last prompt token of each row only, not the whole prompt once
+    per sampled completion (grpo's group of G: the prompt's forward G times). The prompt's positions are those
+    generate() gives them (counted from each row's first real token); None where there is nothing to share."""
+    if repeats < 2 or input_ids.shape[1] < 2:
+        return None
+    ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    only_last = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}  # the logits are not needed
+    cache = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **only_last).past_key_values
+    cache.batch_repeat_interleave(repeats)
+    return cache
+
+
 def eval_generation_config(cfg: Config, tokenizer, model) -> GenerationConfig:
     """eval.generate's settings (eval.*)."""
     e = cfg.eval

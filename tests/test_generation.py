@@ -467,7 +467,8 @@ def assert_raw(model, calls, prompts: list[list[int]], stops: list[int]) -> int:
 
 def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
     """What SeededSampler draws from is what the loss takes as the sampling distribution (the ratio starts at 1):
-    the model's logits, with no repetition penalty or n-gram ban of its generation_config.json in between."""
+    the model's logits, with no repetition penalty or n-gram ban of its generation_config.json in between, also
+    from the prompts' KV cache computed once per group (generation.shared_prompt_cache)."""
     import contextlib
     from types import SimpleNamespace
 
@@ -490,8 +491,14 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
     cfg = load_config(overrides=["task=grpo", "grpo.num_generations=2", "grpo.max_new_tokens=8"])
     rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    forwarded = []  # (rows, tokens) of each forward
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwarded.append(args[0].shape))
     completions = rollouts.generate(model, {"prompt_ids": prompts, "index": torch.tensor([0, 1])}, step=0)
+    hook.remove()
     assert len(completions) == 4 and recorder.calls
+    # each prompt (left-padded) through the model once for its group, but its last token, then that token on each
+    # of its group's rows: not the whole prompt once per completion
+    assert forwarded[:2] == [(2, max(map(len, prompts)) - 1), (4, 1)], forwarded[:3]
     assert assert_raw(model, recorder.calls, [p for p in prompts for _ in range(2)], rollouts.stop_ids) >= 8
     # grpo's greedy evaluation (no sampler): argmax of the logits, with its stop token
     assert rollouts.complete(model, prompts) == [argmax_answer(model, p, rollouts.stop_ids, 8, keep=True)

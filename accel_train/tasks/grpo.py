@@ -8,7 +8,8 @@ reward functions by name (e.g. `answer` for exact_match, grpo.answer_field).
 One optimizer step, on each rank, for each of its grad_accum_steps micro-batches of per_device_batch_size prompts:
 
     rollout   grpo.num_generations completions per prompt, sampled with the adapter on and the KV cache
-              (transformers' generate), ending at the template's end of turn, eos, or grpo.max_new_tokens.
+              (transformers' generate; the prompt's cache computed once for its group, then repeated),
+              ending at the template's end of turn, eos, or grpo.max_new_tokens.
               Each completion's sampling noise comes from its own generator, seeded by (seed, the step of the
               rollout, the prompt's row, the completion's number): 1 and 2 processes sample the same completions
               for the same prompts, and a resumed run samples what the uninterrupted one did (nothing to save).
@@ -71,7 +72,7 @@ from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.data import columns as data_columns, row_counts
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.generation import generation_config, until_stop
+from accel_train.generation import generation_config, shared_prompt_cache, until_stop
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.tasks import Task
 from accel_train.tasks.dpo import reference_mode
@@ -399,15 +400,19 @@ class Rollouts:
         G, device = self.g.num_generations, self.accelerator.device
         noise = torch.stack([torch.rand(self.g.max_new_tokens, generator=torch.Generator().manual_seed(
             row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)]).to(device)
-        return self.complete(model, [ids for ids in batch["prompt_ids"] for _ in range(G)],
-                             lambda width: SeededSampler(noise, width, self.g.temperature, self.g.top_p))
+        return self.complete(model, batch["prompt_ids"],
+                             lambda width: SeededSampler(noise, width, self.g.temperature, self.g.top_p), repeats=G)
 
-    def complete(self, model, prompts: list[list[int]], sampler=None) -> list[list[int]]:
-        """One completion per prompt, each up to and with its stop token: greedy, or drawn by `sampler(prompt
-        width)`, a LogitsProcessor."""
+    def complete(self, model, prompts: list[list[int]], sampler=None, repeats: int = 1) -> list[list[int]]:
+        """`repeats` completions per prompt (prompt-major), each up to and with its stop token: greedy, or drawn by
+        `sampler(prompt width)`, a LogitsProcessor. The prompts' KV cache is computed once for all their rows
+        (generation.shared_prompt_cache)."""
         input_ids, attention_mask = left_padded(prompts, self.tokenizer.pad_token_id, self.accelerator.device)
+        cache = shared_prompt_cache(model, input_ids, attention_mask, repeats)
+        input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
         processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
-        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
+        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                             generation_config=self.generation_config,
                              logits_processor=processors)[:, input_ids.shape[1]:].tolist()
         return [until_stop(t, self.stop_ids, keep=True) for t in new]
 
