@@ -420,6 +420,21 @@ class GrpoConfig:
     None: true for grpo.advantage=grpo (TRL's GRPOTrainer), false for rloo (RLOOTrainer's normalize_advantages)."""
     log_completions: bool = True
     """Write every rollout (prompt, completion, rewards, advantage) to output_dir/rollouts.jsonl."""
+    tools: list[str] = field(default_factory=list)
+    """Multi-turn tool calling: your Python functions (module:function or path/to/file.py:function, with type hints
+    and a docstring: transformers' apply_chat_template(tools=...) shows them to the model). An assistant turn that
+    calls tools in its chat template's format (parsed with TRL's response schemas: Qwen2.5, Qwen3, Llama 3.1/3.2 and
+    the other families of trl.chat_template_utils.add_response_schema) gets each call's result (an exception or
+    grpo.tool_timeout_s becomes its text) as tool turns, then the model continues, up to grpo.max_turns assistant
+    turns within grpo.max_new_tokens tokens; tool tokens carry no loss (accel_train/tasks/tools.py)."""
+    environment: Optional[str] = None
+    """Multi-turn rollouts in your own environment: module:Class or path/to/file.py:Class, whose instance gets
+    reset(row) (the data row) before each completion and step(text) -> (observation, done) after each assistant
+    turn; an observation (a text) becomes the next user turn, until done or grpo.max_turns. Its tokens carry no loss."""
+    max_turns: Optional[int] = None
+    """Assistant turns at most per completion with grpo.tools or grpo.environment; None: 4."""
+    tool_timeout_s: float = 10.0
+    """grpo.tools: a call still running after this many seconds gets "timed out" as its result."""
 
 
 @dataclass
@@ -638,6 +653,15 @@ class Config:
         if self.eval.generate:
             raise ConfigError("eval.generate=true is for task causal_lm; task grpo evaluates its greedy answers "
                               "with its own rewards (eval_reward)")
+        if g.tools and g.environment:
+            raise ConfigError("grpo.tools and grpo.environment: give one (tools are an environment of their own)")
+        if g.max_turns is not None and not (g.tools or g.environment):
+            raise ConfigError("grpo.max_turns is for multi-turn rollouts: set grpo.tools or grpo.environment, or "
+                              "remove it")
+        if g.max_turns is not None and g.max_turns < 1:
+            raise ConfigError(f"grpo.max_turns must be >= 1, got {g.max_turns}")
+        if g.tool_timeout_s <= 0:
+            raise ConfigError(f"grpo.tool_timeout_s must be > 0, got {g.tool_timeout_s}")
 
     def _check_distill(self):
         d = self.distill

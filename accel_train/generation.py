@@ -33,12 +33,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig
+from transformers.generation import utils as generation_utils
 
 from accel_train.config import Config, ConfigError
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.metrics import compute_metrics, load_metrics
 
 PREDICTIONS_FILE = "eval_predictions.jsonl"  # one row per eval sample and evaluation, with its step
+# generate()'s argument for a KV cache to continue from (shared_prompt_cache): `cache` in recent transformers 5,
+# which deprecated `past_key_values`, the only name of earlier ones
+CACHE_ARG = getattr(generation_utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
 
 
 @dataclass
@@ -139,7 +143,8 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     rows that sample from it (prompt-major), for generate(input_ids=each prompt `repeats` times,
     past_key_values=it): generate() then runs the last prompt token of each row only, not the whole prompt once
     per sampled completion (grpo's group of G: the prompt's forward G times). The prompt's positions are those
-    generate() gives them (counted from each row's first real token); None where there is nothing to share."""
+    generate() gives them (counted from each row's first real token); None where there is nothing to share.
+    generate() takes it as CACHE_ARG."""
     if repeats < 2 or input_ids.shape[1] < 2:
         return None
     ids, mask = input_ids[:, :-1], attention_mask[:, :-1]

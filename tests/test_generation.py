@@ -493,7 +493,7 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     forwarded = []  # (rows, tokens) of each forward
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwarded.append(args[0].shape))
-    completions = rollouts.generate(model, {"prompt_ids": prompts, "index": torch.tensor([0, 1])}, step=0)
+    completions = rollouts.generate(model, {"prompt_ids": prompts, "index": torch.tensor([0, 1])}, step=0).ids
     hook.remove()
     assert len(completions) == 4 and recorder.calls
     # each prompt (left-padded) through the model once for its group, but its last token, then that token on each

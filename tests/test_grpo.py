@@ -646,3 +646,197 @@ def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_
     whole = qwen(qwen.apply_chat_template(system + long, add_generation_prompt=True, tokenize=False),
                  add_special_tokens=False)["input_ids"]
     assert ds["prompt_ids"] == [head + whole[len(whole) - (keep - len(head)):]]
+
+
+# ---------------------------------------------------------------------------------------------------- multi-turn
+
+# A user's environment (grpo.environment): after the first answer it says "again" (a user turn), then it is done.
+AGAIN_PY = '''
+class Again:
+    def reset(self, row):
+        assert row["prompt"].startswith("reverse ") and "response" in row, row  # the data row
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return ("again", False) if self.turns == 1 else (None, True)
+'''
+MULTI_TURN = ["grpo.max_new_tokens=24", "train.max_steps=2", "checkpoint.save_every=1", "train.lr=5e-3",
+              "train.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def multi_turn(sft):
+    """The environment's runs: 1 process (batch 2 x accumulation 2) and 2 processes (batch 2 each), 2 steps."""
+    env = sft.parent / "again.py"
+    env.write_text(AGAIN_PY)
+    runs = {}
+    for name, (procs, extra) in TOPOLOGIES.items():
+        out = sft.parent / f"turns-{name}"
+        proc = launch(procs, *grpo_args(sft, out, f"grpo.environment={env}:Again", *MULTI_TURN, *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = read_run(out)
+    return runs
+
+
+def by_completion(rollouts: list[dict]) -> dict:
+    return {(r["step"], r["index"], r["generation"]): r for r in rollouts}
+
+
+def test_multi_turn_trajectories_and_losses_are_the_same_on_1_and_2_processes(multi_turn):
+    one, two = (by_completion(multi_turn[n]["rollouts"]) for n in ("A", "C"))
+    assert one.keys() == two.keys() and len(one) == 2 * 4 * G
+    for key, row in one.items():
+        assert (row["completion_ids"], row["loss_mask"], row["turns"]) == (
+            two[key]["completion_ids"], two[key]["loss_mask"], two[key]["turns"]), key
+    # the SFT base ends its answers with its end of turn: most completions get "again" and answer a second time
+    again = [r for r in one.values() if [t["role"] for t in r["turns"]] == ["assistant", "user", "assistant"]]
+    assert len(again) > len(one) / 2 and all(r["turns"][1]["content"] == "again" for r in again)
+    for a, b in zip(multi_turn["A"]["train"], multi_turn["C"]["train"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["completions/mean_length"] == a["completions/mean_length"]
+
+
+def test_multi_turn_resume_samples_the_same_trajectories(multi_turn, sft, tmp_path):
+    out = tmp_path / "run"
+    args = grpo_args(sft, out, f"grpo.environment={sft.parent / 'again.py'}:Again", *MULTI_TURN,
+                     *TOPOLOGIES["A"][1])
+    crashed = python_m(*args, env={"ACCEL_TRAIN_FAULT": "crash@step=2,micro=0"})
+    assert crashed.returncode == 42, crashed.stderr[-3000:]
+    resumed = python_m(*args, "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = {k: r for k, r in by_completion(multi_turn["A"]["rollouts"]).items() if k[0] == 2}
+    got = {k: r for k, r in by_completion(read_run(out)["rollouts"]).items() if k[0] == 2}
+    assert got.keys() == want.keys()
+    assert all(got[k]["completion_ids"] == want[k]["completion_ids"] for k in want)
+
+
+def test_an_observation_carries_no_loss_and_the_models_turns_do(sft):
+    """On the training batch itself: in each completion, the tokens without a label are exactly the user turn the
+    template writes after the assistant's end of turn ("again" and the next generation prompt, rendered here from
+    the template's text), and every token the model wrote has its label."""
+    import contextlib
+    from types import SimpleNamespace
+
+    env = sft.parent / "again.py"
+    env.write_text(AGAIN_PY)
+    model = AutoModelForCausalLM.from_pretrained(sft / "base_model")
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, sft / "adapter")
+    tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
+                                  autocast=contextlib.nullcontext, num_processes=1)
+    cfg = load_config(overrides=["task=grpo", f"grpo.num_generations={G}", "grpo.max_new_tokens=24",
+                                 "grpo.answer_field=response", f"grpo.environment={env}:Again",
+                                 "grpo.log_completions=false"])
+    rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
+    prompts = ["reverse abc", "reverse hello"]
+    batch = {"prompt_ids": [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)[
+        "input_ids"] for p in prompts], "index": torch.tensor([0, 1]), "prompts": prompts,
+             "columns": {"response": ["cba", "olleh"]}}
+    micro = rollouts.roll([batch], 0)[0]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"},
+                                          {"role": "user", "content": "again"}], add_generation_prompt=True,
+                                         tokenize=False)
+    between = text[text.index("A" + tokenizer.eos_token) + len("A" + tokenizer.eos_token):]
+    width = micro["completion_width"]
+    seen_again = 0
+    for ids, labels, attention in zip(micro["input_ids"][:, -width:].tolist(), micro["labels"][:, -width:].tolist(),
+                                      micro["attention_mask"][:, -width:].tolist()):
+        real = sum(attention)  # completion tokens (then padding)
+        unlabelled = [t for t, label, a in zip(ids, labels, attention) if a and label == -100]
+        labelled = [t for t, label in zip(ids[:real], labels[:real]) if label != -100]
+        if unlabelled:
+            seen_again += 1
+            assert tokenizer.decode(unlabelled) == between
+            first = ids.index(unlabelled[0])
+            assert ids[first - 1] == EOS  # right after the model's end of turn
+        assert len(labelled) + len(unlabelled) == real
+        assert all(label == t for t, label in zip(ids[:real], labels[:real]) if label != -100)
+    assert seen_again >= 1
+
+
+TOOLS_PY = '''
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def broken(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError("no service today")
+
+
+def slow(x: str) -> str:
+    """Takes its time.
+
+    Args:
+        x: Anything.
+    """
+    time.sleep(5)
+    return x
+'''
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "qwen3", "llama3.1", "llama3.2"])
+def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_path):
+    """An assistant turn as the real template renders its tool calls (vendored templates, a local tokenizer): each
+    call runs, its result (or the error that ended it, or the timeout) comes back as a tool turn."""
+    from accel_train.tasks import tools as tools_lib
+
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    names = [f"{tmp_path / 'tools.py'}:{f}" for f in ("add", "broken", "slow")]
+    cfg = load_config(overrides=["task=grpo", f"grpo.tools=[{','.join(names)}]", "grpo.tool_timeout_s=0.5"])
+    tokenizer = ct.tokenizer_for(template)
+    tools_lib.check_multi_turn(cfg, tokenizer)  # the template shows tools, and its calls can be parsed
+    env = tools_lib.environment_factory(cfg, tokenizer)()
+    calls = [("add", {"a": 2, "b": 3}), ("broken", {"x": "y"}), ("slow", {"x": "y"})]
+    results = []
+    for name, arguments in calls:
+        user = [{"role": "user", "content": "Use the tool."}]
+        turn = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]}
+        prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False,
+                                               tools=tools_lib.schemas(tuple(names)))
+        whole = tokenizer.apply_chat_template(user + [turn], tokenize=False, tools=tools_lib.schemas(tuple(names)))
+        assert whole.startswith(prompt)
+        ids = tokenizer(whole[len(prompt):], add_special_tokens=False)["input_ids"]
+        stop = next(i for i, t in enumerate(ids) if t in formats_stop(tokenizer))
+        prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        observation, done = env.step(tokenizer.decode(ids[:stop + 1]), ids[:stop + 1], prefix)
+        assert not done and [m["name"] for m in observation] == [name]
+        results.append(observation[0]["content"])
+    assert results == ["5", "error: ValueError: no service today", "error: slow timed out after 0.5 s"]
+    # a turn without a call ends the completion
+    plain = tokenizer("The answer is 5." + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    assert env.step("The answer is 5.", plain, prefix) == (None, True)
+
+
+def formats_stop(tokenizer) -> list[int]:
+    from accel_train.formats import stop_token_ids
+
+    return stop_token_ids(tokenizer, None)
+
+
+@pytest.mark.parametrize("template", ["smollm2", "mistral-v0.3"])
+def test_a_template_whose_tool_calls_cannot_be_read_is_refused_in_one_line(template, tmp_path):
+    """SmolLM2's template has no tools; Mistral v0.3's needs call ids of its own form (TRL does not render them)."""
+    from accel_train.tasks import tools as tools_lib
+
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    cfg = load_config(overrides=["task=grpo", f"grpo.tools=[{tmp_path / 'tools.py'}:add]"])
+    with pytest.raises(ConfigError, match="does not render a tool call and its result"):
+        tools_lib.check_multi_turn(cfg, ct.tokenizer_for(template))

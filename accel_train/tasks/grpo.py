@@ -29,6 +29,13 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
               step's count over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo),
               completions, each first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
 
+Multi-turn rollouts (grpo.tools, grpo.environment; tools.py): after each assistant turn the completion's
+environment answers (tool results, or the user's environment's observation), its tokens are appended without loss
+(labels -100, attended to), and the model continues, up to grpo.max_turns turns within grpo.max_new_tokens tokens.
+A row's k-th sampled token takes the k-th draw of its noise, whatever the turn: trajectories are the same on any
+number of processes and after a resume. The rewards get the last assistant turn's text as the completion and every
+turn as `trajectories`; rollouts.jsonl keeps the turns and the loss mask.
+
 With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
 every mu steps); checkpoints are written between batches of rollouts only (checkpoint.save_every a multiple of mu).
 
@@ -72,10 +79,11 @@ from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.data import columns as data_columns, row_counts
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.generation import generation_config, shared_prompt_cache, until_stop
+from accel_train.generation import CACHE_ARG, generation_config, shared_prompt_cache, until_stop
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.tasks import Task
 from accel_train.tasks.dpo import reference_mode
+from accel_train.tasks import tools as tools_lib
 from accel_train.tasks.rewards import RewardError, Rewards, smoke_test
 
 logger = get_logger(__name__)
@@ -128,12 +136,13 @@ def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: in
     turns = prompt_turns(example[prompt_column(cfg, list(example))], row)
     bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
+        tools = tools_lib.schemas(tuple(cfg.grpo.tools))
         try:
-            text = formats._render(tokenizer, turns, add_generation_prompt=True)
+            text = formats._render(tokenizer, turns, tools, add_generation_prompt=True)
         except formats.UnmaskableRow as e:
             return {"prompt_ids": [], "index": row, "status": f"refused: {e}"}
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        start, end = template_edges(tokenizer, turns, text, ids)
+        start, end = template_edges(tokenizer, turns, text, ids, tools)
     else:  # as formats.tokens_without_template renders the turns before an answer
         ids = tokenizer("\n".join(t["content"] for t in turns) + "\n")["input_ids"]
         start, end = int(bos is not None and ids[:1] == [bos]), 1
@@ -141,7 +150,8 @@ def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: in
     return {"prompt_ids": ids, "index": row, "status": status}
 
 
-def template_edges(tokenizer, turns: list[dict], text: str, ids: list[int]) -> tuple[int, int]:
+def template_edges(tokenizer, turns: list[dict], text: str, ids: list[int], tools: list | None = None
+                   ) -> tuple[int, int]:
     """(start, end): how many of the prompt's first tokens are the template's start, up to the content of its first
     turn that is not a system turn (bos, the system prompt, the turn's header), and how many of its last tokens are
     its generation prompt. Each is found by rendering again (the first turns with a probe for that content; the
@@ -151,8 +161,8 @@ def template_edges(tokenizer, turns: list[dict], text: str, ids: list[int]) -> t
     start, end = int(bos is not None and ids[:1] == [bos]), 1
     first = next((i for i, t in enumerate(turns) if t["role"] != "system"), 0)
     try:
-        probe = formats._render(tokenizer, turns[:first] + [{**turns[first], "content": formats._PROBE}])
-        plain = formats._render(tokenizer, turns)
+        probe = formats._render(tokenizer, turns[:first] + [{**turns[first], "content": formats._PROBE}], tools)
+        plain = formats._render(tokenizer, turns, tools)
     except formats.UnmaskableRow:
         return start, end
     head = probe[:probe.find(formats._PROBE)]
@@ -185,7 +195,9 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols
     d = cfg.data
     key = Config(task="grpo", data=DataConfig(prompt_field=d.prompt_field, messages_field=d.messages_field,
                                               max_length=d.max_length),
-                 grpo=GrpoConfig(max_new_tokens=cfg.grpo.max_new_tokens))  # what tokenizing reads (cache key)
+                 grpo=GrpoConfig(max_new_tokens=cfg.grpo.max_new_tokens, tools=list(cfg.grpo.tools))
+                 )  # what tokenizing reads (cache key)
+    tools_lib.check_multi_turn(cfg, tokenizer)
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
               "with_indices": True}
     ds = ds.map(tokenize_prompt, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
@@ -255,8 +267,12 @@ class SeededSampler(LogitsProcessor):
     falls in the distribution's cumulative sum. It returns scores with only that token finite, so generate's
     greedy choice picks it; the rows' draws do not depend on which other rows share the batch."""
 
-    def __init__(self, noise: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
+    def __init__(self, noise: torch.Tensor, prompt_width: int, temperature: float, top_p: float,
+                 offsets: torch.Tensor | None = None):
+        """noise: (rows, grpo.max_new_tokens) uniform draws; a row's token t of this generate call takes draw
+        offsets[row] + t (offsets: the tokens its completion already holds, in a later turn)."""
         self.noise, self.prompt_width, self.temperature, self.top_p = noise, prompt_width, temperature, top_p
+        self.offsets = offsets if offsets is not None else torch.zeros(len(noise), dtype=torch.long)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores.float() / self.temperature, dim=-1)
@@ -265,7 +281,9 @@ class SeededSampler(LogitsProcessor):
             drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
         cdf = probs.cumsum(-1)
-        u = self.noise[:, input_ids.shape[1] - self.prompt_width, None] * cdf[:, -1:]
+        at = (self.offsets.to(self.noise.device) + input_ids.shape[1] - self.prompt_width).clamp(
+            max=self.noise.shape[1] - 1)  # past it: tokens cut at max_new_tokens anyway
+        u = self.noise.gather(1, at[:, None]) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)
         return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
 
@@ -330,6 +348,16 @@ def stop_together(accelerator, failed: str | None, where: str) -> None:
         raise RewardStop(f"{failed} ({where})")
 
 
+@dataclasses.dataclass
+class Completions:
+    """A batch's completions: each one's tokens after its prompt; with multi-turn rollouts also which of them the
+    model wrote (1) or an observation (0), and its turns as messages (assistant, tool or user, ...)."""
+
+    ids: list[list[int]]
+    masks: list[list[int]] | None = None
+    turns: list[list[dict]] | None = None
+
+
 class Rollouts:
     """Generates each step's completions, scores them, and keeps the statistics logged about them."""
 
@@ -339,6 +367,9 @@ class Rollouts:
         self.stop_ids = stop_token_ids(tokenizer, getattr(accelerator.unwrap_model(model), "generation_config", None))
         # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
         self.generation_config = generation_config(accelerator.unwrap_model(model), tokenizer, self.g.max_new_tokens)
+        # multi-turn rollouts (grpo.tools, grpo.environment): one environment per completion
+        self.make_env, self.max_turns = tools_lib.environment_factory(cfg, tokenizer), tools_lib.max_turns(cfg)
+        self.tools = tools_lib.schemas(tuple(self.g.tools))
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
@@ -372,11 +403,11 @@ class Rollouts:
         unwrapped.eval()
         out, records, failed = [], [], None
         for batch in prompt_batches:
-            with self.accelerator.autocast():
-                completions = self.generate(unwrapped, batch, step)
             try:
+                with self.accelerator.autocast():
+                    completions = self.generate(unwrapped, batch, step)
                 micro, rows = self.score(batch, completions, step, log)
-            except RewardError as e:
+            except RewardError as e:  # a reward function's, or an environment's
                 failed = str(e)
                 break
             out.append(micro)
@@ -395,15 +426,79 @@ class Rollouts:
             self.write(records)
         return out
 
-    def generate(self, model, batch: dict, step: int) -> list[list[int]]:
+    def generate(self, model, batch: dict, step: int) -> Completions:
         """grpo.num_generations sampled completions per prompt (prompt-major)."""
         G, device = self.g.num_generations, self.accelerator.device
         noise = torch.stack([torch.rand(self.g.max_new_tokens, generator=torch.Generator().manual_seed(
             row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)]).to(device)
-        return self.complete(model, batch["prompt_ids"],
-                             lambda width: SeededSampler(noise, width, self.g.temperature, self.g.top_p), repeats=G)
+        return self.turns(model, batch, G, noise)
 
-    def complete(self, model, prompts: list[list[int]], sampler=None, repeats: int = 1) -> list[list[int]]:
+    def turns(self, model, batch: dict, repeats: int, noise: torch.Tensor | None = None) -> Completions:
+        """`repeats` completions per prompt of `batch`, sampled with `noise` (SeededSampler) or greedy (None).
+        Multi-turn (grpo.tools, grpo.environment): each completion's environment gets its assistant turn; its
+        observation's tokens are appended (no loss) and the model continues, until the environment is done, a turn
+        ends without its stop token (cut at grpo.max_new_tokens), grpo.max_turns, or an observation leaves no room
+        for an answer (then dropped). Every row draws its own noise by its own token count: a trajectory does not
+        depend on the other rows, nor on the number of processes."""
+        sampler = (lambda rows, offsets: lambda width: SeededSampler(
+            noise[rows], width, self.g.temperature, self.g.top_p, offsets)) if noise is not None else None
+        prompts = batch["prompt_ids"]
+        n = len(prompts) * repeats
+        new = self.complete(model, prompts, sampler and sampler(slice(None), None), repeats=repeats)
+        if self.make_env is None:
+            return Completions(new)
+        budget = self.g.max_new_tokens
+        envs = [self.make_env() for _ in range(n)]
+        for k, env in enumerate(envs):
+            with self.environment_errors("reset"):
+                env.reset({"prompt": batch["prompts"][k // repeats],
+                           **{c: v[k // repeats] for c, v in batch["columns"].items()}})
+        out = Completions([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
+        active = list(range(n))
+        for turn in range(1, self.max_turns + 1):
+            going = []
+            for k, tokens in zip(active, new):
+                tokens = tokens[:budget - len(out.ids[k])]
+                out.ids[k] += tokens
+                out.masks[k] += [1] * len(tokens)
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                out.turns[k].append({"role": "assistant", "content": text})
+                if turn == self.max_turns or not tokens or tokens[-1] not in self.stop_ids:
+                    continue
+                with self.environment_errors("step"):
+                    observation, done = envs[k].step(text, tokens, prompts[k // repeats] + out.ids[k][:-len(tokens)])
+                if done:
+                    continue
+                seen = tools_lib.observation_ids(self.tokenizer, observation, self.stop_ids, self.tools)
+                if len(out.ids[k]) + len(seen) >= budget:
+                    continue
+                out.ids[k] += seen
+                out.masks[k] += [0] * len(seen)
+                out.turns[k] += observation
+                going.append(k)
+            if not going:
+                break
+            active = going
+            offsets = torch.tensor([len(out.ids[k]) for k in active])
+            new = self.complete(model, [prompts[k // repeats] + out.ids[k] for k in active],
+                                sampler and sampler(torch.tensor(active), offsets),
+                                max_new_tokens=budget - int(offsets.min()))
+        return out
+
+    @contextmanager
+    def environment_errors(self, method: str):
+        """An environment (the user's, or a tool parser) that raises stops every rank, as a reward function."""
+        try:
+            yield
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a user's environment: whatever it raises)
+            name = self.g.environment or "grpo.tools"
+            raise RewardError(f"grpo.environment: {name}.{method} raised {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}") from None
+
+    def complete(self, model, prompts: list[list[int]], sampler=None, repeats: int = 1,
+                 max_new_tokens: int | None = None) -> list[list[int]]:
         """`repeats` completions per prompt (prompt-major), each up to and with its stop token: greedy, or drawn by
         `sampler(prompt width)`, a LogitsProcessor. The prompts' KV cache is computed once for all their rows
         (generation.shared_prompt_cache)."""
@@ -411,28 +506,39 @@ class Rollouts:
         cache = shared_prompt_cache(model, input_ids, attention_mask, repeats)
         input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
         processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
-        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                             generation_config=self.generation_config,
-                             logits_processor=processors)[:, input_ids.shape[1]:].tolist()
+        more = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+        if cache is not None:
+            more[CACHE_ARG] = cache
+        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
+                             logits_processor=processors, **more)[:, input_ids.shape[1]:].tolist()
         return [until_stop(t, self.stop_ids, keep=True) for t in new]
+
+    def texts(self, completions: Completions) -> list[str]:
+        """What the reward functions get as completions: each one's text, or with several turns its last
+        assistant turn's."""
+        if completions.turns is None:
+            return self.decode(completions.ids)
+        return [turns[-1]["content"] for turns in completions.turns]
 
     def decode(self, completions: list[list[int]]) -> list[str]:
         """The completions' texts, as the reward functions get them: special tokens removed, stripped."""
         return [t.strip() for t in self.tokenizer.batch_decode(completions, skip_special_tokens=True)]
 
-    def score(self, batch: dict, completions: list[list[int]], step: int, log: bool) -> tuple[dict, list[dict]]:
+    def score(self, batch: dict, trajectories: Completions, step: int, log: bool) -> tuple[dict, list[dict]]:
         """The training micro-batch of one prompt batch's completions, and their rollouts.jsonl rows."""
         G, n_prompts = self.g.num_generations, len(batch["prompt_ids"])
         expand = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
-        texts = self.decode(completions)
+        completions, texts = trajectories.ids, self.texts(trajectories)
+        columns = {k: expand(v) for k, v in batch["columns"].items()}
+        if trajectories.turns is not None:  # the reward functions see every turn
+            columns["trajectories"] = trajectories.turns
         # a replayed batch (log false) has weight 0: no reward function is called for it
-        per_function = self.rewards(expand(batch["prompts"]), texts, completions,
-                                    {k: expand(v) for k, v in batch["columns"].items()}) if log else [
+        per_function = self.rewards(expand(batch["prompts"]), texts, completions, columns) if log else [
             [0.0] * len(completions) for _ in self.rewards.names]
         values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
         total = weighted_total(values, self.rewards.weights)  # NaN: unscored
         advantages = group_advantages(total, self.g.scale_rewards, self.g.advantage == "rloo").reshape(-1)
-        lengths = [len(c) for c in completions]
+        lengths = [len(c) for c in completions] if trajectories.masks is None else [sum(m) for m in trajectories.masks]
         if log:
             self.generated_tokens += sum(lengths)
             flat, scored = values.reshape(len(per_function), -1), ~total.isnan()
@@ -441,31 +547,37 @@ class Rollouts:
             self.sums += torch.cat([torch.stack([total.nansum(), (total ** 2).nansum(), scored.sum()]),
                                     flat.nansum(1), (flat ** 2).nansum(1), (~flat.isnan()).sum(1),
                                     torch.tensor([float(no_spread.sum()), sum(lengths),
-                                                  sum(n >= self.g.max_new_tokens and c[-1] not in self.stop_ids
-                                                      for n, c in zip(lengths, completions)),
+                                                  sum(len(c) >= self.g.max_new_tokens and c[-1] not in self.stop_ids
+                                                      for c in completions),
                                                   len(lengths), n_prompts], dtype=torch.float64)])
             self.longest = torch.maximum(self.longest, torch.tensor([float(max(lengths))]))
-        micro = self.training_batch(batch["prompt_ids"], completions, advantages)
+        micro = self.training_batch(batch["prompt_ids"], completions, advantages, trajectories.masks)
         number = lambda v: None if math.isnan(v) else v  # noqa: E731 (None: not applicable, or unscored)
         rows = [{"step": step + 1, "index": int(batch["index"][k // G]), "generation": k % G,
                  "prompt": self.tokenizer.decode(batch["prompt_ids"][k // G]), "completion": texts[k],
                  "prompt_ids": batch["prompt_ids"][k // G], "completion_ids": completions[k],
                  "rewards": {n: number(per_function[f][k]) for f, n in enumerate(self.rewards.labels)},
                  "reward": number(float(total.reshape(-1)[k])), "advantage": float(advantages[k]),
-                 "columns": {c: v[k // G] for c, v in batch["columns"].items()}}  # what the rewards read
+                 "columns": {c: v[k // G] for c, v in batch["columns"].items()},  # what the rewards read
+                 **({"turns": trajectories.turns[k], "loss_mask": trajectories.masks[k]}
+                    if trajectories.turns is not None else {})}
                 for k in range(len(completions))] if log and self.g.log_completions else []
         return micro, rows
 
-    def training_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages) -> dict:
-        """Rows of left-padded prompt, then completion, then padding; labels on the completion tokens only."""
+    def training_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages,
+                       masks: list[list[int]] | None = None) -> dict:
+        """Rows of left-padded prompt, then completion, then padding; labels on the completion tokens the model
+        wrote only (`masks`, per completion token: 0 for an observation's, in multi-turn rollouts)."""
         G, pad, device = self.g.num_generations, self.tokenizer.pad_token_id, self.accelerator.device
         width = max(len(c) for c in completions)
+        masks = masks if masks is not None else [[1] * len(c) for c in completions]
         prompt_ids, prompt_mask = left_padded([p for p in prompts for _ in range(G)], pad, device)
         completion_ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions], device=device)
         completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions], device=device)
+        trained = torch.tensor([m + [0] * (width - len(m)) for m in masks], device=device)
         labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
-                            completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)], 1)
-        targets = {"dapo": completion_mask.sum(), "grpo": len(completions),
+                            completion_ids.masked_fill(trained == 0, IGNORE_INDEX)], 1)
+        targets = {"dapo": trained.sum(), "grpo": len(completions),
                    "dr_grpo": len(completions) * self.g.max_new_tokens}[self.g.loss_type]
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
         return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention_mask,
@@ -684,16 +796,23 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     unwrapped.eval()
     sums, counts, n, failed = 0, 0, 0, None
     for batch in eval_dl:
-        with accelerator.autocast():
-            completions = rollouts.complete(unwrapped, batch["prompt_ids"])
+        n_rows = len(batch["prompt_ids"])
         try:
-            values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.decode(completions), completions,
-                                                   batch["columns"]))
+            with accelerator.autocast():
+                completions = rollouts.turns(unwrapped, batch, 1)
+            columns = dict(batch["columns"])
+            if completions.turns is not None:
+                columns["trajectories"] = completions.turns
+            values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.texts(completions), completions.ids,
+                                                   columns))
+            lengths = [float(sum(m)) for m in completions.masks] if completions.masks else [
+                float(len(c)) for c in completions.ids]
         except RewardError as e:  # the others gather on: every rank stops after the loop
             failed = failed or str(e)
-            values = torch.full((len(rollouts.rewards.names), len(completions)), math.nan)
+            values = torch.full((len(rollouts.rewards.names), n_rows), math.nan)
+            lengths = [math.nan] * n_rows
         total = weighted_total(values, rollouts.rewards.weights)
-        rows = torch.cat([total[None], values, torch.tensor([[float(len(c)) for c in completions]])]).T
+        rows = torch.cat([total[None], values, torch.tensor([lengths])]).T
         rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
         # means over the values given: a None (NaN) is left out
         sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)

@@ -109,19 +109,20 @@ def labels(names: list[str]) -> list[str]:
 
 
 @functools.cache  # preflight, the first-row check and the run resolve the same names: a file is executed once
-def load_function(name: str) -> Callable:
-    """A user's reward function from "package.module:function" (importable from the working directory too) or
-    "path/to/file.py:function"."""
+def load_function(name: str, key: str = "grpo.rewards") -> Callable:
+    """A user's function (a reward, a tool) or class (an environment) from "package.module:NAME" (importable from
+    the working directory too) or "path/to/file.py:NAME"; `key`, the config key naming it, in errors."""
     where, sep, attr = name.rpartition(":")
     if not sep or not where or not attr:
-        raise ConfigError(f"grpo.rewards: unknown reward {name!r}; built-ins: {', '.join(BUILTIN)}, or "
-                          "module:function / path/to/file.py:function for your own")
+        builtins = f"built-ins: {', '.join(BUILTIN)}, or " if key == "grpo.rewards" else ""
+        raise ConfigError(f"{key}: unknown {key.removeprefix('grpo.').rstrip('s')} {name!r}; {builtins}"
+                          "module:NAME / path/to/file.py:NAME for your own")
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
             if not path.is_file():
-                raise ConfigError(f"grpo.rewards: {name}: file {path} not found")
-            spec = importlib.util.spec_from_file_location(f"accel_train_reward_{path.stem}", path)
+                raise ConfigError(f"{key}: {name}: file {path} not found")
+            spec = importlib.util.spec_from_file_location(f"accel_train_user_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
@@ -131,10 +132,10 @@ def load_function(name: str) -> Callable:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 (a user's module: any error while importing it)
-        raise ConfigError(f"grpo.rewards: {name}: importing {where} failed: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{key}: {name}: importing {where} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"grpo.rewards: {name}: {where} has no function {attr!r}")
+        raise ConfigError(f"{key}: {name}: {where} has no function {attr!r}")
     return fn
 
 
