@@ -374,14 +374,15 @@ class KtoConfig:
 @dataclass
 class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
-    """Reward functions, summed with grpo.reward_weights: built-ins exact_match (against grpo.answer_field),
-    regex_match (grpo.regex), length_penalty; or your own as module:function or path/to/file.py:function, called
-    as TRL's: (prompts, completions, completion_ids, **columns) -> one number per completion (accel_train/tasks/rewards.py);
-    or a reward model trained by task reward as model:PATH (its output_dir, or its adapter/ or model/ folder)."""
+    """Reward functions, summed with grpo.reward_weights: built-ins exact_match and number_match (the last number;
+    both against grpo.answer_field), regex_match (grpo.regex), length_penalty; or your own as module:function or
+    path/to/file.py:function, called as TRL's: (prompts, completions, completion_ids, **columns) -> one number per
+    completion (accel_train/tasks/rewards.py); or a reward model trained by task reward as model:PATH (its
+    output_dir, or its adapter/ or model/ folder)."""
     reward_weights: Optional[list[float]] = None
     """Weight of each reward function, in the order of grpo.rewards; None: 1 each."""
     answer_field: str = "answer"
-    """exact_match: the data column holding each prompt's expected answer."""
+    """exact_match, number_match: the data column holding each prompt's expected answer."""
     regex: Optional[str] = None
     """regex_match: the pattern a completion (stripped) must match in full to get 1."""
     length_buffer: Optional[int] = None

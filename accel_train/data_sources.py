@@ -75,8 +75,16 @@ def _sentiment(rng: random.Random) -> dict:
     return {"text": " ".join(words), "label": int(n_pos > n_neg)}
 
 
+def _addition(rng: random.Random) -> dict:
+    """grpo: the sum of two digits, asked in words a chat model understands; `answer`, for grpo's number_match. A
+    135M instruct model (SmolLM2) answers about a third of them right at temperature 0.7, often at length: groups
+    of 8 completions mostly hold right and wrong ones, which GRPO learns from."""
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    return {"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+
+
 # builtin:NAME -> the generator of one sample
-BUILTIN = {"reverse": _reverse, "sentiment": _sentiment, "reverse_pref": _reverse_pref}
+BUILTIN = {"reverse": _reverse, "sentiment": _sentiment, "reverse_pref": _reverse_pref, "addition": _addition}
 
 
 def builtin_rows(name: str, size: int) -> list[dict]:

@@ -119,8 +119,8 @@ CASES = {
                                     "data.data_files: no file matches "),
     # task grpo: the reward functions are tried on the first training row before the model is built
     "grpo unknown reward": (lambda t: [*GRPO, "grpo.rewards=[exact_match,no_such_reward]"],
-                            "grpo.rewards: unknown reward 'no_such_reward'; built-ins: exact_match, regex_match, "
-                            "length_penalty"),
+                            "grpo.rewards: unknown reward 'no_such_reward'; built-ins: exact_match, number_match, "
+                            "regex_match, length_penalty"),
     "grpo reward module missing": (lambda t: [*GRPO, "grpo.rewards=[nomodule:fn]"],
                                    "grpo.rewards: nomodule:fn: importing nomodule failed: ModuleNotFoundError: No "
                                    "module named 'nomodule'"),

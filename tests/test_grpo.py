@@ -535,6 +535,22 @@ def test_builtin_rewards_score_as_documented():
     assert exact == [1.0, 0.0, 0.0, 0.0]
     assert regex == [1.0, 0.0, 1.0, 0.0]
     assert length == [0.0, 0.0, -0.5, -1.0]
+    # number_match: the completion's last number (commas of thousands removed) against the answer's
+    cfg = load_config(None, ["task=grpo", "grpo.rewards=[number_match]", "grpo.answer_field=answer"])
+    completions = ["3 + 4 = 7", "The answer is 7.", "7 apples, not 8", "seven", "1,234", "It is 7.0", "-7"]
+    answers = ["7", "7", "7", "7", "1234", "7", "-7"]
+    assert Rewards(cfg)(["p"] * 7, completions, [[0]] * 7, {"answer": answers}) == [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0,
+                                                                                      1.0]]
+
+
+def test_builtin_addition_asks_single_digit_sums():
+    from accel_train.data_sources import builtin_rows
+
+    rows = builtin_rows("addition", 200)
+    for row in rows:
+        a, b = map(int, row["prompt"].removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 1 <= a <= 9 and 1 <= b <= 9 and row["answer"] == str(a + b)
+    assert len({r["prompt"] for r in rows}) > 60  # most of the 81 sums
 
 
 @pytest.mark.parametrize("route", ["hidden states", "logits"])

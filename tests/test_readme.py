@@ -96,10 +96,15 @@ RUN_BY = {
         [(FIRST_HOUR, ["accel_train_launch", "cpu_2proc.yaml", "resume_from=latest"])],
     "accel_train.bench --quick": [("tests/test_bench.py::test_bench_quick_writes_every_figure", ['"--quick"'])],
     "accel_train.bench": [("tests/test_bench.py::test_bench_rows_and_ratios_of_every_workload", ["bench.main("])],
+    "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml --config configs/train/grpo_smollm2.yaml":
+        [(RECIPES_TINY, ["configs/train/grpo_smollm2.yaml"])],
 }
 
 # command -> (why not here, [node ids of its CPU equivalent])
 NOT_HERE = {
+    "python tests/scripts/distill_pair.py outputs/smollm2":
+        ("8 minutes of a 135M model: the suite converts the same GGUF and trains it briefly",
+         ["tests/test_real_chat_model.py::test_the_gguf_gives_a_chatml_chat_model_that_ends_its_turns_with_im_end"]),
     "accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py --config "
     "configs/train/qwen_lora_sft.yaml output_dir=runs/qwen":
         ("2 GPUs, and Qwen2.5-0.5B-Instruct from the hub",
@@ -267,6 +272,18 @@ def test_the_recipes_after_sft_tiny(tmp_path):
     rollouts = [json.loads(line) for line in (grpo / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 2 * 2 * 2 and all(r["prompt"] for r in rollouts)
     assert all(r["reward"] == float(r["completion"] == r["columns"]["response"]) for r in rollouts)
+    # the real-model recipe's config (README: SmolLM2-135M-Instruct, measured) on this tiny base: builtin:addition,
+    # number_match (the answer's last number, recomputed here), as written
+    real = tmp_path / "grpo_smollm2"
+    proc = python_m("--config", "configs/train/grpo_smollm2.yaml", f"model.name_or_path={sft / 'base_model'}",
+                    f"output_dir={real}", "data.builtin_size=40", "train.max_steps=2", "train.global_batch_size=2",
+                    "grpo.num_generations=2", "train.log_every=1", "track.log_with=[]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rollouts = [json.loads(line) for line in (real / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 2 * 2 and all(r["prompt"] for r in rollouts)
+    for r in rollouts:
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", r["completion"].replace(",", ""))
+        assert r["reward"] == float(bool(numbers) and float(numbers[-1]) == float(r["columns"]["answer"]))
     distill = tmp_path / "distill"
     proc = python_m(*_argv(DISTILL_RECIPE)[1:], f"distill.teacher={sft / 'merged'}", f"output_dir={distill}",
                     "data.builtin_size=40", "train.max_steps=2", "train.per_device_batch_size=2", "train.log_every=1",

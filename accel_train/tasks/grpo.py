@@ -84,7 +84,7 @@ from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.tasks import Task
 from accel_train.tasks.dpo import reference_mode
 from accel_train.tasks import tools as tools_lib
-from accel_train.tasks.rewards import RewardError, Rewards, smoke_test
+from accel_train.tasks.rewards import ANSWERED, RewardError, Rewards, smoke_test
 
 logger = get_logger(__name__)
 
@@ -106,10 +106,11 @@ def prompt_column(cfg: Config, columns: list[str], source: str | None = None) ->
 
 
 def prompt_columns(cfg: Config, columns: list[str], source: str | None = None) -> None:
-    """The prompts are there, and the answers exact_match compares with."""
+    """The prompts are there, and the answers exact_match and number_match compare with."""
     prompt_column(cfg, columns, source)
-    if "exact_match" in cfg.grpo.rewards and cfg.grpo.answer_field not in columns:
-        raise ConfigError(f"grpo.rewards: exact_match compares with the column grpo.answer_field="
+    answered = [name for name in cfg.grpo.rewards if name in ANSWERED]
+    if answered and cfg.grpo.answer_field not in columns:
+        raise ConfigError(f"grpo.rewards: {answered[0]} compares with the column grpo.answer_field="
                           f"{cfg.grpo.answer_field}, which {source or cfg.data.path} lacks; columns found: {', '.join(columns)}")
 
 

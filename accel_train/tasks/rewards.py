@@ -13,6 +13,8 @@ every function gives None is unscored, its advantage 0):
 Built-ins (grpo.rewards):
 
     exact_match     1 if the completion, stripped, equals the row's grpo.answer_field, stripped; else 0
+    number_match    1 if the completion's last number equals the number in the row's grpo.answer_field (as math
+                    rewards read a worked answer: "3 + 4 = 7" and "The answer is 7." both give 7); else 0
     regex_match     1 if the completion, stripped, matches grpo.regex in full (a format reward); else 0
     length_penalty  DAPO's soft overlong penalty: 0 up to max_new_tokens - length_buffer tokens, then down to -1
                     (linearly) at max_new_tokens
@@ -48,6 +50,18 @@ def exact_match(prompts, completions, completion_ids, *, answers, **_) -> list[f
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def number_match(prompts, completions, completion_ids, *, answers, **_) -> list[float]:
+    """1 if the completion's last number (thousands' commas removed) is the answer's number; else 0."""
+    def last(text):
+        found = NUMBER.findall(str(text).replace(",", ""))
+        return float(found[-1]) if found else None
+
+    return [float(last(c) is not None and last(c) == last(a)) for c, a in zip(completions, answers)]
+
+
 def regex_match(prompts, completions, completion_ids, *, pattern, **_) -> list[float]:
     compiled = re.compile(pattern)
     return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
@@ -58,7 +72,9 @@ def length_penalty(prompts, completions, completion_ids, *, max_new_tokens, buff
     return [max(-1.0, min(0.0, (free - len(ids)) / buffer)) for ids in completion_ids]
 
 
-BUILTIN = {"exact_match": exact_match, "regex_match": regex_match, "length_penalty": length_penalty}
+BUILTIN = {"exact_match": exact_match, "number_match": number_match, "regex_match": regex_match,
+           "length_penalty": length_penalty}
+ANSWERED = ("exact_match", "number_match")  # the built-ins comparing with grpo.answer_field
 MODEL = "model:"  # grpo.rewards: model:PATH, a reward model
 
 
@@ -165,7 +181,7 @@ class Rewards:
             kwargs = dict(columns)
             if name in BUILTIN:
                 kwargs.update(self.builtin_kwargs)
-                if name == "exact_match":
+                if name in ANSWERED:
                     kwargs["answers"] = columns[self.answer_field]
             try:
                 values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
