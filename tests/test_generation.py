@@ -52,6 +52,7 @@ def predictions(out) -> list[dict]:
     return [json.loads(line) for line in (out / "eval_predictions.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_same_generation_metrics_on_1_and_2_processes(runs):
     one, two = evals(runs["one"]), evals(runs["two"])
     assert sorted(two) == [30, 60]
@@ -62,6 +63,7 @@ def test_same_generation_metrics_on_1_and_2_processes(runs):
     assert predictions(runs["two"]) == [r for r in predictions(runs["one"]) if r["step"] <= 60]
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_every_eval_sample_is_generated_and_scored_once(runs):
     rows = predictions(runs["two"])
     for step in (30, 60):
@@ -76,6 +78,7 @@ def test_every_eval_sample_is_generated_and_scored_once(runs):
             sum(r["scores"]["exact_match"] for r in at) / N_EVAL, abs=1e-12)
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_exact_match_rises_over_training_in_the_default_recipe(runs):
     exact = [r["eval_exact_match"] for _, r in sorted(evals(runs["one"]).items())]
     print("exact match at steps 30..300:", exact)
@@ -83,6 +86,7 @@ def test_exact_match_rises_over_training_in_the_default_recipe(runs):
     assert exact[0] == 0.0 and exact[-1] >= 3 / N_EVAL and max(exact[:3]) < max(exact[-4:])
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_early_stopping_stops_every_rank_after_the_same_step(runs):
     out = runs["two"]
     summary = json.loads((out / "summary.json").read_text())
@@ -93,6 +97,7 @@ def test_early_stopping_stops_every_rank_after_the_same_step(runs):
     assert runs["two_log"].count("early stopping after step 60: exact_match has not improved on 0 (step 30)") == 1
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_the_best_checkpoint_survives_rotation_and_is_the_saved_adapter(runs):
     out = runs["two"]
     # checkpoints every 10 steps, keep_last=1: only the newest would remain, but the best (step 30) is kept
@@ -106,6 +111,7 @@ def test_the_best_checkpoint_survives_rotation_and_is_the_saved_adapter(runs):
     assert any((adapter[k] != last[k]).any() for k in adapter)
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_model_card(runs):
     card = (runs["two"] / "adapter" / "README.md").read_text()
     front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
@@ -125,6 +131,7 @@ def test_model_card(runs):
     assert "library_name: transformers" in merged and "AutoModelForCausalLM.from_pretrained(" in merged
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
     from accel_train.card import model_card
 
@@ -309,6 +316,7 @@ def test_saved_adapter_and_merged_model_stop_at_the_end_of_turn_without_argument
         assert tokenizer.decode(scope["out"][0, scope["inputs"]["input_ids"].shape[1]:]) == "abc<|im_end|>", folder
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
     """The default recipe's template ends turns with the eos the base stops at: one stop id, in adapter/ and
     merged/ alike; the merged model, loaded by transformers alone, ends its answers there."""
@@ -332,6 +340,7 @@ def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
     assert answers.shape[1] < MAX_NEW and (answers == tokenizer.eos_token_id).any(dim=1).all()
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, tmp_path, capsys):
     """The trained default recipe, loaded once for every prompt: --prompt twice, a prompts file (JSON lines, a
     "messages" row among them), --system, written to --output; batched (left-padded) generation gives the answers
@@ -370,6 +379,7 @@ def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, 
                    "of turn (\"truncated\": true)\n" if any(cut) else "")
 
 
+@pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_generate_refuses_a_runs_random_base(runs, capsys):
     """RUN/base_model is the untrained random base a run saved for its adapter: its answers are noise."""
     from accel_train.generate import main

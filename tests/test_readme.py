@@ -21,6 +21,8 @@ import shlex
 import sys
 from functools import cache
 
+import pytest
+
 from conftest import REPO, python_m, run
 
 from accel_train import tasks
@@ -250,6 +252,7 @@ def test_config_commands_as_written():
     assert printed.returncode == 0 and "task: seq_cls" in printed.stdout and "lr: 0.001" in printed.stdout
 
 
+@pytest.mark.long
 def test_the_recipes_after_sft_tiny(tmp_path):
     """The GRPO, distillation, reward-model and KTO recipes as README gives them, for 2 steps on a few rows, on a
     2-step default run (its adapter for GRPO and KTO, its merged model as the teacher and the reward model's base;
