@@ -699,6 +699,7 @@ def by_completion(rollouts: list[dict]) -> dict:
     return {(r["step"], r["index"], r["generation"]): r for r in rollouts}
 
 
+@pytest.mark.long  # with the module's multi-turn runs (4 launches)
 def test_multi_turn_trajectories_and_losses_are_the_same_on_1_and_2_processes(multi_turn):
     one, two = (by_completion(multi_turn[n]["rollouts"]) for n in ("A", "C"))
     assert one.keys() == two.keys() and len(one) == 2 * 4 * G
@@ -713,6 +714,7 @@ def test_multi_turn_trajectories_and_losses_are_the_same_on_1_and_2_processes(mu
         assert b["completions/mean_length"] == a["completions/mean_length"]
 
 
+@pytest.mark.long  # with the module's multi-turn runs (4 launches)
 def test_multi_turn_resume_samples_the_same_trajectories(multi_turn, sft, tmp_path):
     out = tmp_path / "run"
     args = grpo_args(sft, out, f"grpo.environment={sft.parent / 'again.py'}:Again", *MULTI_TURN,
