@@ -159,6 +159,7 @@ def test_adapter_continued_and_saved_on_its_base(runs, sft):
         assert 0 < (end[key] - start[key]).norm() < start[key].norm(), key
 
 
+@pytest.mark.long  # the SFT base and the recipe's 169 steps (18 s)
 def test_builtin_recipe_learns_the_preference(sft):
     """builtin:reverse_pref after the SFT run: rewards/accuracy climbs well above chance, and the policy's own
     log-probs (not relative to the reference) prefer the chosen form more than at the start."""

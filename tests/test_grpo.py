@@ -420,6 +420,7 @@ def flaky(prompts, completions, **columns):
 '''
 
 
+@pytest.mark.long  # a real accel-train launch of 2 processes (12 s)
 def test_a_reward_raising_on_one_rank_stops_both_after_a_checkpoint(tmp_path):
     """A reward function that raises at step 2 on rank 1 only: both ranks stop together (no hang), after saving a
     checkpoint of step 1 to continue from; one line naming the function, exit status 2 (as before training)."""
