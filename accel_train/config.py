@@ -424,7 +424,7 @@ class GrpoConfig:
     tools: list[str] = field(default_factory=list)
     """Multi-turn tool calling: your Python functions (module:function or path/to/file.py:function, with type hints
     and a docstring: transformers' apply_chat_template(tools=...) shows them to the model). An assistant turn that
-    calls tools in its chat template's format (parsed with TRL's response schemas: Qwen2.5, Qwen3, Llama 3.1/3.2 and
+    calls tools in its chat template's format (parsed with TRL's response schemas: Qwen2.5, Llama 3.1/3.2 and
     the other families of trl.chat_template_utils.add_response_schema) gets each call's result (an exception or
     grpo.tool_timeout_s becomes its text) as tool turns, then the model continues, up to grpo.max_turns assistant
     turns within grpo.max_new_tokens tokens; tool tokens carry no loss (accel_train/tasks/tools.py)."""

@@ -281,10 +281,11 @@ _trained = False  # training ended (or stopped): the launcher's death changes no
 
 
 def _on_launcher_gone(signum, frame) -> None:
-    """LAUNCHER_GONE's handler for the rank's whole life, since the kernel may send it again at any later moment
-    (after the stop's checkpoint, say: the signal's default action would then end the rank before its line):
-    before training the rank just ends (that default action); during training it asks Preemption for a stop with a
-    checkpoint; after training the rank finishes what it is doing (its weights, its line) and leaves."""
+    """LAUNCHER_GONE's handler from the start of training for the rest of the rank's life, since the kernel may send
+    it again at any later moment (after the stop's checkpoint, say: the signal's default action would then end the
+    rank before its line). Before training the default action ends the rank at once, even inside a blocking call
+    (the rendezvous); during training the handler asks Preemption for a stop with a checkpoint; after, the rank
+    finishes what it is doing (its weights, its line) and leaves."""
     if _preemption is not None:
         _preemption.signum = _preemption.signum or signal.SIGTERM
     elif not _trained:
@@ -308,7 +309,6 @@ def stop_with_launcher() -> None:
     if LAUNCHER_GONE is not None:
         # The kernel signals when the thread that started this process exits: torch elastic starts the workers from
         # the launcher's main thread (its agent's run loop), so the signal comes when the launcher exits.
-        signal.signal(LAUNCHER_GONE, _on_launcher_gone)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, LAUNCHER_GONE) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -466,6 +466,8 @@ class Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         _preemption = self  # LAUNCHER_GONE: _on_launcher_gone, not a second request however often it comes
+        if LAUNCHER_GONE is not None and _launcher is not None:
+            signal.signal(LAUNCHER_GONE, _on_launcher_gone)
         return self
 
     def _handle(self, signum, frame):

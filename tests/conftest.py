@@ -133,7 +133,7 @@ def launch_environment(config: str) -> tuple[dict, int]:
                           nproc=int(args.nproc_per_node), nnodes=str(args.nnodes))
 
         before = dict(os.environ)
-        with mock.patch.object(distrib_run, "run", torchrun):
+        with mock.patch.object(distrib_run, "run", torchrun), mock.patch.dict(os.environ):  # left as it was
             launch_command(launch_command_parser().parse_args(["--config_file", str(ACCEL_CONFIGS / config), "--main_process_port", str(free_port()),
                                                                "accel_train/train.py"]))
         assert handed and handed["nnodes"] in ("1", "1:1"), f"{config}: not a one-machine torchrun launch"
@@ -166,7 +166,7 @@ def forked_launch(config: str, *args, script: str = "accel_train/train.py", time
                         "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
                         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
-                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                        "OMP_NUM_THREADS": {**os.environ, **(env or {})}.get("OMP_NUM_THREADS", "1")}
             worker = _forkserver().Process(target=forked_cli.child, args=(
                 script, list(map(str, args)), {**os.environ, **(env or {}), **added, **torchrun}, str(REPO),
                 str(out), str(err), True))
@@ -175,22 +175,24 @@ def forked_launch(config: str, *args, script: str = "accel_train/train.py", time
         timed_out, ended = False, []
         waiting = {w.sentinel: w for w in workers}
         deadline = time.monotonic() + timeout
-        while waiting and not any(ended):
-            ready = multiprocessing.connection.wait(list(waiting), max(0.0, deadline - time.monotonic()))
-            if not ready:
-                timed_out = True
-                break
-            for sentinel in ready:
-                worker = waiting.pop(sentinel)
-                worker.join()
-                ended.append(worker.exitcode)
-        for worker in waiting.values():  # torchrun's shutdown of the others
-            worker.terminate()
-        for worker in waiting.values():
-            worker.join(30)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        try:
+            while waiting and not any(ended):
+                ready = multiprocessing.connection.wait(list(waiting), max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    timed_out = True
+                    break
+                for sentinel in ready:
+                    worker = waiting.pop(sentinel)
+                    worker.join()
+                    ended.append(worker.exitcode)
+        finally:  # torchrun's shutdown of the others (also when the test is interrupted)
+            for worker in waiting.values():
+                worker.terminate()
+            for worker in waiting.values():
+                worker.join(30)
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join()
         proc = subprocess.CompletedProcess(cmd, 1 if any(ended) or timed_out else 0, out.read_text(), err.read_text())
         proc.codes = codes = [w.exitcode for w in workers]  # each rank's (-N: killed by signal N)
         proc.first = next((code for code in ended if code), 0)  # the first failed rank's: what stopped the job

@@ -65,6 +65,23 @@ def grpo_reward(source: str):
     return make
 
 
+def write_text(path, text: str):
+    path.write_text(text)
+    return path
+
+
+def grpo_environment(source: str, *extra: str):
+    """grpo.environment naming a user's class `Env` in a file, defined by `source`."""
+    def make(tmp):
+        (tmp / "env.py").write_text(source)
+        return [*GRPO, f"grpo.environment={tmp / 'env.py'}:Env", *extra]
+    return make
+
+
+UNDOCUMENTED = "def f(x: int) -> int:\n    return x\n"
+ENV = "class Env:\n    def reset(self, row):\n        pass\n    def step(self, text):\n        return None, True\n"
+
+
 def grpo_without_prompts(tmp):
     rows = [{"question": f"reverse {w}", "response": w[::-1]} for w in ["abc", "bcd", "cde", "def"] * 5]
     return [*GRPO, f"data.path={write(tmp / 'q.jsonl', rows)}"]
@@ -124,6 +141,14 @@ CASES = {
     "grpo reward module missing": (lambda t: [*GRPO, "grpo.rewards=[nomodule:fn]"],
                                    "grpo.rewards: nomodule:fn: importing nomodule failed: ModuleNotFoundError: No "
                                    "module named 'nomodule'"),
+    # multi-turn rollouts: the environment (or tools) checked with the rewards, before the model is built
+    "grpo environment without step": (grpo_environment("class Env:\n    def reset(self, row):\n        pass\n"),
+                                      "must be a class with reset(row) and step(text) -> (observation, done); it "
+                                      "lacks step"),
+    "grpo max_turns 1": (grpo_environment(ENV, "grpo.max_turns=1"),
+                         "grpo.max_turns=1 leaves no turn after a tool's result or an observation"),
+    "grpo tool without docstring": (lambda t: [*GRPO, f"grpo.tools=[{write_text(t / 'tools.py', UNDOCUMENTED)}:f]"],
+                                    "has no docstring"),
     "grpo reward raises": (grpo_reward("raise ValueError('no reward today')"),
                            "my_rewards.py:bad raised ValueError: no reward today"),
     "grpo reward of the wrong length": (grpo_reward("return [0.0]"),

@@ -32,8 +32,8 @@ One optimizer step, on each rank, for each of its grad_accum_steps micro-batches
 Multi-turn rollouts (grpo.tools, grpo.environment; tools.py): after each assistant turn the completion's
 environment answers (tool results, or the user's environment's observation), its tokens are appended without loss
 (labels -100, attended to), and the model continues, up to grpo.max_turns turns within grpo.max_new_tokens tokens.
-A row's k-th sampled token takes the k-th draw of its noise, whatever the turn: trajectories are the same on any
-number of processes and after a resume. The rewards get the last assistant turn's text as the completion and every
+A row's token at completion position k (observations counted) takes the k-th draw of its noise, whatever the turn:
+trajectories are the same on any number of processes and after a resume. The rewards get the last assistant turn's text as the completion and every
 turn as `trajectories`; rollouts.jsonl keeps the turns and the loss mask.
 
 With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
@@ -129,7 +129,8 @@ def prompt_turns(value, row: int) -> list[dict]:
     return turns
 
 
-def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION) -> dict:
+def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION,
+                    tools: list[dict] | None = None) -> dict:
     """The prompt's token ids, as the model will continue them (the template's generation prompt at the end), cut
     to cfg.max_prompt_length() tokens by `cut_prompt`; `index`: the row (seeds its completions' sampling). `status`,
     as formats.tokenize_causal's: "" whole, "cut", "dropped: ..." (too long to cut) or "refused: ..." (the chat
@@ -137,8 +138,7 @@ def tokenize_prompt(example: dict, row: int, tokenizer, cfg: Config, version: in
     turns = prompt_turns(example[prompt_column(cfg, list(example))], row)
     bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
-        tools = tools_lib.schemas(tuple(cfg.grpo.tools))
-        try:
+        try:  # `tools`: grpo.tools' schemas (in the cache key: an edited docstring tokenizes again)
             text = formats._render(tokenizer, turns, tools, add_generation_prompt=True)
         except formats.UnmaskableRow as e:
             return {"prompt_ids": [], "index": row, "status": f"refused: {e}"}
@@ -199,7 +199,8 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols
                  grpo=GrpoConfig(max_new_tokens=cfg.grpo.max_new_tokens, tools=list(cfg.grpo.tools))
                  )  # what tokenizing reads (cache key)
     tools_lib.check_multi_turn(cfg, tokenizer)
-    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION,
+                            "tools": tools_lib.schemas(tuple(cfg.grpo.tools))},
               "with_indices": True}
     ds = ds.map(tokenize_prompt, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
         tokenize_prompt, **kwargs, desc="tokenizing prompts")
@@ -252,7 +253,8 @@ def check_rewards_on(cfg: Config, ds: Dataset | IterableDataset) -> None:
     """Before any model is built: every reward function called once on the first row (two empty completions)."""
     example = next(iter(ds)) if isinstance(ds, IterableDataset) else ds[0]
     column = prompt_column(cfg, list(example))
-    smoke_test(Rewards(cfg), example, example[column], [k for k in example if k != column])
+    smoke_test(Rewards(cfg), example, example[column], [k for k in example if k != column],
+               turns=bool(cfg.grpo.tools or cfg.grpo.environment))
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -406,7 +408,8 @@ class Rollouts:
         for batch in prompt_batches:
             try:
                 with self.accelerator.autocast():
-                    completions = self.generate(unwrapped, batch, step)
+                    # a replayed batch (weight 0: its tokens do not matter) runs no environment
+                    completions = self.generate(unwrapped, batch, step, multi=log)
                 micro, rows = self.score(batch, completions, step, log)
             except RewardError as e:  # a reward function's, or an environment's
                 failed = str(e)
@@ -427,14 +430,15 @@ class Rollouts:
             self.write(records)
         return out
 
-    def generate(self, model, batch: dict, step: int) -> Completions:
+    def generate(self, model, batch: dict, step: int, multi: bool = True) -> Completions:
         """grpo.num_generations sampled completions per prompt (prompt-major)."""
         G, device = self.g.num_generations, self.accelerator.device
         noise = torch.stack([torch.rand(self.g.max_new_tokens, generator=torch.Generator().manual_seed(
             row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)]).to(device)
-        return self.turns(model, batch, G, noise)
+        return self.turns(model, batch, G, noise, multi)
 
-    def turns(self, model, batch: dict, repeats: int, noise: torch.Tensor | None = None) -> Completions:
+    def turns(self, model, batch: dict, repeats: int, noise: torch.Tensor | None = None, multi: bool = True
+              ) -> Completions:
         """`repeats` completions per prompt of `batch`, sampled with `noise` (SeededSampler) or greedy (None).
         Multi-turn (grpo.tools, grpo.environment): each completion's environment gets its assistant turn; its
         observation's tokens are appended (no loss) and the model continues, until the environment is done, a turn
@@ -446,10 +450,11 @@ class Rollouts:
         prompts = batch["prompt_ids"]
         n = len(prompts) * repeats
         new = self.complete(model, prompts, sampler and sampler(slice(None), None), repeats=repeats)
-        if self.make_env is None:
+        if self.make_env is None or not multi:
             return Completions(new)
         budget = self.g.max_new_tokens
-        envs = [self.make_env() for _ in range(n)]
+        with self.environment_errors("__init__"):
+            envs = [self.make_env() for _ in range(n)]
         for k, env in enumerate(envs):
             with self.environment_errors("reset"):
                 env.reset({"prompt": batch["prompts"][k // repeats],
@@ -468,9 +473,9 @@ class Rollouts:
                     continue
                 with self.environment_errors("step"):
                     observation, done = envs[k].step(text, tokens, prompts[k // repeats] + out.ids[k][:-len(tokens)])
-                if done:
-                    continue
-                seen = tools_lib.observation_ids(self.tokenizer, observation, self.stop_ids, self.tools)
+                    if done:
+                        continue
+                    seen = tools_lib.observation_ids(self.tokenizer, observation, self.stop_ids, self.tools)
                 if len(out.ids[k]) + len(seen) >= budget:
                     continue
                 out.ids[k] += seen
@@ -491,8 +496,10 @@ class Rollouts:
         """An environment (the user's, or a tool parser) that raises stops every rank, as a reward function."""
         try:
             yield
-        except ConfigError:
+        except RewardError:
             raise
+        except ConfigError as e:  # an observation the chat template cannot append
+            raise RewardError(str(e)) from None
         except Exception as e:  # noqa: BLE001 (a user's environment: whatever it raises)
             name = self.g.environment or "grpo.tools"
             raise RewardError(f"grpo.environment: {name}.{method} raised {type(e).__name__}: "

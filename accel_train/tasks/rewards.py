@@ -51,12 +51,13 @@ def exact_match(prompts, completions, completion_ids, *, answers, **_) -> list[f
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567; (3,4) stays two numbers
 
 
 def number_match(prompts, completions, completion_ids, *, answers, **_) -> list[float]:
     """1 if the completion's last number (thousands' commas removed) is the answer's number; else 0."""
     def last(text):
-        found = NUMBER.findall(str(text).replace(",", ""))
+        found = NUMBER.findall(THOUSANDS.sub("", str(text)))
         return float(found[-1]) if found else None
 
     return [float(last(c) is not None and last(c) == last(a)) for c, a in zip(completions, answers)]
@@ -140,6 +141,7 @@ def load_function(name: str, key: str = "grpo.rewards") -> Callable:
                 raise ConfigError(f"{key}: {name}: file {path} not found")
             spec = importlib.util.spec_from_file_location(f"accel_train_user_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # as an import would (a @dataclass looks its module up there)
             spec.loader.exec_module(module)
         else:
             if "" not in sys.path and str(Path.cwd()) not in sys.path:  # a launcher puts the script's folder there
@@ -218,6 +220,9 @@ def check_rewards(cfg: Config) -> None:
     for name in g.rewards:
         if name.startswith(MODEL):
             check_reward_model(name)
+    from accel_train.tasks.tools import check_static
+
+    check_static(cfg)
     for name, fn in zip(g.rewards, Rewards(cfg).functions):
         if name.startswith(MODEL):
             continue
@@ -232,10 +237,13 @@ def check_rewards(cfg: Config) -> None:
                                   f"reward functions do; it lacks {', '.join(missing)} and **kwargs")
 
 
-def smoke_test(rewards: Rewards, example: dict, prompt, answer_columns: list[str]) -> None:
+def smoke_test(rewards: Rewards, example: dict, prompt, answer_columns: list[str], turns: bool = False) -> None:
     """Before training: every function called once on the first training row, with two empty completions, so that a
-    function that raises or returns the wrong number of values stops the run now, naming it."""
+    function that raises or returns the wrong number of values stops the run now, naming it. `turns`: multi-turn
+    rollouts, whose rewards also get `trajectories`."""
     columns = {k: [example[k]] * 2 for k in answer_columns}
+    if turns:
+        columns["trajectories"] = [[{"role": "assistant", "content": ""}]] * 2
     rewards([prompt] * 2, ["", ""], [[], []], columns)
 
 

@@ -15,15 +15,16 @@ grpo.max_new_tokens tokens in all, the observation's turns are appended and the 
 
 A text observation is a user turn; a list of messages is appended as it is. Tools are an environment of their own
 (ToolEnvironment): the turn's tool calls, parsed in its chat template's format with TRL's response schemas
-(trl.chat_template_utils.add_response_schema: Qwen2.5, Qwen3, Llama 3.1/3.2, GLM-4, GPT-OSS, ...), each run with a
-time limit (an exception or the limit becomes the result's text: the model sees what went wrong, the run goes
+(trl.chat_template_utils.add_response_schema: Qwen2.5, Llama 3.1/3.2, GLM-4, GPT-OSS, ...; not Qwen3's, which
+rewrites earlier turns), each run with a time limit (an exception or the limit becomes the result's text: the model sees what went wrong, the run goes
 on), the results as tool turns; a turn without a call ends the completion.
 
 The observation's tokens are what the template writes after the assistant's end of turn: the observation's turns
 and the next generation prompt, found as TRL's GRPOTrainer finds them: a short conversation rendered with and
 without them (`observation_ids`). They are context for the next turns and carry no loss.
 
-Importing this module imports no torch: preflight checks the names with it.
+Importing this module imports no torch: preflight checks the names with it (check_static), the run its chat
+template (check_multi_turn).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class ToolEnvironment:
             self.failures += 1
             return f"error: the arguments of {name} must be an object, got {json.dumps(arguments)[:100]}"
         # A daemon thread per call: one past the limit is left to finish on its own (a thread cannot be stopped),
-        # without holding the process at its exit; the model gets "timed out" now.
+        # without holding the process at its exit; the model gets "timed out" now. A call inside one long C
+        # operation that holds the GIL (7 ** 7 ** 8) is timed out only when it returns.
         outcome = {}
 
         def call():
@@ -154,7 +156,11 @@ class UserEnvironment:
             return None, True
         if isinstance(observation, str):
             return [{"role": "user", "content": observation}], False
-        return list(observation), False
+        if not isinstance(observation, list) or not observation or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in observation):
+            raise TypeError(f"step returned {observation!r:.100}; an observation is a text or a list of messages "
+                            "({'role': ..., 'content': ...})")
+        return observation, False
 
 
 def environment_factory(cfg: Config, tokenizer):
@@ -186,14 +192,14 @@ def observation_ids(tokenizer, messages: list[dict], stop_ids: list[int], tools:
     if ends:
         before = before[:ends[-1] + 1]
     if full[:len(before)] != before:
-        raise ConfigError("grpo: the chat template renders an assistant turn differently once turns follow it: its "
-                          "observation tokens cannot be found")
+        raise ConfigError("grpo: the chat template rewrites an assistant turn once turns follow it (as Qwen3's its "
+                          "thinking block): the tokens of a tool result or an observation cannot be appended")
     return full[len(before):]
 
 
-def check_multi_turn(cfg: Config, tokenizer) -> None:
-    """Before training: tools need a template that shows them and whose calls can be parsed; an environment, a
-    class with reset and step."""
+def check_static(cfg: Config) -> None:
+    """preflight (no tokenizer yet): the tools and the environment resolve, the tools have readable schemas, and
+    grpo.max_turns leaves a turn after a tool's result."""
     g = cfg.grpo
     if g.environment:
         cls = load_function(g.environment, key="grpo.environment")
@@ -201,22 +207,50 @@ def check_multi_turn(cfg: Config, tokenizer) -> None:
         if not inspect.isclass(cls) or missing:
             raise ConfigError(f"grpo.environment: {g.environment} must be a class with reset(row) and "
                               f"step(text) -> (observation, done){'; it lacks ' + ', '.join(missing) if missing else ''}")
-    if not g.tools:
+        try:
+            cls()
+        except Exception as e:  # noqa: BLE001 (a user's class)
+            raise ConfigError(f"grpo.environment: {g.environment}() raised {type(e).__name__}: {e} (one instance "
+                              "is made per completion, with no arguments)") from None
+    if g.tools:
+        tool_schemas(load_tools(g.tools))
+    if (g.tools or g.environment) and max_turns(cfg) < 2:
+        raise ConfigError(f"grpo.max_turns={max_turns(cfg)} leaves no turn after a tool's result or an observation; "
+                          "set it to 2 or more, or remove grpo.tools / grpo.environment")
+
+
+def check_multi_turn(cfg: Config, tokenizer) -> None:
+    """Before training, with the run's tokenizer: multi-turn needs a chat template that writes the observation's
+    turns after an assistant turn without rewriting that turn (found by observation_ids; Qwen3's rewrites its
+    thinking block); tools, one that shows them and whose calls TRL's response schemas parse."""
+    g = cfg.grpo
+    if not (g.tools or g.environment):
         return
-    tool_schemas(load_tools(g.tools))
+    check_static(cfg)
+    supported = ("use a model whose chat template does: Qwen2.5's, Llama 3.1's or 3.2's (a ChatML model can take "
+                 "Qwen2.5's as its tokenizer's chat_template.jinja)")
     if not tokenizer.chat_template:
-        raise ConfigError("grpo.tools needs a chat template that shows the model its tools (data.chat_template)")
+        raise ConfigError(f"{'grpo.tools' if g.tools else 'grpo.environment'} needs a chat template to write the "
+                          f"turns in; the tokenizer has none: {supported}")
+    if g.tools:
+        try:
+            from trl.chat_template_utils import add_response_schema, supports_tool_calling
+        except ImportError:
+            raise ConfigError("grpo.tools parses tool calls with TRL's response schemas: pip install trl") from None
+        if not supports_tool_calling(tokenizer):
+            raise ConfigError("grpo.tools: the chat template does not render a tool call and its result (TRL's "
+                              f"supports_tool_calling): {supported}")
+        try:
+            add_response_schema(tokenizer)
+        except ValueError:
+            raise ConfigError("grpo.tools: the tool calls of this chat template cannot be parsed (TRL's "
+                              f"add_response_schema knows Qwen2.5, Llama 3.1/3.2, GLM-4, GPT-OSS, ...): {supported}"
+                              ) from None
+    from accel_train.formats import stop_token_ids
+
+    probe = ([{"role": "tool", "name": "probe", "content": "probe"}] if g.tools else
+             [{"role": "user", "content": "probe"}])
     try:
-        from trl.chat_template_utils import add_response_schema, supports_tool_calling
-    except ImportError:
-        raise ConfigError("grpo.tools parses tool calls with TRL's response schemas: pip install trl") from None
-    if not supports_tool_calling(tokenizer):
-        raise ConfigError("grpo.tools: the chat template does not render a tool call and its result (TRL's "
-                          "supports_tool_calling); set data.chat_template to one that does (e.g. Qwen2.5's, for a "
-                          "ChatML model)")
-    try:
-        add_response_schema(tokenizer)
-    except ValueError:
-        raise ConfigError("grpo.tools: the tool calls of this chat template cannot be parsed: supported are the "
-                          "templates of trl.chat_template_utils.add_response_schema (Qwen2.5, Qwen3, Llama 3.1/3.2, "
-                          "GLM-4, GPT-OSS, ...); set data.chat_template to one of them") from None
+        observation_ids(tokenizer, probe, stop_token_ids(tokenizer, None), schemas(tuple(g.tools)))
+    except ConfigError as e:
+        raise ConfigError(f"{e}: {supported}") from None
