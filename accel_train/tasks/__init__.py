@@ -88,7 +88,7 @@ REGISTRY: dict[str, TaskInfo] = {
                      results="accel_train.tasks.rewards:eval_results", generates=True,
                      example=("data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=6",
                               "grpo.rewards=[length_penalty]"),
-                     preflight="accel_train.tasks.rewards:check_rewards"),
+                     preflight="accel_train.tasks.tools:preflight"),
     # the teacher: the embedded tiny model, random from seed + 1 (a real teacher: configs/train/distill_default.yaml)
     "distill": TaskInfo("distill", "causal_lm", "distillation: a teacher's token distributions on the responses "
                         "(distill.*)", results=("loss", "cross_entropy", "perplexity"),

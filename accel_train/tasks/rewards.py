@@ -220,9 +220,6 @@ def check_rewards(cfg: Config) -> None:
     for name in g.rewards:
         if name.startswith(MODEL):
             check_reward_model(name)
-    from accel_train.tasks.tools import check_static
-
-    check_static(cfg)
     for name, fn in zip(g.rewards, Rewards(cfg).functions):
         if name.startswith(MODEL):
             continue
