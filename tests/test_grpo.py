@@ -738,10 +738,12 @@ def test_multi_turn_resume_samples_the_same_trajectories(multi_turn, sft, tmp_pa
     assert all(got[k]["completion_ids"] == want[k]["completion_ids"] for k in want)
 
 
-def test_an_observation_carries_no_loss_and_the_models_turns_do(sft):
+def test_an_observation_carries_no_loss_and_the_models_turns_do(sft, monkeypatch):
     """On the training batch itself: in each completion, the tokens without a label are exactly the user turn the
     template writes after the assistant's end of turn ("again" and the next generation prompt, rendered here from
-    the template's text), and every token the model wrote has its label."""
+    the template's text), and every token the model wrote has its label. And in every turn, a row's token at
+    completion position k is drawn with the row's k-th noise (counted here from the row's real tokens): a later
+    turn does not draw again the first turn's noise."""
     import contextlib
     from types import SimpleNamespace
 
@@ -758,11 +760,36 @@ def test_an_observation_carries_no_loss_and_the_models_turns_do(sft):
                                  "grpo.answer_field=response", f"grpo.environment={env}:Again",
                                  "grpo.log_completions=false"])
     rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
+    draws = []  # (the draw the sampler took, the sampled token's position in its row's completion)
+    prompt_length = {}  # each row's noise -> its prompt's length (rows are prompt-major)
+
+    class Recording(grpo.SeededSampler):
+        def __call__(self, input_ids, scores):
+            taken = (self.offsets + input_ids.shape[1] - self.prompt_width).clamp(max=self.noise.shape[1] - 1)
+            for row, ids in enumerate(input_ids.tolist()):
+                if ids[-1] in (tokenizer.pad_token_id, EOS):  # a finished row: generate ignores what is drawn
+                    continue
+                padding = next(i for i, t in enumerate(ids) if t != tokenizer.pad_token_id)  # on the left
+                draws.append((int(taken[row]), len(ids) - padding - prompt_length[tuple(self.noise[row].tolist())]))
+            return super().__call__(input_ids, scores)
+
+    monkeypatch.setattr(grpo, "SeededSampler", Recording)
     prompts = ["reverse abc", "reverse hello"]
     batch = {"prompt_ids": [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)[
         "input_ids"] for p in prompts], "index": torch.tensor([0, 1]), "prompts": prompts,
              "columns": {"response": ["cba", "olleh"]}}
+    original = grpo.Rollouts.turns
+
+    def turns(self, model, batch, repeats, noise=None, multi=True):
+        for k, row in enumerate(noise.tolist() if noise is not None else []):
+            prompt_length[tuple(row)] = len(batch["prompt_ids"][k // repeats])
+        return original(self, model, batch, repeats, noise, multi)
+
+    monkeypatch.setattr(grpo.Rollouts, "turns", turns)
     micro = rollouts.roll([batch], 0)[0]
+    # (past max_new_tokens the draw is clamped: those tokens are cut)
+    assert draws and all(taken == position for taken, position in draws if position < cfg.grpo.max_new_tokens)
+    assert any(position > 10 for _, position in draws)  # second turns sampled (after the observation's tokens)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"},
                                           {"role": "user", "content": "again"}], add_generation_prompt=True,
                                          tokenize=False)

@@ -125,6 +125,19 @@ def labels(names: list[str]) -> list[str]:
     return [s if short.count(s) == 1 else n for s, n in zip(short, names)]
 
 
+@functools.cache  # a file named by a reward and a tool (or the environment) runs once: one module, one state
+def _file_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"accel_train_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would (a @dataclass looks its module up there)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return module
+
+
 @functools.cache  # preflight, the first-row check and the run resolve the same names: a file is executed once
 def load_function(name: str, key: str = "grpo.rewards") -> Callable:
     """A user's function (a reward, a tool) or class (an environment) from "package.module:NAME" (importable from
@@ -139,10 +152,7 @@ def load_function(name: str, key: str = "grpo.rewards") -> Callable:
             path = Path(where).expanduser()
             if not path.is_file():
                 raise ConfigError(f"{key}: {name}: file {path} not found")
-            spec = importlib.util.spec_from_file_location(f"accel_train_user_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module  # as an import would (a @dataclass looks its module up there)
-            spec.loader.exec_module(module)
+            module = _file_module(path.resolve())
         else:
             if "" not in sys.path and str(Path.cwd()) not in sys.path:  # a launcher puts the script's folder there
                 sys.path.append(str(Path.cwd()))
