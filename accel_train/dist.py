@@ -277,7 +277,6 @@ LAUNCHER_GONE = signal.SIGRTMIN + 1 if sys.platform == "linux" else None
 
 _launcher = None  # the pid of the process that started this rank (stop_with_launcher)
 _preemption: "Preemption | None" = None  # during training: the launcher's death asks it for a stop
-_trained = False  # training ended (or stopped): the launcher's death changes nothing left to do
 
 
 def _on_launcher_gone(signum, frame) -> None:
@@ -288,9 +287,6 @@ def _on_launcher_gone(signum, frame) -> None:
     finishes what it is doing (its weights, its line) and leaves."""
     if _preemption is not None:
         _preemption.signum = _preemption.signum or signal.SIGTERM
-    elif not _trained:
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
 
 
 def launcher_gone() -> bool:
@@ -477,11 +473,11 @@ class Preemption:
         self.signum = signum
 
     def restore(self) -> None:
-        global _preemption, _trained
+        global _preemption
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if _preemption is self:
-            _preemption, _trained = None, True
+            _preemption = None
 
 
 class Preempted(StoppedWithCheckpoint):

@@ -849,6 +849,7 @@ def slow(x: str) -> str:
 def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_path):
     """An assistant turn as the real template renders its tool calls (vendored templates, a local tokenizer): each
     call runs, its result (or the error that ended it, or the timeout) comes back as a tool turn."""
+    from accel_train.formats import stop_token_ids
     from accel_train.tasks import tools as tools_lib
 
     (tmp_path / "tools.py").write_text(TOOLS_PY)
@@ -868,7 +869,7 @@ def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_pat
         whole = tokenizer.apply_chat_template(user + [turn], tokenize=False, tools=tools_lib.schemas(tuple(names)))
         assert whole.startswith(prompt)
         ids = tokenizer(whole[len(prompt):], add_special_tokens=False)["input_ids"]
-        stop = next(i for i, t in enumerate(ids) if t in formats_stop(tokenizer))
+        stop = next(i for i, t in enumerate(ids) if t in stop_token_ids(tokenizer, None))
         prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         observation, done = env.step(tokenizer.decode(ids[:stop + 1]), ids[:stop + 1], prefix)
         assert not done and [m["name"] for m in observation] == [name]
@@ -877,12 +878,6 @@ def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_pat
     # a turn without a call ends the completion
     plain = tokenizer("The answer is 5." + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     assert env.step("The answer is 5.", plain, prefix) == (None, True)
-
-
-def formats_stop(tokenizer) -> list[int]:
-    from accel_train.formats import stop_token_ids
-
-    return stop_token_ids(tokenizer, None)
 
 
 @pytest.mark.parametrize("template, why", [

@@ -33,8 +33,8 @@ Multi-turn rollouts (grpo.tools, grpo.environment; tools.py): after each assista
 environment answers (tool results, or the user's environment's observation), its tokens are appended without loss
 (labels -100, attended to), and the model continues, up to grpo.max_turns turns within grpo.max_new_tokens tokens.
 A row's token at completion position k (observations counted) takes the k-th draw of its noise, whatever the turn:
-trajectories are the same on any number of processes and after a resume. The rewards get the last assistant turn's text as the completion and every
-turn as `trajectories`; rollouts.jsonl keeps the turns and the loss mask.
+trajectories are the same on any number of processes and after a resume. The rewards get the last assistant turn's
+text as the completion and every turn as `trajectories`; rollouts.jsonl keeps the turns and the loss mask.
 
 With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
 every mu steps); checkpoints are written between batches of rollouts only (checkpoint.save_every a multiple of mu).
@@ -196,8 +196,7 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols
     d = cfg.data
     key = Config(task="grpo", data=DataConfig(prompt_field=d.prompt_field, messages_field=d.messages_field,
                                               max_length=d.max_length),
-                 grpo=GrpoConfig(max_new_tokens=cfg.grpo.max_new_tokens, tools=list(cfg.grpo.tools))
-                 )  # what tokenizing reads (cache key)
+                 grpo=GrpoConfig(max_new_tokens=cfg.grpo.max_new_tokens))  # what tokenizing reads (cache key)
     tools_lib.check_multi_turn(cfg, tokenizer)
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION,
                             "tools": tools_lib.schemas(tuple(cfg.grpo.tools))},
@@ -359,6 +358,14 @@ class Completions:
     ids: list[list[int]]
     masks: list[list[int]] | None = None
     turns: list[list[dict]] | None = None
+
+    def written(self) -> list[int]:
+        """Each completion's tokens the model wrote (an observation's not counted)."""
+        return [len(c) for c in self.ids] if self.masks is None else [sum(m) for m in self.masks]
+
+    def columns(self, columns: dict) -> dict:
+        """The reward functions' columns: the data's, and with several turns every turn as `trajectories`."""
+        return columns if self.turns is None else {**columns, "trajectories": self.turns}
 
 
 class Rollouts:
@@ -537,16 +544,14 @@ class Rollouts:
         G, n_prompts = self.g.num_generations, len(batch["prompt_ids"])
         expand = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
         completions, texts = trajectories.ids, self.texts(trajectories)
-        columns = {k: expand(v) for k, v in batch["columns"].items()}
-        if trajectories.turns is not None:  # the reward functions see every turn
-            columns["trajectories"] = trajectories.turns
+        columns = trajectories.columns({k: expand(v) for k, v in batch["columns"].items()})
         # a replayed batch (log false) has weight 0: no reward function is called for it
         per_function = self.rewards(expand(batch["prompts"]), texts, completions, columns) if log else [
             [0.0] * len(completions) for _ in self.rewards.names]
         values = torch.tensor(per_function, dtype=torch.float64).reshape(-1, n_prompts, G)  # (functions, prompts, G)
         total = weighted_total(values, self.rewards.weights)  # NaN: unscored
         advantages = group_advantages(total, self.g.scale_rewards, self.g.advantage == "rloo").reshape(-1)
-        lengths = [len(c) for c in completions] if trajectories.masks is None else [sum(m) for m in trajectories.masks]
+        lengths = trajectories.written()
         if log:
             self.generated_tokens += sum(lengths)
             flat, scored = values.reshape(len(per_function), -1), ~total.isnan()
@@ -808,13 +813,9 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
         try:
             with accelerator.autocast():
                 completions = rollouts.turns(unwrapped, batch, 1)
-            columns = dict(batch["columns"])
-            if completions.turns is not None:
-                columns["trajectories"] = completions.turns
             values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.texts(completions), completions.ids,
-                                                   columns))
-            lengths = [float(sum(m)) for m in completions.masks] if completions.masks else [
-                float(len(c)) for c in completions.ids]
+                                                   completions.columns(batch["columns"])))
+            lengths = [float(n) for n in completions.written()]
         except RewardError as e:  # the others gather on: every rank stops after the loop
             failed = failed or str(e)
             values = torch.full((len(rollouts.rewards.names), n_rows), math.nan)
