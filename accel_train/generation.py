@@ -40,8 +40,8 @@ from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.metrics import compute_metrics, load_metrics
 
 PREDICTIONS_FILE = "eval_predictions.jsonl"  # one row per eval sample and evaluation, with its step
-# generate()'s argument for a KV cache to continue from (shared_prompt_cache): `cache` in recent transformers 5,
-# which deprecated `past_key_values`, the only name of earlier ones
+# generate()'s argument for a KV cache to continue from (shared_prompt_cache), and a model output's field holding
+# it: `cache` in recent transformers 5, which deprecated `past_key_values`, the only name of earlier ones
 CACHE_ARG = getattr(generation_utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
 
 
@@ -150,8 +150,8 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     only_last = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}  # the logits are not needed
-    cache = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  **only_last).past_key_values
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **only_last)
+    cache = getattr(out, CACHE_ARG)  # its outputs' name too (past_key_values: a deprecation warning)
     cache.batch_repeat_interleave(repeats)
     return cache
 

@@ -698,6 +698,9 @@ def multi_turn(sft):
         proc = launch(procs, *grpo_args(sft, out, f"grpo.environment={env}:Again", *MULTI_TURN, *extra,
                                         f"grpo.rewards=[exact_match,{env}:turns]"))
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # nothing from transformers about how its cache or max_new_tokens were passed (the shared prompt cache, a
+        # later turn's budget)
+        assert "deprecated" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
         runs[name] = read_run(out)
     return runs
 

@@ -521,10 +521,12 @@ class Rollouts:
         cache = shared_prompt_cache(model, input_ids, attention_mask, repeats)
         input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
         processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
-        more = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
-        if cache is not None:
-            more[CACHE_ARG] = cache
-        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
+        config = self.generation_config
+        if max_new_tokens:  # a later turn: what is left of grpo.max_new_tokens (in the config: generate() warns of
+            config = copy.deepcopy(config)  # an argument beside it)
+            config.max_new_tokens = max_new_tokens
+        more = {CACHE_ARG: cache} if cache is not None else {}
+        new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                              logits_processor=processors, **more)[:, input_ids.shape[1]:].tolist()
         return [until_stop(t, self.stop_ids, keep=True) for t in new]
 
