@@ -4,6 +4,7 @@ bare PyTorch loop.
     python -m accel_train.bench --quick                 # ~6.5 min on 2 idle CPU cores (with trl installed)
     python -m accel_train.bench --out bench.json        # the 25M-parameter default, every workload
     python -m accel_train.bench --quick --workloads grpo  # rollouts + updates only: ours vs TRL's GRPOTrainer
+    python -m accel_train.bench --workloads grpo --model outputs/smollm2/teacher --new-tokens 24  # a real model
     python -m accel_train.bench --size 0.5b             # on a GPU
     python -m accel_train.bench --size large-vocab --batch 4 --steps 4 --warmup 1 --workloads fixed --no-scaling
     python -m accel_train.bench --repeat 3 --workloads fixed --contenders ours,bare --no-scaling
@@ -45,19 +46,26 @@ on GPUs. With --repeat N each contender runs N times, interleaved, and the table
 run's figures are in the JSON). Results: Markdown tables on stdout and a JSON file (--out).
 
 grpo: online RL's rollout + update throughput. Ours (`python -m accel_train task=grpo`) against TRL's GRPOTrainer
-(where trl is installed) on the same LoRA model, prompts and reward: --prompts prompts a step (4 with --quick),
-each sampled --generations times (8: one group), completions of at most --new-tokens tokens (32 with --quick), the
-built-in exact_match reward (TRL given the same function), one optimizer step per rollout (num_iterations 1, TRL's
+(where trl is installed) and against `generate`, a bare model.generate of the same rows outside any trainer (the
+machine's generation speed, child_generate), on the same LoRA model, prompts and reward: --prompts prompts a step
+(4 with --quick), each sampled --generations times (8: one group), completions of at most --new-tokens tokens (32
+with --quick), the built-in exact_match reward (TRL given the same function), one optimizer step per rollout
+(num_iterations 1, TRL's
 steps_per_generation 1), beta 0, the DAPO loss; --warmup steps, then --grpo-steps measured (4 with --quick). Each
 step is timed whole, from the end of the last: generation with the KV cache, rewards and advantages, the policy's
-forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_grpo; no target), generated
+forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_grpo, target 1.5), generated
 tokens/s (completion tokens) and train tokens/s (prompt + completion tokens trained on) over the measured steps;
 from the whole run's split (summary.json's "rollouts" for ours, the same sums timed around TRL's
-_generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it; the
-completions' mean length and peak memory. What keeps it fair:
-  - the same work a step: the prompts are random strings of --new-tokens - 1 characters (answer: the reversal),
-    all the same length, so any order of them (each trainer shuffles its own way) costs the same; each prompt's
-    group is generated in one batch with the KV cache, then trained on in one micro-batch, on both sides;
+_generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it (ours'
+over bare generation's: generation_ours_vs_generate_grpo, target 0.9); the completions' mean length and peak
+memory. With --model PATH (a transformers folder: SmolLM2-135M-Instruct's is made by tests/scripts/distill_pair.py)
+the model is that one, pretrained, and the prompts builtin:addition's sums (number_match): completions then stop
+at the model's end of turn, at lengths of its choosing, alike on every side (the completion length column). What
+keeps it fair:
+  - the same work a step: the prompts (without --model) are random strings of --new-tokens - 1 characters (answer:
+    the reversal), all the same length, so any order of them (each trainer shuffles its own way) costs the same;
+    each prompt's group is generated in one batch with the KV cache, then trained on in one micro-batch, on both
+    sides;
   - generation that does not stop early: both stop a completion at the template's end-of-turn token only (the
     bench model's config names the tokenizer's eos, not LlamaConfig's default ids), which the randomly
     initialised model draws with probability about 1/vocabulary a token, and a batch runs until its last
@@ -90,8 +98,10 @@ Run-to-run noise on a shared 2-core machine is about +-10%: a single ratio near 
 the causal-LM loss without full logits (loss.py), length-grouped classification batches and rank-balanced
 micro-batches (data.py), bf16 autocast only where the hardware computes it and the model is >= 256 wide, batch
 widths rounded to 32 (packed) or 8 (padded) under bf16 (dist.py, data.py), one host synchronisation per step
-(loop.py). train.gradient_checkpointing and train.compile stay off by default: on the small model they cost 24%
-of the throughput (for 3% less memory) and recompiled for every new batch shape.
+(loop.py); on grpo, each prompt's forward and backward once for its group (grpo.prompt_once), rollouts through the
+adapter merged into the weights (generation.merged_adapter) and drawn without a multinomial over the vocabulary
+(grpo.SeededSampler). train.gradient_checkpointing and train.compile stay off by default: on the small model they
+cost 24% of the throughput (for 3% less memory) and recompiled for every new batch shape.
 """
 
 from __future__ import annotations
@@ -127,16 +137,20 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
 TASK_OF = {"skewed": "causal_lm", "fixed": "causal_lm", "cls": "seq_cls", "grpo": "grpo"}
 """The task each workload trains (ours' task=): every contender asks it (tasks.make, tasks.info), never its name."""
 WORKLOADS = tuple(TASK_OF)
-CONTENDERS = ("ours", "trainer", "bare", "trl")
+CONTENDERS = ("ours", "trainer", "bare", "trl", "generate")
 TRL_OPTIONS = {"skewed": ["padding_free"], "fixed": []}  # where ours packs rows of varied samples: no padding
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
 GRPO_SETTINGS = {"rewards": "[exact_match]", "beta": 0.0, "loss_type": "dapo", "epsilon": 0.2, "num_iterations": 1,
                  "temperature": 1.0, "top_p": 1.0, "scale_rewards": "true", "log_completions": "false"}
 """grpo: ours' settings that TRL's GRPOTrainer is given as well (child_trl_grpo), its defaults for most of them."""
+REAL_MODEL_DATA = ["data.path=builtin:addition", "grpo.rewards=[number_match]", "grpo.answer_field=answer"]
+"""grpo with --model: single-digit sums asked in words, the last number of the answer rewarded (what the
+grpo_smollm2 recipe trains on)."""
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
 TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
            "ours_vs_bare_fixed": 0.97, "padding_efficiency_skewed": 0.95, "padding_efficiency_cls": 0.9, "mfu_of_peak": 0.5,
-           "ours_vs_trainer_grouped_cls": 1.0, "scaling_efficiency": 0.9, "scaling_efficiency_per_device": 0.9}
+           "ours_vs_trainer_grouped_cls": 1.0, "scaling_efficiency": 0.9, "scaling_efficiency_per_device": 0.9,
+           "ours_vs_trl_grpo": 1.5, "generation_ours_vs_generate_grpo": 0.9}
 """Ratios that should be at least this. Classification's anchor is Trainer with its length-grouped sampler, its best
 setup for the job (plain Trainer pads every batch to its longest text). Scaling: on a CPU the 2 processes share the
 cores the 1 process used, so the target is on their tokens/s ratio (scaling_efficiency); on GPUs each process has a
@@ -158,8 +172,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="small model, short sequences, few steps (~6.5 min on 2 CPU cores)")
     p.add_argument("--size", choices=SIZES, help="model size (default 25m; small with --quick)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: skewed, fixed, cls, grpo")
-    p.add_argument("--contenders", default=",".join(CONTENDERS[:3] + (("trl",) if _has_trl() else ())),
-                   help="comma-separated: ours, trainer, bare, trl (default: all, trl where it is installed)")
+    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "trl" or _has_trl()),
+                   help="comma-separated: ours, trainer, bare, trl, generate (default: all, trl where it is "
+                        "installed)")
     p.add_argument("--batch", type=int, help="samples per optimizer step (default 16; 8 with --quick)")
     p.add_argument("--max-len", type=int, help="longest sequence in tokens (default 1024; 256 with --quick)")
     p.add_argument("--fixed-len", type=int, help="tokens per `fixed` sample (default max_len/4; max_len with "
@@ -171,6 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8, help="grpo: completions per prompt (default 8)")
     p.add_argument("--new-tokens", type=int, help="grpo: tokens generated per completion (default 64; 32 with --quick)")
     p.add_argument("--grpo-steps", type=int, help="grpo: measured steps (default 8; 4 with --quick)")
+    p.add_argument("--model", help="grpo: a causal LM folder (e.g. SmolLM2-135M-Instruct's) instead of the built "
+                                   "model, asked builtin:addition's sums, rewarded by number_match")
     p.add_argument("--repeat", type=int, default=1, help="runs per contender, interleaved; medians are reported")
     p.add_argument("--precision", choices=["auto", "bf16", "no"], default="auto",
                    help="autocast for every contender; auto: bf16 where the hardware has it natively")
@@ -201,12 +218,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-len must be >= 16, and --fixed-len between 16 and --max-len")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if args.model and args.workloads != ["grpo"]:
+        p.error("--model is for --workloads grpo (the other workloads' lengths are the built model's)")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there (a transformers model folder)")
     if args.prompts < 1 or args.generations < 2 or args.new_tokens < 2:
         p.error("--prompts must be >= 1, --generations >= 2 (a group's spread is the advantage) and --new-tokens >= 2")
     return args
 
 
 # ---------------------------------------------------------------------------------------------------- workload
+
+
+def model_dir(args, wd: Path) -> Path:
+    """The bench model's folder: --model, or the one write_workload builds."""
+    return Path(args.model).resolve() if args.model else wd / "model"
+
+
+def model_shape(args, wd: Path) -> dict:
+    """The bench model's SIZES fields, from --model's config where given."""
+    if not args.model:
+        return SIZES[args.size]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir(args, wd))
+    return {k: getattr(config, k, None) for k in SIZES["25m"]}
 
 
 def sample_lengths(workload: str, n: int, max_len: int, rng: random.Random, fixed_len: int = 0) -> list[int]:
@@ -224,6 +260,8 @@ def write_workload(args, wd: Path) -> None:
 
     from accel_train.config import TINY_MODEL
 
+    if args.model:  # its data is built in (builtin:addition)
+        return
     model_dir = wd / "model"
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     # the tokenizer's bos and eos (LlamaConfig's defaults name other tokens): the only stop token is its end of
@@ -287,8 +325,11 @@ def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: s
     # could drift from them (GRPO_SETTINGS)
     grpo = [f"grpo.num_generations={args.generations}", f"grpo.max_new_tokens={args.new_tokens}",
             *(f"grpo.{k}={v}" for k, v in GRPO_SETTINGS.items())] if workload == "grpo" else []
-    return [f"task={TASK_OF[workload]}", f"model.name_or_path={wd / 'model'}", "model.random_init=true",
-            f"data.path={wd / f'{workload}.jsonl'}", *grpo,
+    model = [f"model.name_or_path={wd / 'model'}", "model.random_init=true", f"data.path={wd / f'{workload}.jsonl'}"]
+    if args.model:  # a real model on sums (REAL_MODEL_DATA)
+        model = [f"model.name_or_path={model_dir(args, wd)}", "model.random_init=false",
+                 f"data.builtin_size={batch * (total + 1)}", *REAL_MODEL_DATA]
+    return [f"task={TASK_OF[workload]}", *grpo, *model,
             "data.eval_fraction=0", f"data.max_length={args.max_len}", *LORA, f"train.per_device_batch_size={batch}",
             f"train.max_steps={total}", f"train.warmup_steps={args.warmup}", "train.lr=2e-4",
             f"train.log_every={total}", f"train.mixed_precision={precision}", "track.log_with=[]",
@@ -419,12 +460,18 @@ def child_trl_grpo(spec: dict) -> dict:
     only where ours has it (GRPOConfig turns both on by default); no vLLM; no completion logging."""
     from trl import GRPOConfig, GRPOTrainer
 
+    from accel_train.tasks.rewards import BUILTIN
+
     cfg, _, tokenizer, prompts, model = _setup(spec, tokenize=False)
     g, answer_field = cfg.grpo, cfg.grpo.answer_field
-    assert g.rewards == ["exact_match"], g.rewards  # GRPO_SETTINGS': the one reward mirrored here
+    (name,) = g.rewards  # GRPO_SETTINGS' exact_match, or REAL_MODEL_DATA's number_match
+    column = cfg.data.prompt_field
+    if isinstance(prompts[0][column], str):  # a user turn, as ours reads a text prompt (TRL: raw text, no template)
+        prompts = prompts.map(lambda row: {column: [{"role": "user", "content": row[column]}]})
 
-    def exact_match(prompts, completions, **columns):  # ours' built-in: completion.strip() == answer.strip()
-        return [float(c[-1]["content"].strip() == str(a).strip()) for c, a in zip(completions, columns[answer_field])]
+    def reward(prompts, completions, **columns):  # ours' built-in on the text of TRL's assistant turn
+        return BUILTIN[name](prompts, [c[-1]["content"] for c in completions], None, answers=columns[answer_field])
+    reward.__name__ = name
 
     targs = GRPOConfig(**{**_trainer_args(spec, cfg), "per_device_train_batch_size":
                           cfg.train.per_device_batch_size * g.num_generations},
@@ -435,12 +482,68 @@ def child_trl_grpo(spec: dict) -> dict:
                        epsilon=g.epsilon, epsilon_high=g.epsilon_high, num_iterations=g.num_iterations,
                        scale_rewards="group" if g.scale_rewards else "none", use_vllm=False, gradient_checkpointing=False, log_completions=False,
                        remove_unused_columns=False, generation_kwargs={"use_cache": True})
-    result = _train(GRPOTrainer, spec, model, targs, dict(reward_funcs=[exact_match], train_dataset=prompts,
+    result = _train(GRPOTrainer, spec, model, targs, dict(reward_funcs=[reward], train_dataset=prompts,
                                                           processing_class=tokenizer), _counting_rollouts)
     # the whole run's split, as ours' summary.json gives it
     generation, tokens = sum(result.pop("generation_seconds")), sum(result["generated_tokens"])
     result["rollouts"] = {"generated_tokens": tokens, "generation_s": round(generation, 2),
                           "training_s": round(sum(result["seconds"]) - generation, 2),
+                          "generated_tokens_per_s": round(tokens / generation, 1)}
+    return result
+
+
+def child_generate(spec: dict) -> dict:
+    """grpo's physical reference: a bare `model.generate` of the rows ours and TRL generate, outside any trainer.
+    The model as from_pretrained loads it, in ours' weight dtype (model.dtype) and autocast, without an adapter (a
+    fresh one adds nothing; ours generates with its adapter merged into the weights); each step's prompts (ours'
+    prompts a step, in the data's order) through the chat template with its generation prompt, left-padded, each
+    sampled num_generations times (num_return_sequences) in one call with the KV cache, at the config's temperature
+    and top_p, no top-k, up to max_new_tokens, stopping at the stop ids ours stops at (formats.stop_token_ids).
+    Counted as ours counts: each completion's tokens up to and with its stop token."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from accel_train import data as data_lib
+    from accel_train.config import load_config
+    from accel_train.formats import stop_token_ids
+    from accel_train.model import build_tokenizer
+    from accel_train.tracking import reset_peak_memory
+
+    cfg = load_config(None, spec["overrides"])
+    g, t = cfg.grpo, cfg.train
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = build_tokenizer(cfg)
+    rows = data_lib.load_splits(cfg)[0]
+    dtype = cfg.model.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    model = (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype)
+             if cfg.model.random_init else AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype))
+    model.to(device).eval()
+    stops = stop_token_ids(tokenizer, model.generation_config)
+    config = GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
+                              max_new_tokens=g.max_new_tokens, num_return_sequences=g.num_generations,
+                              eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.mixed_precision == "bf16")
+    column = cfg.data.prompt_field
+    torch.manual_seed(cfg.seed)
+    reset_peak_memory(device)
+    steps, t_last = [], time.perf_counter()
+    for step in range(t.max_steps):
+        batch = rows.select(range(step * t.per_device_batch_size, (step + 1) * t.per_device_batch_size))[column]
+        texts = [tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
+                                               add_generation_prompt=True, tokenize=False) for p in batch]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                           add_special_tokens=False).to(device)
+        with torch.no_grad(), autocast:
+            out = model.generate(**inputs, generation_config=config)
+        new = out[:, inputs["input_ids"].shape[1]:].tolist()
+        generated = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row)) for row in new)
+        prompt = int(inputs["attention_mask"].sum()) * g.num_generations
+        seconds = time.perf_counter() - t_last
+        steps.append((seconds, prompt + generated, out.numel(), out.shape[0], generated, seconds))
+        t_last = time.perf_counter()
+    result = _child_result(steps, math.nan)
+    generation, tokens = sum(result.pop("generation_seconds")), sum(result["generated_tokens"])
+    result["rollouts"] = {"generated_tokens": tokens, "generation_s": round(generation, 2), "training_s": 0.0,
                           "generated_tokens_per_s": round(tokens / generation, 1)}
     return result
 
@@ -652,7 +755,7 @@ GRPO_MEDIANS = ("steps_per_sec", "generated_tokens_per_sec", "generation_share",
                 "completion_mean_length")
 
 
-def model_flops(wd: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
+def model_flops(path: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
     """(parameters, LoRA parameters, (matmul weights, trainable ones, attention size)) of the bench model with its
     adapter, with the head `task` trains (causal_lm: the vocabulary's output head; seq_cls: a 3-class one):
     tracking.flops_per_token's arguments but the width."""
@@ -663,7 +766,7 @@ def model_flops(wd: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
     from accel_train.model import AUTO_CLASS, apply_lora, attention_size, matmul_parameters
 
     with torch.device("meta"):
-        config = AutoConfig.from_pretrained(wd / "model", num_labels=len(CLASSES))
+        config = AutoConfig.from_pretrained(path, num_labels=len(CLASSES))
         model = AUTO_CLASS[tasks.info(task).head].from_config(config)
     model = apply_lora(load_config(None, [f"task={task}", *LORA]), model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -671,10 +774,10 @@ def model_flops(wd: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
     return total, trainable, (*matmul_parameters(model), attention_size(model))
 
 
-def model_figures(wd: Path, workloads: list[str]) -> dict:
+def model_figures(path: Path, workloads: list[str]) -> dict:
     """model_flops of each workload's model, built once per head (grpo trains the same causal LM as skewed)."""
     heads = {w: tasks.info(TASK_OF[w]).head for w in workloads}
-    built = {h: model_flops(wd, next(TASK_OF[w] for w in workloads if heads[w] == h)) for h in set(heads.values())}
+    built = {h: model_flops(path, next(TASK_OF[w] for w in workloads if heads[w] == h)) for h in set(heads.values())}
     return {w: built[h] for w, h in heads.items()}
 
 
@@ -720,11 +823,14 @@ def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat:
 
 
 def main(argv=None) -> dict | None:
+    from accel_train.tracking import quiet_libraries
+
     args = parse_args(argv)
+    quiet_libraries()  # no deprecation lines of the libraries' between the figures
     if args.child:
         spec = json.loads(args.spec)
-        result = {"trainer": child_trainer, "bare": child_bare, "trl": child_trl,
-                  "trl_grpo": child_trl_grpo}[args.child](spec)
+        result = {"trainer": child_trainer, "bare": child_bare, "trl": child_trl, "trl_grpo": child_trl_grpo,
+                  "generate": child_generate}[args.child](spec)
         Path(spec["result"]).write_text(json.dumps(result))
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally
@@ -740,8 +846,8 @@ def main(argv=None) -> dict | None:
     info = machine()
     announce(args, precision, wd)
     write_workload(args, wd)
-    flops = model_figures(wd, args.workloads)
-    peak = peak_flops(args, precision)
+    flops = model_figures(model_dir(args, wd), args.workloads)
+    peak = peak_flops(args, wd, precision)
 
     # One round per workload: each contender once. Rounds are repeated back to back, so that a contender's runs
     # are spread over the same stretch of time as the others' (ours, trainer, bare, ours, trainer, bare, ...).
@@ -765,7 +871,7 @@ def main(argv=None) -> dict | None:
     report = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("child", "spec")},
               "precision": precision, "model": {"parameters": n_params, "lora_parameters": n_lora,
                                                 "matmul_weights": matmul_weights, "attention_size": attention,
-                                                **SIZES[args.size]},
+                                                **model_shape(args, wd)},
               "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(_cuda()),
               "targets_at_most": TARGETS_AT_MOST, "wall_seconds": round(time.perf_counter() - t_start, 1)}
     Path(args.out).write_text(json.dumps(report, indent=1))
@@ -778,16 +884,20 @@ def main(argv=None) -> dict | None:
 
 def announce(args, precision: str, wd: Path) -> None:
     """The bench's settings, in one line before anything runs."""
-    print(f"bench: {args.size} model, precision {precision}, batch {args.batch}, max_len {args.max_len}, "
-          f"fixed_len {args.fixed_len}, {args.warmup} warm-up + {args.steps} measured steps"
-          + (f" ({measured_steps(args, 'cls', True)}, one epoch, where cls is grouped by length)"
-             if "cls" in args.workloads else "")
-          + (f"; grpo: {args.prompts} prompts x {args.generations} completions of {args.new_tokens} tokens a step, "
-             f"{args.grpo_steps} measured steps" if "grpo" in args.workloads else "") + ", "
-          f"{args.repeat} run(s) each; work folder {wd}", flush=True)
+    trained = [w for w in args.workloads if w != "grpo"]
+    parts = [f"model {args.model}" if args.model else f"{args.size} model", f"precision {precision}"]
+    if trained:
+        parts.append(f"batch {args.batch}, max_len {args.max_len}, fixed_len {args.fixed_len}, {args.warmup} warm-up "
+                     f"+ {args.steps} measured steps" + (f" ({measured_steps(args, 'cls', True)}, one epoch, where "
+                                                          "cls is grouped by length)" if "cls" in trained else ""))
+    if "grpo" in args.workloads:
+        parts.append(f"grpo: {args.prompts} prompts x {args.generations} completions of at most {args.new_tokens} "
+                     f"tokens a step, {args.warmup} warm-up + {args.grpo_steps} measured steps"
+                     + (" (builtin:addition, number_match)" if args.model else ""))
+    print(f"bench: {'; '.join(parts)}; {args.repeat} run(s) each; work folder {wd}", flush=True)
 
 
-def peak_flops(args, precision: str) -> float:
+def peak_flops(args, wd: Path, precision: str) -> float:
     """The matmul peak MFU divides by. Measured here, before any contender starts and in none of their processes
     (their peak memory stays theirs), with the model's matmul shapes: hidden x hidden, hidden x intermediate,
     hidden x vocabulary."""
@@ -796,7 +906,7 @@ def peak_flops(args, precision: str) -> float:
     from accel_train.tracking import matmul_dims, measure_peak_flops
 
     device = torch.device("cuda" if _cuda() else "cpu")
-    size = SIZES[args.size]
+    size = model_shape(args, wd)
     dims = matmul_dims([(size["intermediate_size"], size["hidden_size"]), (size["vocab_size"], size["hidden_size"])])
     return measure_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32,
                               seconds=0.25 if args.quick else 0.5, inner_dims=dims)  # per shape
@@ -809,9 +919,11 @@ def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -
     for contender in args.contenders:
         if contender == "ours":
             jobs.append(lambda: run_ours(args, wd, workload, precision, 1))
-        elif workload == "grpo":  # TRL's GRPOTrainer; Trainer and the bare loop have no rollouts
-            if contender == "trl":
-                jobs.append(lambda: run_child("trl", args, wd, workload, precision))
+        elif workload == "grpo":  # TRL's GRPOTrainer, bare generation; Trainer and the bare loop have no rollouts
+            if contender in ("trl", "generate"):
+                jobs.append(lambda c=contender: run_child(c, args, wd, workload, precision))
+        elif contender == "generate":  # grpo only
+            continue
         elif contender == "trainer":
             jobs.append(lambda: run_child("trainer", args, wd, workload, precision))
             if workload == "cls":
@@ -849,6 +961,11 @@ def compare(workloads: list[str], results: list[dict], first: str | None, scaled
             # 1 where both generated as many tokens a completion (both stop at max_new_tokens on a random model)
             ratios["completion_length_ours_vs_trl_grpo"] = _ratio(ours, trl, "completion_mean_length")
             ratios["memory_ours_vs_trl_grpo"] = _ratio(ours, trl, "peak_memory_mb")
+            # ours' tokens/s while rolling out over bare generate's, on the same rows (the rollouts' own speed)
+            bare_generate = _find(results, "generate", w)
+            ratios["generation_ours_vs_generate_grpo"] = (
+                round(ours["generation_tokens_per_sec"] / bare_generate["generated_tokens_per_sec"], 4)
+                if ours and bare_generate else None)
             continue
         ratios[f"ours_vs_trainer_{w}"] = _ratio(ours, trainer)
         if w == "cls":

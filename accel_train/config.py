@@ -436,6 +436,10 @@ class GrpoConfig:
     """Assistant turns at most per completion with grpo.tools or grpo.environment; None: 4."""
     tool_timeout_s: float = 10.0
     """grpo.tools: a call still running after this many seconds gets "timed out" as its result."""
+    merge_adapter: Optional[bool] = None
+    """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
+    at each rollout and freed after it (generation.merged_adapter): faster, for the memory of that copy; false: run
+    the adapter beside the weights. None: true under LoRA, but for a quantized model (model.quantization)."""
 
 
 @dataclass
@@ -663,6 +667,10 @@ class Config:
             raise ConfigError(f"grpo.max_turns must be >= 1, got {g.max_turns}")
         if g.tool_timeout_s <= 0:
             raise ConfigError(f"grpo.tool_timeout_s must be > 0, got {g.tool_timeout_s}")
+        if g.merge_adapter and (not self.lora.enabled or self.model.quantization):
+            raise ConfigError("grpo.merge_adapter=true merges a LoRA adapter into the weights it adapts: " + (
+                "this run has no adapter (lora.enabled=false)" if not self.lora.enabled else
+                f"the quantized weights (model.quantization={self.model.quantization}) cannot hold it") + "; remove it")
 
     def _check_distill(self):
         d = self.distill

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,38 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     cache = getattr(out, CACHE_ARG)  # its outputs' name too (past_key_values: a deprecation warning)
     cache.batch_repeat_interleave(repeats)
     return cache
+
+
+@contextmanager
+def merged_adapter(model, enabled: bool = True):
+    """Inside, each LoRA linear layer of `model` computes with one weight, its base weight plus the active adapters'
+    W_B W_A x scaling, made on entering (a copy of the adapted weights for as long as the context lasts): generate()
+    then runs one matmul per layer and token instead of peft's three (the base's and the adapter's two), 14% of a
+    rollout's time on SmolLM2-135M on a CPU. On leaving, every base weight is its own tensor again (swapped back, not
+    unmerged by a subtraction, which would round the frozen weights a little at every rollout). Layers peft merges
+    otherwise (DoRA and other variants, an adapter with its own bias) or whose weight is not a plain float tensor
+    (quantized) run their adapter as before."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    swapped = []
+    with torch.no_grad():
+        for layer in model.modules() if enabled else ():
+            if not isinstance(layer, LoraLinear) or layer.merged or layer.disable_adapters:
+                continue
+            active = [a for a in layer.active_adapters if a in layer.lora_A]
+            weight = layer.get_base_layer().weight
+            if (not active or not weight.is_floating_point() or type(weight.data) is not torch.Tensor
+                    or any(a in layer.lora_variant or layer.lora_bias.get(a) for a in active)):
+                continue
+            swapped.append((layer, weight.data))
+            weight.data = weight.data + sum(layer.get_delta_weight(a) for a in active).to(weight.dtype)
+            layer.merged_adapters = active
+    try:
+        yield
+    finally:
+        for layer, original in swapped:
+            layer.get_base_layer().weight.data = original
+            layer.merged_adapters = []
 
 
 def eval_generation_config(cfg: Config, tokenizer, model) -> GenerationConfig:

@@ -165,6 +165,9 @@ CASES = {
     "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
                             "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                             "got 1"),
+    "grpo merge_adapter without LoRA": (lambda t: [*GRPO, "lora.enabled=false", "grpo.merge_adapter=true"],
+                                        "grpo.merge_adapter=true merges a LoRA adapter into the weights it adapts: "
+                                        "this run has no adapter (lora.enabled=false); remove it"),
     "grpo data without prompts": (grpo_without_prompts, "q.jsonl has no 'prompt' or 'messages' column of prompts "
                                                         "needed by task grpo; columns found: question, response"),
     "dpo precompute_ref on a stream": (lambda t: [*DPO, "data.streaming=true", "dpo.precompute_ref=true"],

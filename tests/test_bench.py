@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import forked_launch, python_m
 
 from accel_train import bench, dist
@@ -111,15 +112,68 @@ def test_bench_reads_ours_grpo_run(tmp_path, monkeypatch):
     assert 0 < r["generation_share"] < 1 and 0 < r["completion_mean_length"] <= 4
 
 
+@pytest.mark.long
+def test_bench_grpo_on_a_model_folder(tmp_path, monkeypatch):
+    """--model: ours, TRL's GRPOTrainer and bare generation each run for real (forked as python_m forks the CLI) on
+    a model folder with its weights, asked builtin:addition's sums and rewarded by number_match: each side is given
+    the folder and the data, and reports its steps, generated tokens and memory; the ratios to bare generation are
+    there. A --model beside other workloads, or without a config.json, is refused before anything runs."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from accel_train.config import TINY_MODEL
+
+    folder = tmp_path / "model"
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**bench.SIZES["small"], "num_hidden_layers": 1}, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    commands = {}
+
+    def run(cmd, tag):
+        commands[tag] = cmd
+        assert cmd[:2] == [sys.executable, "-m"], cmd
+        proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
+        assert proc.returncode == 0, (tag, proc.stderr[-3000:])
+
+    monkeypatch.setattr(bench, "_run", run)
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        monkeypatch.setenv(key, value)
+    report = bench.main(["--workloads", "grpo", "--model", str(folder), "--contenders", "ours,trl,generate",
+                         "--prompts", "2", "--generations", "2", "--new-tokens", "4", "--warmup", "1",
+                         "--grpo-steps", "1", "--precision", "no", "--out", str(tmp_path / "b.json"),
+                         "--workdir", str(tmp_path / "work")])
+    assert list(commands) == ["ours-grpo-1p", "trl-grpo", "generate-grpo"]
+    for tag, cmd in commands.items():
+        given = cmd if tag.startswith("ours") else json.loads(cmd[cmd.index("--spec") + 1])["overrides"]
+        for setting in (f"model.name_or_path={folder}", "model.random_init=false", "data.path=builtin:addition",
+                        "grpo.rewards=[number_match]"):
+            assert setting in given, (tag, setting)
+        assert given.index("grpo.rewards=[number_match]") > given.index("grpo.rewards=[exact_match]"), tag
+    assert report["model"]["hidden_size"] == bench.SIZES["small"]["hidden_size"]
+    by = {r["contender"]: r for r in report["results"]}
+    for name, r in by.items():
+        assert r["steps_measured"] == 1 and r["steps_per_sec"] > 0 and r["peak_memory_mb"] > 0, name
+        assert r["generated_tokens_per_sec"] > 0 and 0 < r["completion_mean_length"] <= 4, name
+    assert by["generate"]["generation_share"] == 1.0 and 0 < by["ours"]["generation_share"] < 1
+    for key in ("ours_vs_trl_grpo", "generation_ours_vs_generate_grpo", "completion_length_ours_vs_trl_grpo"):
+        assert report["ratios"][key] > 0, key
+    with pytest.raises(SystemExit, match="2"):
+        bench.parse_args(["--model", str(folder)])  # every workload
+    with pytest.raises(SystemExit, match="2"):
+        bench.parse_args(["--workloads", "grpo", "--model", str(tmp_path)])
+
+
 def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     """The default bench's bookkeeping, every workload and contender, with each process replaced by the files it
     would leave (ours: steps.json and summary.json; the others: result.json) for the steps its command line asks
     for: which contenders run where and with what options, the measured windows (one epoch for the batches grouped
     by length), and every ratio from its two rows; grpo's rows (ours' generated tokens a step from its real tokens
     less its prompts') and table."""
-    speed = {"ours": 4.0, "trainer": 2.0, "bare": 5.0, "trl": 3.2, "trl_grpo": 3.2}  # real tokens per second
+    speed = {"ours": 4.0, "trainer": 2.0, "bare": 5.0, "trl": 3.2, "trl_grpo": 3.2, "generate": 8.0}  # tokens/s
     commands = {}
-    split = {"ours": (3.0, 1.0), "trl_grpo": (2.0, 2.0)}  # grpo: the run's seconds generating, and the rest
+    # grpo: the run's seconds generating, and the rest (bare generation: all of it generating)
+    split = {"ours": (3.0, 1.0), "trl_grpo": (2.0, 2.0), "generate": (4.0, 0.0)}
 
     def run(cmd, tag):
         commands[tag] = cmd
@@ -158,10 +212,11 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     assert list(commands) == [  # ours, then the others in --contenders' order, the 2-process run last
         "ours-skewed-1p", "trainer-skewed", "bare-skewed", "trl-skewed-padding_free", "ours-skewed-2p",
         "ours-fixed-1p", "trainer-fixed", "bare-fixed", "trl-fixed",
-        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length", "ours-grpo-1p", "trl-grpo"]
+        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length", "ours-grpo-1p", "trl-grpo", "generate-grpo"]
     # grpo: --prompts prompts a step for ours, x --generations completions for TRL's GRPOTrainer (its child)
     assert "train.per_device_batch_size=4" in commands["ours-grpo-1p"] and "task=grpo" in commands["ours-grpo-1p"]
     assert commands["trl-grpo"][commands["trl-grpo"].index("--child") + 1] == "trl_grpo"
+    assert commands["generate-grpo"][commands["generate-grpo"].index("--child") + 1] == "generate"
     assert commands["ours-skewed-2p"][1] == "launch" and "train.per_device_batch_size=1" in commands["ours-skewed-2p"]
     epoch = 400 // 2  # cls: 200 batches of samples
     by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
@@ -170,7 +225,8 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
         assert r["steps_measured"] == (epoch if grouped else 2 if key[1] == "grpo" else 3), key
         assert r["tokens_per_sec"] == pytest.approx(speed[key[0]], rel=1e-3), key
     # grpo's measured steps (the 2nd and 3rd): 32 rows of 33 + 32 tokens, less 1 and 2 generated
-    for name, r in (("ours", by["ours", "grpo", 1]), ("trl_grpo", by["trl", "grpo", 1])):
+    for name, r in (("ours", by["ours", "grpo", 1]), ("trl_grpo", by["trl", "grpo", 1]),
+                    ("generate", by["generate", "grpo", 1])):
         seconds = (32 * 65 - 1 + 32 * 65 - 2) / speed[name]
         assert r["steps_per_sec"] == pytest.approx(2 / seconds, rel=1e-3)
         assert r["generated_tokens_per_sec"] == pytest.approx((32 * 32 * 2 - 3) / seconds, rel=1e-3)
@@ -189,14 +245,18 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
                 "memory_ours_vs_trl_grpo"):
         assert ratios[key] == pytest.approx(1.25, rel=1e-3), key
     assert ratios["completion_length_ours_vs_trl_grpo"] == 1.0
-    assert "ours_vs_trl_skewed" not in report["targets"] and "ours_vs_trl_grpo" not in report["targets"]
+    # ours' tokens/s while generating (7 x 4.0) over bare generation's over its measured steps
+    seconds = (32 * 65 - 1 + 32 * 65 - 2) / speed["generate"]
+    assert ratios["generation_ours_vs_generate_grpo"] == pytest.approx(28.0 / ((32 * 32 * 2 - 3) / seconds), rel=1e-3)
+    assert "ours_vs_trl_skewed" not in report["targets"]
+    assert report["targets"]["ours_vs_trl_grpo"] == 1.5 and report["targets"]["generation_ours_vs_generate_grpo"] == 0.9
     table = capsys.readouterr().out
     assert "| ours | 1 x" in table and "| trl | 1 x" in table and "| ours_vs_trl_grpo | 1.2" in table
 
 
 def test_bench_trl_contender_needs_trl(monkeypatch, capsys):
     monkeypatch.setattr(bench, "_has_trl", lambda: False)
-    assert bench.parse_args([]).contenders == ["ours", "trainer", "bare"]  # by default: where it is installed
+    assert bench.parse_args([]).contenders == ["ours", "trainer", "bare", "generate"]  # trl where it is installed
     with pytest.raises(SystemExit):
         bench.parse_args(["--contenders", "ours,trl"])
     assert capsys.readouterr().err.strip().endswith("the trl contender needs TRL: pip install trl")

@@ -571,3 +571,48 @@ def test_a_generation_setting_that_cannot_be_switched_off_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"sets forced_eos_token_id=3, bad_words_ids=\[\[5\]\], which generate"):
         generation_config(model, tokenizer, 4)
     assert generation_config(model, tokenizer, 4, from_model=True).forced_eos_token_id == 3
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_merged_adapter_gives_the_adapters_logits_and_leaves_the_weights_as_they_were(dora):
+    """generation.merged_adapter (grpo's rollouts): inside, each LoRA layer runs one matmul, its weight plus
+    W_B W_A x scaling, and the model's logits are those of the adapter beside the weights (to 1e-5); after (an
+    error inside included), every base weight is its own tensor again, bit for bit (swapped back, not unmerged by a
+    subtraction that rounds), and the adapter runs again. A DoRA layer (which peft merges otherwise) keeps its
+    adapter's path."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accel_train.generation import merged_adapter
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=2, num_attention_heads=4)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora)).eval()
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for layer in layers:  # a trained adapter: B is no longer 0
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.1)
+    before = {id(layer): (layer.get_base_layer().weight.data_ptr(), layer.get_base_layer().weight.detach().clone())
+              for layer in layers}
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        calls = []
+        hooks = [layer.lora_A["default"].register_forward_hook(lambda *_: calls.append(1)) for layer in layers]
+        with merged_adapter(model):
+            assert all(layer.merged for layer in layers) != dora
+            got = model(input_ids=ids).logits
+        assert bool(calls) == dora  # merged: the adapter's own matmuls never run
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        with pytest.raises(RuntimeError), merged_adapter(model):
+            raise RuntimeError("a failing rollout")
+        for h in hooks:
+            h.remove()
+    for layer in layers:
+        pointer, values = before[id(layer)]
+        weight = layer.get_base_layer().weight
+        assert weight.data_ptr() == pointer and torch.equal(weight, values) and not layer.merged
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)

@@ -554,6 +554,23 @@ def test_builtin_addition_asks_single_digit_sums():
     assert len({r["prompt"] for r in rows}) > 60  # most of the 81 sums
 
 
+def logps_and_grads(model, fn, weights: torch.Tensor) -> tuple:
+    """fn()'s (log-probs, entropies), and every weight's gradient of the log-probs' sum with `weights`."""
+    model.zero_grad()
+    logps, entropy = fn()
+    (logps * weights).sum().backward()
+    return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def formula_logps(model, batch: dict, prompt: int, temperature: float) -> tuple:
+    """log_softmax(logits / T) of the whole rows' forward at their tokens after `prompt` (position t - 1 predicts
+    token t), and the entropies there."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+    logprobs = torch.log_softmax(logits[:, prompt - 1:-1] / temperature, -1)
+    return logprobs.gather(-1, ids[:, prompt:, None])[..., 0], -(logprobs.exp() * logprobs).sum(-1)
+
+
 @pytest.mark.parametrize("route", ["hidden states", "logits"])
 def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
     """completion_logps on 3 completions of 6, 2 and 4 tokens (padded to 6) with 4 tokens' fp32 logits per chunk:
@@ -580,17 +597,9 @@ def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
     weights = torch.randn(3, width)
 
     def run(fn):
-        model.zero_grad()
-        logps, entropy = fn()
-        (logps * weights * mask).sum().backward()
-        return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+        return logps_and_grads(model, fn, weights * mask)
 
-    def formula():
-        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=batch["position_ids"]).logits
-        logprobs = torch.log_softmax(logits[:, prompt - 1:-1] / temperature, -1)
-        return logprobs.gather(-1, ids[:, prompt:, None])[..., 0], -(logprobs.exp() * logprobs).sum(-1)
-
-    want = run(formula)
+    want = run(lambda: formula_logps(model, batch, prompt, temperature))
     largest = LargestTensors(vocab, hidden=32)
     if route == "logits":
         with largest:
@@ -608,6 +617,51 @@ def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
     assert softmax <= (4 if route == "hidden states" else width + 1) * vocab, dict(largest.sizes)
     if route == "hidden states":
         assert max(largest.sizes.values()) <= 4 * vocab, dict(largest.sizes)
+
+
+@pytest.mark.parametrize("route", ["hidden states", "logits"])
+def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route):
+    """A micro-batch of 2 prompts of 5 and 3 tokens (the second left-padded), each with a group of 3 completions of
+    different lengths: completion_logps runs each prompt's forward once (the model sees 2 prompt rows, not 6) and
+    gives the log-probs, entropies and gradients of the whole rows' forward (log_softmax(logits / T) of the padded
+    rows with their mask and positions), on every weight, the prompt's ones included (they reach the completions
+    through the KV cache)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, G, width, temperature = 101, 3, 4, 0.7
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    prompts = [torch.randint(1, vocab, (5,)).tolist(), torch.randint(1, vocab, (3,)).tolist()]
+    lengths = [4, 1, 3, 2, 4, 4]
+    rows, masks = [], []
+    for k, n in enumerate(lengths):
+        p = prompts[k // G]
+        rows.append([0] * (5 - len(p)) + p + torch.randint(1, vocab, (n,)).tolist() + [0] * (width - n))
+        masks.append([0] * (5 - len(p)) + [1] * (len(p) + n) + [0] * (width - n))
+    ids, attention_mask = torch.tensor(rows), torch.tensor(masks)
+    labels = ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :5] = -100
+    mask = labels[:, 5:] != -100
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": grpo.position_ids(attention_mask),
+             "labels": labels, "completion_width": width, "group": G}
+    weights = torch.randn(len(rows), width)
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+
+    def run(fn):
+        return logps_and_grads(model, fn, weights * mask)
+
+    want = run(lambda: formula_logps(model, batch, 5, temperature))
+    head = grpo.output_head(model) if route == "hidden states" else None
+    seen.clear()
+    got = run(lambda: grpo.completion_logps(model, batch, temperature, head, prompts_by=model))
+    assert seen == [(2, 4), (6, width + 1)]  # the prompts but their last token once, then each row's rest
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g[mask], w[mask], rtol=0, atol=1e-5)
+    for name, grad in want[2].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.fixture(scope="module")

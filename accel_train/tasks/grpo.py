@@ -79,7 +79,7 @@ from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.data import columns as data_columns, row_counts
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.generation import CACHE_ARG, generation_config, shared_prompt_cache, until_stop
+from accel_train.generation import CACHE_ARG, generation_config, merged_adapter, shared_prompt_cache, until_stop
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.tasks import Task
 from accel_train.tasks.dpo import reference_mode
@@ -380,6 +380,8 @@ class Rollouts:
         # multi-turn rollouts (grpo.tools, grpo.environment): one environment per completion
         self.make_env, self.max_turns = tools_lib.environment_factory(cfg, tokenizer), tools_lib.max_turns(cfg)
         self.tools = tools_lib.schemas(tuple(self.g.tools))
+        merge = self.g.merge_adapter
+        self.merge = merge if merge is not None else cfg.lora.enabled and not cfg.model.quantization
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
@@ -412,25 +414,27 @@ class Rollouts:
         was_training = unwrapped.training
         unwrapped.eval()
         out, records, failed = [], [], None
-        for batch in prompt_batches:
-            try:
-                with self.accelerator.autocast():
-                    # a replayed batch (weight 0: its tokens do not matter) runs no environment
-                    completions = self.generate(unwrapped, batch, step, multi=log)
-                micro, rows = self.score(batch, completions, step, log)
-            except RewardError as e:  # a reward function's, or an environment's
-                failed = str(e)
-                break
-            out.append(micro)
-            records += rows
+        with merged_adapter(unwrapped, self.merge):  # one copy of the adapted weights for the whole rollout
+            for batch in prompt_batches:
+                try:
+                    with self.accelerator.autocast():
+                        # a replayed batch (weight 0: its tokens do not matter) runs no environment
+                        completions = self.generate(unwrapped, batch, step, multi=log)
+                    micro, rows = self.score(batch, completions, step, log)
+                except RewardError as e:  # a reward function's, or an environment's
+                    failed = str(e)
+                    break
+                out.append(micro)
+                records += rows
         unwrapped.train(was_training)
         if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
             stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
+            prompts_by = None if self.cfg.train.gradient_checkpointing else unwrapped  # as PolicyLoss runs them
             for micro in out:
                 with self.accelerator.autocast():
                     micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
-                        unwrapped, zero3(self.accelerator)))[0]
+                        unwrapped, zero3(self.accelerator)), prompts_by)[0]
         self.generation_s += time.perf_counter() - t0
         self.phase("")
         if log:
@@ -597,7 +601,7 @@ class Rollouts:
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
         return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention_mask,
                 "position_ids": position_ids(attention_mask), "labels": labels, "completion_width": width,
-                "advantages": advantages.to(device, torch.float32), "targets": targets}
+                "group": G, "advantages": advantages.to(device, torch.float32), "targets": targets}
 
     def write(self, records: list[dict]) -> None:
         """Every rank's rollouts into rollouts.jsonl, by the main process (a collective: every rank rolls out at the
@@ -647,17 +651,21 @@ class Rollouts:
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def completion_logps(model, batch: dict, temperature: float, head: torch.nn.Module | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model, batch: dict, temperature: float, head: torch.nn.Module | None = None,
+                     prompts_by: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) of each row's completion positions (rows, completion width), at `temperature`, in
     fp32, never more than one chunk of fp32 logits at once (CHUNK_BYTES; each but the last recomputed in backward).
     With `head` (`output_head`), no logits at all: for one model call the head returns these two numbers per
     completion token, computed chunk by chunk from the hidden states (0 at padding). Without, from the model's logits
-    of the completion (logits_to_keep), a chunk of rows at a time."""
+    of the completion (logits_to_keep), a chunk of rows at a time. prompts_by: the model unwrapped (of DDP's or
+    DeepSpeed's wrapper), to run each prompt's forward once for its group of batch["group"] rows (`prompt_once`);
+    None: whole rows."""
     width = batch["completion_width"]
     tokens = batch["input_ids"][:, -width:]
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-              "position_ids": batch["position_ids"], "use_cache": False, "logits_to_keep": width + 1}
+    inputs = prompt_once(prompts_by, batch, width) if prompts_by is not None else None
+    inputs = inputs or {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                        "position_ids": batch["position_ids"], "use_cache": False}
+    inputs["logits_to_keep"] = width + 1
     if head is not None:
         with head_computing(head, tokens, batch["labels"][:, -width:] != IGNORE_INDEX, temperature):
             values = model(**inputs).logits
@@ -666,6 +674,22 @@ def completion_logps(model, batch: dict, temperature: float, head: torch.nn.Modu
         values = LogitValues.apply(logits, torch.nn.functional.pad(tokens, (0, 1)), temperature,
                                    CHUNK_BYTES // (4 * logits[0].numel()))[:, :-1]
     return values[..., 0], values[..., 1].detach()
+
+
+def prompt_once(model: torch.nn.Module, batch: dict, width: int) -> dict | None:
+    """The inputs of a forward over each row's last prompt token and its completion, continuing from the KV cache of
+    its prompt (all but that token), computed once per group of batch["group"] rows and repeated for them
+    (generation.shared_prompt_cache, here with its gradient): the rows of a group share their prompt, so its forward
+    and backward run once, not G times (with G = 8 and prompts longer than completions, half the step's work). The
+    same numbers as the whole rows' forward (the positions and the mask are theirs); None where there is nothing to
+    share. Under DDP the completions' forward, through the wrapper, is the one that prepares the gradients' all-reduce;
+    the prompts' reaches the same weights, whose gradients are summed before it runs."""
+    G, prompt = batch.get("group", 1), batch["input_ids"].shape[1] - width
+    if G < 2 or prompt < 2:
+        return None
+    cache = shared_prompt_cache(model, batch["input_ids"][::G, :prompt], batch["attention_mask"][::G, :prompt], G)
+    return {"input_ids": batch["input_ids"][:, prompt - 1:], "attention_mask": batch["attention_mask"],
+            "position_ids": batch["position_ids"][:, prompt - 1:], "use_cache": True, CACHE_ARG: cache}
 
 
 def _same(logits: torch.Tensor) -> torch.Tensor:
@@ -759,6 +783,8 @@ class PolicyLoss:
         """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
         > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
         self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
+        # gradient checkpointing recomputes each layer without its KV cache (transformers drops it): whole rows
+        self.share_prompts = not cfg.train.gradient_checkpointing
         self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
         if self.g.beta and not self.lora:
             if model is None:
@@ -773,7 +799,8 @@ class PolicyLoss:
     def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         sharded = zero3(self.accelerator)
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        logps, entropy = completion_logps(model, batch, self.g.temperature, output_head(unwrapped, sharded))
+        logps, entropy = completion_logps(model, batch, self.g.temperature, output_head(unwrapped, sharded),
+                                          unwrapped if self.share_prompts else None)
         mask = (batch["labels"][:, -batch["completion_width"]:] != IGNORE_INDEX).float()
         old = batch.get("old_logps", logps.detach())
         ratio = torch.exp(logps - old)
@@ -785,7 +812,8 @@ class PolicyLoss:
         if self.g.beta:
             reference = self.reference if self.reference is not None else unwrapped
             with reference_mode(reference, self.lora), self.accelerator.autocast():
-                ref = completion_logps(reference, batch, self.g.temperature, output_head(reference, sharded))[0]
+                ref = completion_logps(reference, batch, self.g.temperature, output_head(reference, sharded),
+                                       reference if self.share_prompts else None)[0]
             kl = torch.exp(ref - logps) - (ref - logps) - 1
             per_token = per_token + self.g.beta * kl
             logged.append((kl.detach() * mask).sum())
@@ -810,23 +838,24 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     unwrapped.eval()
     sums, counts, n, failed = 0, 0, 0, None
-    for batch in eval_dl:
-        n_rows = len(batch["prompt_ids"])
-        try:
-            with accelerator.autocast():
-                completions = rollouts.turns(unwrapped, batch, 1)
-            values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.texts(completions), completions.ids,
-                                                   completions.columns(batch["columns"])))
-            lengths = [float(n) for n in completions.written()]
-        except RewardError as e:  # the others gather on: every rank stops after the loop
-            failed = failed or str(e)
-            values = torch.full((len(rollouts.rewards.names), n_rows), math.nan)
-            lengths = [math.nan] * n_rows
-        total = weighted_total(values, rollouts.rewards.weights)
-        rows = torch.cat([total[None], values, torch.tensor([lengths])]).T
-        rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
-        # means over the values given: a None (NaN) is left out
-        sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)
+    with merged_adapter(unwrapped, rollouts.merge):  # one copy of the adapted weights for all batches
+        for batch in eval_dl:
+            n_rows = len(batch["prompt_ids"])
+            try:
+                with accelerator.autocast():
+                    completions = rollouts.turns(unwrapped, batch, 1)
+                values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.texts(completions), completions.ids,
+                                                       completions.columns(batch["columns"])))
+                lengths = [float(n) for n in completions.written()]
+            except RewardError as e:  # the others gather on: every rank stops after the loop
+                failed = failed or str(e)
+                values = torch.full((len(rollouts.rewards.names), n_rows), math.nan)
+                lengths = [math.nan] * n_rows
+            total = weighted_total(values, rollouts.rewards.weights)
+            rows = torch.cat([total[None], values, torch.tensor([lengths])]).T
+            rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
+            # means over the values given: a None (NaN) is left out
+            sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)
     unwrapped.train()
     stop_together(accelerator, failed, "scoring the evaluation's answers")
     means = (sums / counts).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
