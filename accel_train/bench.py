@@ -241,7 +241,7 @@ def model_shape(args, wd: Path) -> dict:
         return SIZES[args.size]
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir(args, wd))
+    config = AutoConfig.from_pretrained(model_dir(args, wd)).get_text_config()
     return {k: getattr(config, k, None) for k in SIZES["25m"]}
 
 
@@ -493,19 +493,21 @@ def child_trl_grpo(spec: dict) -> dict:
 
 
 def child_generate(spec: dict) -> dict:
-    """grpo's physical reference: a bare `model.generate` of the rows ours and TRL generate, outside any trainer.
-    The model as from_pretrained loads it, in ours' weight dtype (model.dtype) and autocast, without an adapter (a
-    fresh one adds nothing; ours generates with its adapter merged into the weights); each step's prompts (ours'
-    prompts a step, in the data's order) through the chat template with its generation prompt, left-padded, each
-    sampled num_generations times (num_return_sequences) in one call with the KV cache, at the config's temperature
-    and top_p, no top-k, up to max_new_tokens, stopping at the stop ids ours stops at (formats.stop_token_ids).
-    Counted as ours counts: each completion's tokens up to and with its stop token."""
+    """grpo's physical reference: a bare `model.generate` of the prompts ours and TRL generate from, outside any
+    trainer. The model as from_pretrained loads it, in ours' weight dtype (model.dtype) and autocast, without an
+    adapter (a fresh one adds nothing; ours generates with its adapter merged into the weights); each step's prompts
+    (as many as ours', in the data's order where ours shuffles: all of one length on both workloads) through the
+    chat template with its generation prompt, left-padded, each sampled num_generations times in one call as a plain
+    generate does it (num_return_sequences: each row's prompt prefilled, where ours prefills a group's once), with
+    ours' settings (generation.generation_config: the config's temperature and top_p, no top-k, no penalty of the
+    model's file, up to max_new_tokens, stopping at ours' stop ids). Counted as ours counts: each completion's tokens
+    up to and with its stop token."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from accel_train import data as data_lib
     from accel_train.config import load_config
-    from accel_train.formats import stop_token_ids
+    from accel_train.generation import generation_config
     from accel_train.model import build_tokenizer
     from accel_train.tracking import reset_peak_memory
 
@@ -518,10 +520,10 @@ def child_generate(spec: dict) -> dict:
     model = (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype)
              if cfg.model.random_init else AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype))
     model.to(device).eval()
-    stops = stop_token_ids(tokenizer, model.generation_config)
-    config = GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
-                              max_new_tokens=g.max_new_tokens, num_return_sequences=g.num_generations,
-                              eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    config = generation_config(model, tokenizer, g.max_new_tokens, do_sample=True, temperature=g.temperature,
+                               top_p=g.top_p)
+    config.num_return_sequences = g.num_generations
+    stops = config.eos_token_id
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.mixed_precision == "bf16")
     column = cfg.data.prompt_field
     torch.manual_seed(cfg.seed)
@@ -961,11 +963,9 @@ def compare(workloads: list[str], results: list[dict], first: str | None, scaled
             # 1 where both generated as many tokens a completion (both stop at max_new_tokens on a random model)
             ratios["completion_length_ours_vs_trl_grpo"] = _ratio(ours, trl, "completion_mean_length")
             ratios["memory_ours_vs_trl_grpo"] = _ratio(ours, trl, "peak_memory_mb")
-            # ours' tokens/s while rolling out over bare generate's, on the same rows (the rollouts' own speed)
+            # ours' tokens/s while rolling out over bare generate's, both over the whole run (the rollouts' speed)
             bare_generate = _find(results, "generate", w)
-            ratios["generation_ours_vs_generate_grpo"] = (
-                round(ours["generation_tokens_per_sec"] / bare_generate["generated_tokens_per_sec"], 4)
-                if ours and bare_generate else None)
+            ratios["generation_ours_vs_generate_grpo"] = _ratio(ours, bare_generate, "generation_tokens_per_sec")
             continue
         ratios[f"ours_vs_trainer_{w}"] = _ratio(ours, trainer)
         if w == "cls":

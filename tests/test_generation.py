@@ -578,8 +578,8 @@ def test_a_merged_adapter_gives_the_adapters_logits_and_leaves_the_weights_as_th
     """generation.merged_adapter (grpo's rollouts): inside, each LoRA layer runs one matmul, its weight plus
     W_B W_A x scaling, and the model's logits are those of the adapter beside the weights (to 1e-5); after (an
     error inside included), every base weight is its own tensor again, bit for bit (swapped back, not unmerged by a
-    subtraction that rounds), and the adapter runs again. A DoRA layer (which peft merges otherwise) keeps its
-    adapter's path."""
+    subtraction that rounds), and the adapter runs again. A DoRA layer (which peft merges otherwise), and an adapted
+    head tied to the input embeddings (its weight is theirs too), keep their adapter's path."""
     import torch
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.layer import Linear as LoraLinear
@@ -589,9 +589,14 @@ def test_a_merged_adapter_gives_the_adapters_logits_and_leaves_the_weights_as_th
 
     torch.manual_seed(0)
     model = get_peft_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                        num_hidden_layers=2, num_attention_heads=4)),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora)).eval()
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        tie_word_embeddings=True)),
+                           LoraConfig(r=4, lora_alpha=8, use_dora=dora, target_modules=[
+                               "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                               "lm_head"])).eval()
     layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    head = model.get_output_embeddings()
+    assert isinstance(head, LoraLinear) and head.get_base_layer().weight is model.get_input_embeddings().weight
     for layer in layers:  # a trained adapter: B is no longer 0
         torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.1)
     before = {id(layer): (layer.get_base_layer().weight.data_ptr(), layer.get_base_layer().weight.detach().clone())
@@ -602,9 +607,11 @@ def test_a_merged_adapter_gives_the_adapters_logits_and_leaves_the_weights_as_th
         calls = []
         hooks = [layer.lora_A["default"].register_forward_hook(lambda *_: calls.append(1)) for layer in layers]
         with merged_adapter(model):
-            assert all(layer.merged for layer in layers) != dora
+            assert [layer.merged for layer in layers if layer is not head] == [not dora] * (len(layers) - 1)
+            assert not head.merged and torch.equal(model.get_input_embeddings().weight, before[id(head)][1])
             got = model(input_ids=ids).logits
-        assert bool(calls) == dora  # merged: the adapter's own matmuls never run
+        # merged: the adapter's own matmuls never run, but the tied head's (and DoRA's, every layer's, in its norm too)
+        assert len(calls) >= len(layers) if dora else len(calls) == 1
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         with pytest.raises(RuntimeError), merged_adapter(model):
             raise RuntimeError("a failing rollout")

@@ -430,7 +430,7 @@ class Rollouts:
         if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
             stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
-            prompts_by = None if self.cfg.train.gradient_checkpointing else unwrapped  # as PolicyLoss runs them
+            prompts_by = unwrapped if shares_prompts(self.cfg) else None  # as PolicyLoss runs them
             for micro in out:
                 with self.accelerator.autocast():
                     micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
@@ -676,18 +676,28 @@ def completion_logps(model, batch: dict, temperature: float, head: torch.nn.Modu
     return values[..., 0], values[..., 1].detach()
 
 
+def shares_prompts(cfg: Config) -> bool:
+    """Whether the policy's forward runs each prompt once for its group (prompt_once): not under gradient
+    checkpointing, which recomputes each layer without its KV cache (transformers drops it), nor torch.compile,
+    whose graph would take a cache of a new length at every batch."""
+    return not (cfg.train.gradient_checkpointing or cfg.train.compile)
+
+
 def prompt_once(model: torch.nn.Module, batch: dict, width: int) -> dict | None:
     """The inputs of a forward over each row's last prompt token and its completion, continuing from the KV cache of
     its prompt (all but that token), computed once per group of batch["group"] rows and repeated for them
     (generation.shared_prompt_cache, here with its gradient): the rows of a group share their prompt, so its forward
-    and backward run once, not G times (with G = 8 and prompts longer than completions, half the step's work). The
-    same numbers as the whole rows' forward (the positions and the mask are theirs); None where there is nothing to
-    share. Under DDP the completions' forward, through the wrapper, is the one that prepares the gradients' all-reduce;
-    the prompts' reaches the same weights, whose gradients are summed before it runs."""
+    and backward run once, not G times (SmolLM2, 4 prompts of 38 tokens x 8 completions of at most 24: 42% less
+    training time, 45% less peak memory). The same numbers as the whole rows' forward (the positions and the mask
+    are theirs); None where there is nothing to share or the model's cache does not repeat. Under DDP the
+    completions' forward, through the wrapper, is the one that prepares the gradients' all-reduce; the prompts'
+    reaches the same weights, whose gradients are summed before it runs."""
     G, prompt = batch.get("group", 1), batch["input_ids"].shape[1] - width
     if G < 2 or prompt < 2:
         return None
     cache = shared_prompt_cache(model, batch["input_ids"][::G, :prompt], batch["attention_mask"][::G, :prompt], G)
+    if cache is None:  # a cache that does not repeat (shared_prompt_cache)
+        return None
     return {"input_ids": batch["input_ids"][:, prompt - 1:], "attention_mask": batch["attention_mask"],
             "position_ids": batch["position_ids"][:, prompt - 1:], "use_cache": True, CACHE_ARG: cache}
 
@@ -783,8 +793,7 @@ class PolicyLoss:
         """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
         > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
         self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
-        # gradient checkpointing recomputes each layer without its KV cache (transformers drops it): whole rows
-        self.share_prompts = not cfg.train.gradient_checkpointing
+        self.share_prompts = shares_prompts(cfg)
         self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
         if self.g.beta and not self.lora:
             if model is None:
