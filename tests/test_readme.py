@@ -98,6 +98,11 @@ RUN_BY = {
         [(FIRST_HOUR, ["accel_train_launch", "cpu_2proc.yaml", "resume_from=latest"])],
     "accel_train.bench --quick": [("tests/test_bench.py::test_bench_quick_writes_every_figure", ['"--quick"'])],
     "accel_train.bench": [("tests/test_bench.py::test_bench_rows_and_ratios_of_every_workload", ["bench.main("])],
+    "accel_train.bench --workloads grpo --model outputs/smollm2/teacher --prompts 8 --new-tokens 24 --warmup 2 "
+    "--grpo-steps 5 --precision no":
+        [("tests/test_bench.py::test_bench_grpo_on_a_model_folder",
+          ['"--workloads", "grpo", "--model"', '"--prompts"', '"--new-tokens"', '"--warmup"', '"--grpo-steps"',
+           '"--precision", "no"'])],
     "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml --config configs/train/grpo_smollm2.yaml":
         [(RECIPES_TINY, ["configs/train/grpo_smollm2.yaml"])],
 }
