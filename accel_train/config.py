@@ -436,6 +436,9 @@ class GrpoConfig:
     """Assistant turns at most per completion with grpo.tools or grpo.environment; None: 4."""
     tool_timeout_s: float = 10.0
     """grpo.tools: a call still running after this many seconds gets "timed out" as its result."""
+    generation_batch_size: Optional[int] = None
+    """Prompts per generate call of the rollouts (each sampled grpo.num_generations times); None: all of a step's
+    prompts on a process in one call (the fastest; the KV cache of all their completions at once)."""
     merge_adapter: Optional[bool] = None
     """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
     at each rollout and freed after it (generation.merged_adapter): faster, for the memory of that copy; false: run
@@ -667,6 +670,9 @@ class Config:
             raise ConfigError(f"grpo.max_turns must be >= 1, got {g.max_turns}")
         if g.tool_timeout_s <= 0:
             raise ConfigError(f"grpo.tool_timeout_s must be > 0, got {g.tool_timeout_s}")
+        if g.generation_batch_size is not None and g.generation_batch_size < 1:
+            raise ConfigError(f"grpo.generation_batch_size must be >= 1 (or null: all of a step's prompts), got "
+                              f"{g.generation_batch_size}")
         if g.merge_adapter and (not self.lora.enabled or self.model.quantization):
             raise ConfigError("grpo.merge_adapter=true merges a LoRA adapter into the weights it adapts: " + (
                 "this run has no adapter (lora.enabled=false)" if not self.lora.enabled else

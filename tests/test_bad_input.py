@@ -165,6 +165,9 @@ CASES = {
     "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
                             "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                             "got 1"),
+    "grpo generation_batch_size 0": (lambda t: [*GRPO, "grpo.generation_batch_size=0"],
+                                     "grpo.generation_batch_size must be >= 1 (or null: all of a step's prompts), "
+                                     "got 0"),
     "grpo merge_adapter without LoRA": (lambda t: [*GRPO, "lora.enabled=false", "grpo.merge_adapter=true"],
                                         "grpo.merge_adapter=true merges a LoRA adapter into the weights it adapts: "
                                         "this run has no adapter (lora.enabled=false); remove it"),

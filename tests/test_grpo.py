@@ -664,6 +664,43 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route):
         torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls_sample():
+    """A window of two micro-batches (2 and 1 prompts, 4 completions each) is generated in one generate call of
+    12 rows, and split back into its micro-batches' completions; with grpo.generation_batch_size=1 in three calls
+    of 4 rows: the same tokens (each row draws its own noise)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from accel_train.config import CONFIGS_DIR
+
+    tiny = CONFIGS_DIR / "model" / "tiny-llama"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
+                                  autocast=contextlib.nullcontext)
+    texts = ["abcab", "reverse xyz", "q"]
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+           for t in texts]
+    batches = [{"prompt_ids": ids[:2], "index": torch.tensor([0, 1]), "prompts": texts[:2], "columns": {"a": [1, 2]}},
+               {"prompt_ids": ids[2:], "index": torch.tensor([2]), "prompts": texts[2:], "columns": {"a": [3]}}]
+    calls = []
+    generate = model.generate
+    model.generate = lambda **kw: calls.append(len(kw["input_ids"])) or generate(**kw)
+    got = {}
+    for size in ("null", "1"):
+        cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
+                                     f"grpo.generation_batch_size={size}"])
+        calls.clear()
+        got[size] = grpo.Rollouts(cfg, accelerator, model, tokenizer).generate_window(model, batches, step=3)
+        assert calls == ([12] if size == "null" else [4, 4, 4]), calls
+        assert [len(c.ids) for c in got[size]] == [8, 4]
+    assert [c.ids for c in got["null"]] == [c.ids for c in got["1"]]
+    assert len({tuple(c) for c in got["null"][0].ids}) > 1  # sampled, not one answer
+
+
 @pytest.fixture(scope="module")
 def accelerate_state():
     from accelerate import PartialState
