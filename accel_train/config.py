@@ -438,7 +438,8 @@ class GrpoConfig:
     """grpo.tools: a call still running after this many seconds gets "timed out" as its result."""
     generation_batch_size: Optional[int] = None
     """Prompts per generate call of the rollouts (each sampled grpo.num_generations times); None: all of a step's
-    prompts on a process in one call (the fastest; the KV cache of all their completions at once)."""
+    prompts on a process in one call (the fastest; the KV cache of all their completions at once: with
+    train.grad_accum_steps > 1, set it to train.per_device_batch_size for the memory of one micro-batch's)."""
     merge_adapter: Optional[bool] = None
     """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
     at each rollout and freed after it (generation.merged_adapter): faster, for the memory of that copy; false: run
