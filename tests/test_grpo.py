@@ -664,19 +664,6 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route):
         torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_rollouts_go_on_past_the_end_of_an_epoch(tmp_path):
-    """9 training prompts, 2 micro-batches of 2 a step: the 3rd step's window ends the epoch with 1 prompt (and
-    then none), and the run trains on into its 2nd and 3rd epochs (an empty window once crashed generate)."""
-    out = tmp_path / "run"
-    proc = python_m("task=grpo", "data.path=builtin:reverse", "data.builtin_size=10", "data.eval_fraction=0.1",
-                    "grpo.answer_field=response", "grpo.num_generations=2", "grpo.max_new_tokens=4",
-                    "train.per_device_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=7",
-                    "train.log_every=1", "train.mixed_precision=no", "track.log_with=[]", f"output_dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train = read_run(out)["train"]
-    assert [r["step"] for r in train] == list(range(1, 8)) and train[-1]["epoch"] >= 2, train
-
-
 def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls_sample():
     """A window of two micro-batches (2 and 1 prompts, 4 completions each) is generated in one generate call of
     12 rows, and split back into its micro-batches' completions; with grpo.generation_batch_size=1 in three calls
