@@ -620,18 +620,21 @@ def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
 
 
 @pytest.mark.parametrize("route", ["hidden states", "logits"])
-def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route):
+@pytest.mark.parametrize("arch", ["llama", "gemma3 sliding window"])
+def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route, arch):
     """A micro-batch of 2 prompts of 5 and 3 tokens (the second left-padded), each with a group of 3 completions of
     different lengths: completion_logps runs each prompt's forward once (the model sees 2 prompt rows, not 6) and
     gives the log-probs, entropies and gradients of the whole rows' forward (log_softmax(logits / T) of the padded
     rows with their mask and positions), on every weight, the prompt's ones included (they reach the completions
-    through the KV cache)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    through the KV cache). Also on Gemma 3's layers of a 3-token sliding window, shorter than the prompts."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     vocab, G, width, temperature = 101, 3, 4, 0.7
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    model = (LlamaForCausalLM(LlamaConfig(**shape)) if arch == "llama" else Gemma3ForCausalLM(Gemma3TextConfig(
+        **shape, head_dim=8, sliding_window=3, layer_types=["sliding_attention", "full_attention"])))
     prompts = [torch.randint(1, vocab, (5,)).tolist(), torch.randint(1, vocab, (3,)).tolist()]
     lengths = [4, 1, 3, 2, 4, 4]
     rows, masks = [], []
