@@ -328,7 +328,7 @@ class RunLog:
                              step=record["step"])
 
     def phase(self, name: str) -> None:
-        """What the step is doing now, before the bar ("generating": a phase with no step to count), or ""."""
+        """What the step is doing now, before the bar ("generating", "scoring": no step to count), or ""."""
         self.bar.set_description_str(name, refresh=True)
 
     def shown(self, record: dict) -> bool:

@@ -436,17 +436,18 @@ class Rollouts:
         was_training = unwrapped.training
         unwrapped.eval()
         out, records, failed = [], [], None
-        with merged_adapter(unwrapped, self.merge):  # one copy of the adapted weights for the whole rollout
-            try:
-                with self.accelerator.autocast():
-                    # a replayed batch (weight 0: its tokens do not matter) runs no environment
-                    generated = self.generate_window(unwrapped, prompt_batches, step, multi=log)
-                for batch, completions in zip(prompt_batches, generated):
-                    micro, rows = self.score(batch, completions, step, log)
-                    out.append(micro)
-                    records += rows
-            except RewardError as e:  # a reward function's, or an environment's
-                failed = str(e)
+        try:
+            # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
+            with merged_adapter(unwrapped, self.merge), self.accelerator.autocast():
+                # a replayed batch (weight 0: its tokens do not matter) runs no environment
+                generated = self.generate_window(unwrapped, prompt_batches, step, multi=log)
+            self.phase("scoring")
+            for batch, completions in zip(prompt_batches, generated):
+                micro, rows = self.score(batch, completions, step, log)
+                out.append(micro)
+                records += rows
+        except RewardError as e:  # a reward function's, or an environment's
+            failed = str(e)
         unwrapped.train(was_training)
         if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
             stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
