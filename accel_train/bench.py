@@ -57,7 +57,8 @@ forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_gr
 tokens/s (completion tokens) and train tokens/s (prompt + completion tokens trained on) over the measured steps;
 from the whole run's split (summary.json's "rollouts" for ours, the same sums timed around TRL's
 _generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it (ours'
-over bare generation's: generation_ours_vs_generate_grpo, target 0.9); the completions' mean length and peak
+over bare generation's: generation_ours_vs_generate_grpo, target 0.9; ours' time includes scoring, bare
+generation's has none); the completions' mean length and peak
 memory. With --model PATH (a transformers folder: SmolLM2-135M-Instruct's is made by tests/scripts/distill_pair.py)
 the model is that one, pretrained, and the prompts builtin:addition's sums (number_match): completions then stop
 at the model's end of turn, at lengths of its choosing, alike on every side (the completion length column). What

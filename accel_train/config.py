@@ -442,8 +442,9 @@ class GrpoConfig:
     train.grad_accum_steps > 1, set it to train.per_device_batch_size for the memory of one micro-batch's)."""
     merge_adapter: Optional[bool] = None
     """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
-    at each rollout and freed after it (generation.merged_adapter): faster, for the memory of that copy; false: run
-    the adapter beside the weights. None: true under LoRA, but for a quantized model (model.quantization)."""
+    for each generation and freed before the rewards run (generation.merged_adapter): faster, for the memory of that
+    copy; false: run the adapter beside the weights. None: true under LoRA, but for a quantized model
+    (model.quantization)."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ Each task's runs, made once (fixture `once`) and shared by its checks:
     two        2 processes x batch 2 (conftest.forked_launch), rank 1 sent SIGTERM during step 3 (faults.py): its
                steps 1-3 and evaluation at step 2 check the topology, its end checks the stop by signal
     resumed    1 process, crashed in step 3's micro-batch (last checkpoint: step 2), then resume_from=latest: the
-               epoch's end and the next epoch's order again
+               epoch's end and the next epoch's order again (where the rows end an epoch in 4 steps)
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
 Bad inputs and inspect start a process each that stops before training.

@@ -670,38 +670,60 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route, arch):
 def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls_sample():
     """A window of two micro-batches (2 and 1 prompts, 4 completions each) is generated in one generate call of
     12 rows, and split back into its micro-batches' completions; with grpo.generation_batch_size=1 in three calls
-    of 4 rows: the same tokens (each row draws its own noise)."""
+    of 4 rows: the same tokens as each micro-batch generated alone (each row draws its own noise, by its prompt's
+    index). A rollout generates through the merged adapter and scores with the adapter's own weights back."""
     import contextlib
     from types import SimpleNamespace
 
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
     from transformers import AutoConfig
 
     from accel_train.config import CONFIGS_DIR
 
     tiny = CONFIGS_DIR / "model" / "tiny-llama"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).eval()
+    model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)),
+                           LoraConfig(r=4, target_modules="all-linear")).eval()
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
-                                  autocast=contextlib.nullcontext)
+                                  autocast=contextlib.nullcontext, num_processes=1)
     texts = ["abcab", "reverse xyz", "q"]
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
            for t in texts]
-    batches = [{"prompt_ids": ids[:2], "index": torch.tensor([0, 1]), "prompts": texts[:2], "columns": {"a": [1, 2]}},
-               {"prompt_ids": ids[2:], "index": torch.tensor([2]), "prompts": texts[2:], "columns": {"a": [3]}}]
-    calls = []
+    batches = [{"prompt_ids": ids[:2], "index": torch.tensor([0, 1]), "prompts": texts[:2],
+                "columns": {"response": ["bacba", "zyx esrever"]}},
+               {"prompt_ids": ids[2:], "index": torch.tensor([2]), "prompts": texts[2:], "columns": {"response": ["q"]}}]
+    calls, merged = [], []
     generate = model.generate
-    model.generate = lambda **kw: calls.append(len(kw["input_ids"])) or generate(**kw)
+    model.generate = lambda **kw: calls.append(len(kw["input_ids"])) or merged.append(
+        {layer.merged for layer in layers}) or generate(**kw)
     got = {}
     for size in ("null", "1"):
         cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
-                                     f"grpo.generation_batch_size={size}"])
+                                     f"grpo.generation_batch_size={size}", "grpo.answer_field=response",
+                                     "grpo.log_completions=false"])
+        rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
         calls.clear()
-        got[size] = grpo.Rollouts(cfg, accelerator, model, tokenizer).generate_window(model, batches, step=3)
+        got[size] = rollouts.generate_window(model, batches, step=3)
         assert calls == ([12] if size == "null" else [4, 4, 4]), calls
-        assert [len(c.ids) for c in got[size]] == [8, 4]
-    assert [c.ids for c in got["null"]] == [c.ids for c in got["1"]]
-    assert len({tuple(c) for c in got["null"][0].ids}) > 1  # sampled, not one answer
+    alone = [rollouts.generate(model, batch, step=3).ids for batch in batches]
+    assert [c.ids for c in got["null"]] == [c.ids for c in got["1"]] == alone
+    assert [len(c) for c in alone] == [8, 4] and len({tuple(c) for c in alone[0]}) > 1  # sampled, not one answer
+    scored, real = [], rollouts.rewards
+
+    class Spy:  # the rollout's rewards, noting whether the adapter is merged while they run
+        names, weights, labels = real.names, real.weights, real.labels
+
+        def __call__(self, *args):
+            scored.append({layer.merged for layer in layers})
+            return real(*args)
+
+    rollouts.rewards = Spy()
+    merged.clear()
+    micro = rollouts.roll(batches, step=3)  # generation_batch_size=1: three calls
+    assert len(micro) == 2 and merged == [{True}] * 3 and scored == [{False}] * 2, (merged, scored)
 
 
 @pytest.fixture(scope="module")

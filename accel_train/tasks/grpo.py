@@ -437,8 +437,9 @@ class Rollouts:
         unwrapped.eval()
         out, records, failed = [], [], None
         try:
-            # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
-            with merged_adapter(unwrapped, self.merge), self.accelerator.autocast():
+            # one copy of the adapted weights while generating (none for an epoch's empty window), freed before
+            # the rewards (a reward model) run
+            with merged_adapter(unwrapped, self.merge and bool(prompt_batches)), self.accelerator.autocast():
                 # a replayed batch (weight 0: its tokens do not matter) runs no environment
                 generated = self.generate_window(unwrapped, prompt_batches, step, multi=log)
             self.phase("scoring")
@@ -448,7 +449,8 @@ class Rollouts:
                 records += rows
         except RewardError as e:  # a reward function's, or an environment's
             failed = str(e)
-        unwrapped.train(was_training)
+        finally:
+            unwrapped.train(was_training)
         if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
             stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
@@ -882,11 +884,12 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     unwrapped.eval()
     sums, counts, n, failed = 0, 0, 0, None
-    with merged_adapter(unwrapped, rollouts.merge):  # one copy of the adapted weights for all batches
+    try:
         for batch in eval_dl:
             n_rows = len(batch["prompt_ids"])
             try:
-                with accelerator.autocast():
+                # the adapted weights' copy while generating, freed before the rewards (a reward model) run
+                with merged_adapter(unwrapped, rollouts.merge), accelerator.autocast():
                     completions = rollouts.turns(unwrapped, batch, 1)
                 values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.texts(completions), completions.ids,
                                                        completions.columns(batch["columns"])))
@@ -900,7 +903,8 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
             rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
             # means over the values given: a None (NaN) is left out
             sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)
-    unwrapped.train()
+    finally:
+        unwrapped.train()
     stop_together(accelerator, failed, "scoring the evaluation's answers")
     means = (sums / counts).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
     return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.labels,
