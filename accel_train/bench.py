@@ -50,9 +50,8 @@ grpo: online RL's rollout + update throughput. Ours (`python -m accel_train task
 machine's generation speed, child_generate), on the same LoRA model, prompts and reward: --prompts prompts a step
 (4 with --quick), each sampled --generations times (8: one group), completions of at most --new-tokens tokens (32
 with --quick), the built-in exact_match reward (TRL given the same function), one optimizer step per rollout
-(num_iterations 1, TRL's
-steps_per_generation 1), beta 0, the DAPO loss; --warmup steps, then --grpo-steps measured (4 with --quick). Each
-step is timed whole, from the end of the last: generation with the KV cache, rewards and advantages, the policy's
+(num_iterations 1, TRL's steps_per_generation 1), beta 0, the DAPO loss; --warmup steps, then --grpo-steps
+measured (4 with --quick). Each step is timed whole, from the end of the last: generation with the KV cache, rewards and advantages, the policy's
 forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_grpo, target 1.5), generated
 tokens/s (completion tokens) and train tokens/s (prompt + completion tokens trained on) over the measured steps;
 from the whole run's split (summary.json's "rollouts" for ours, the same sums timed around TRL's
