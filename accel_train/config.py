@@ -516,6 +516,8 @@ class Config:
             self.dpo.simpo_gamma = 0.5
         if self.grpo.scale_rewards is None:
             self.grpo.scale_rewards = self.grpo.advantage == "grpo"
+        if self.task == "grpo" and self.grpo.merge_adapter is None:  # the run's own task only, as dpo.reference
+            self.grpo.merge_adapter = self.lora.enabled and not self.model.quantization
         positive = {
             "train.per_device_batch_size": self.train.per_device_batch_size,
             "train.grad_accum_steps": self.train.grad_accum_steps,

@@ -141,6 +141,12 @@ def generation_config(model, tokenizer, max_new_tokens: int, do_sample: bool | N
     return GenerationConfig(**{**OFF, **sampling, "do_sample": False, "num_beams": 1, **given, **fixed})
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted from each row's first real token (rows are left-padded), as generate counts them (a
+    padding position's value is never read: it is masked)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: int):
     """The KV cache of each (left-padded) prompt but its last token, computed once and repeated for the `repeats`
     rows that sample from it (prompt-major), for generate(input_ids=each prompt `repeats` times,
@@ -152,7 +158,7 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     if repeats < 2 or input_ids.shape[1] < 2:
         return None
     ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    positions = position_ids(mask)
     only_last = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}  # the logits are not needed
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **only_last)
     cache = getattr(out, CACHE_ARG)  # its outputs' name too (past_key_values: a deprecation warning)
@@ -176,11 +182,14 @@ def merged_adapter(model, enabled: bool = True):
     run their adapter as before."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
+    if not enabled:
+        yield
+        return
     swapped = []
     try:
         with torch.no_grad():
-            shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False)) if enabled else {}
-            for layer in model.modules() if enabled else ():
+            shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+            for layer in model.modules():
                 if not isinstance(layer, LoraLinear) or layer.merged or layer.disable_adapters:
                     continue
                 active = [a for a in layer.active_adapters if a in layer.lora_A]

@@ -80,7 +80,8 @@ from accel_train.config import Config, ConfigError, DataConfig, GrpoConfig
 from accel_train.data import columns as data_columns, row_counts
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
-from accel_train.generation import CACHE_ARG, generation_config, merged_adapter, shared_prompt_cache, until_stop
+from accel_train.generation import (CACHE_ARG, generation_config, merged_adapter, position_ids, shared_prompt_cache,
+                                    until_stop)
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.tasks import Task
 from accel_train.tasks.dpo import reference_mode
@@ -298,11 +299,6 @@ def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids, mask
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted from each row's first real token (rows are left-padded), as generate counts them."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
 # ---------------------------------------------------------------------------------------------------- rollouts
 
 
@@ -402,8 +398,6 @@ class Rollouts:
         # multi-turn rollouts (grpo.tools, grpo.environment): one environment per completion
         self.make_env, self.max_turns = tools_lib.environment_factory(cfg, tokenizer), tools_lib.max_turns(cfg)
         self.tools = tools_lib.schemas(tuple(self.g.tools))
-        merge = self.g.merge_adapter
-        self.merge = merge if merge is not None else cfg.lora.enabled and not cfg.model.quantization
         self.current: list[dict] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
@@ -439,7 +433,7 @@ class Rollouts:
         try:
             # one copy of the adapted weights while generating (none for an epoch's empty window), freed before
             # the rewards (a reward model) run
-            with merged_adapter(unwrapped, self.merge and bool(prompt_batches)), self.accelerator.autocast():
+            with merged_adapter(unwrapped, self.g.merge_adapter and bool(prompt_batches)), self.accelerator.autocast():
                 # a replayed batch (weight 0: its tokens do not matter) runs no environment
                 generated = self.generate_window(unwrapped, prompt_batches, step, multi=log)
             self.phase("scoring")
@@ -889,7 +883,7 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
             n_rows = len(batch["prompt_ids"])
             try:
                 # the adapted weights' copy while generating, freed before the rewards (a reward model) run
-                with merged_adapter(unwrapped, rollouts.merge), accelerator.autocast():
+                with merged_adapter(unwrapped, rollouts.g.merge_adapter), accelerator.autocast():
                     completions = rollouts.turns(unwrapped, batch, 1)
                 values = torch.tensor(rollouts.rewards(batch["prompts"], rollouts.texts(completions), completions.ids,
                                                        completions.columns(batch["columns"])))
