@@ -664,7 +664,10 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route, arch):
         torch.testing.assert_close(g[mask], w[mask], rtol=0, atol=1e-5)
     for name, grad in want[2].items():
         assert grad.abs().sum() > 0, name
-        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # fp32 sums in another order (the prompt's gradient reaches it through the cache): an entry near 0 may differ
+        # by the rounding of the tensor's largest ones (1.7e-6 on an o_proj gradient of 4.6 on an AMD EPYC)
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6 * max(1.0, float(grad.abs().max())),
+                                   msg=name)
 
 
 def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls_sample():
