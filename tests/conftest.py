@@ -117,10 +117,11 @@ def accelerate_launch(config: str, *args, script: str = "accel_train/train.py", 
 _LAUNCH_ENV: dict[str, tuple[dict, int]] = {}
 
 
-def launch_environment(config: str) -> tuple[dict, int]:
+def launch_environment(config: str, cached: bool = True) -> tuple[dict, int]:
     """(what accelerate launch adds to its workers' environment, their number) for configs/accelerate/CONFIG:
-    accelerate's own launch command, run in this process up to where it hands the workers to torchrun."""
-    if config not in _LAUNCH_ENV:
+    accelerate's own launch command, run in this process up to where it hands the workers to torchrun (`cached`:
+    the answer of an earlier call, for the same config)."""
+    if config not in _LAUNCH_ENV or not cached:
         from unittest import mock
 
         import torch.distributed.run as distrib_run

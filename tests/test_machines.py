@@ -19,15 +19,18 @@ from accel_train.config import load_config
 QUICK = ["data.builtin_size=200", "train.max_steps=4", "train.log_every=1", "track.log_with=[]"]
 
 
-def test_the_cpu_config_hides_every_gpu_from_its_workers():
+def test_the_cpu_config_hides_every_gpu_from_its_workers(monkeypatch):
     """On a laptop with one GPU (or a box with eight) the README's first command must run on the CPU: two workers
-    on one GPU would be refused, and a config named for the CPU must not train on GPUs."""
-    env, _ = launch_environment("cpu_2proc.yaml")
+    on one GPU would be refused, and a config named for the CPU must not train on GPUs. accelerate (1.16) names the
+    device variable to set from torch's accelerator, which a CPU build of torch has none of: torch is told CUDA, as a
+    GPU build on such a laptop would say."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cuda"))
+    env, _ = launch_environment("cpu_2proc.yaml", cached=False)
     assert env["CUDA_VISIBLE_DEVICES"] == "-1,-1"
     probe = "import torch; print(torch.cuda.device_count())"
     hidden = run([sys.executable, "-c", probe], env={"CUDA_VISIBLE_DEVICES": env["CUDA_VISIBLE_DEVICES"]})
     assert hidden.stdout.strip() == "0"
-    assert "CUDA_VISIBLE_DEVICES" not in launch_environment("2gpu.yaml")[0]  # the GPU config keeps them
+    assert "CUDA_VISIBLE_DEVICES" not in launch_environment("2gpu.yaml", cached=False)[0]  # the GPU config keeps them
 
 
 def test_precision_on_a_cpu_with_and_without_native_bf16(monkeypatch):
