@@ -98,9 +98,9 @@ Run-to-run noise on a shared 2-core machine is about +-10%: a single ratio near 
 the causal-LM loss without full logits (loss.py), length-grouped classification batches and rank-balanced
 micro-batches (data.py), bf16 autocast only where the hardware computes it and the model is >= 256 wide, batch
 widths rounded to 32 (packed) or 8 (padded) under bf16 (dist.py, data.py), one host synchronisation per step
-(loop.py); on grpo, each prompt's forward and backward once for its group (grpo.prompt_once), rollouts through the
+(loop.py); on grpo, each prompt's forward and backward once for its group (logprobs.prompt_once), rollouts through the
 adapter merged into the weights (generation.merged_adapter) and drawn without a multinomial over the vocabulary
-(grpo.SeededSampler). train.gradient_checkpointing and train.compile stay off by default: on the small model they
+(generation.SeededSampler). train.gradient_checkpointing and train.compile stay off by default: on the small model they
 cost 24% of the throughput (for 3% less memory) and recompiled for every new batch shape.
 """
 
@@ -460,7 +460,7 @@ def child_trl_grpo(spec: dict) -> dict:
     only where ours has it (GRPOConfig turns both on by default); no vLLM; no completion logging."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from accel_train.tasks.rewards import BUILTIN
+    from accel_train.components.rewards import BUILTIN
 
     cfg, _, tokenizer, prompts, model = _setup(spec, tokenize=False)
     g, answer_field = cfg.grpo, cfg.grpo.answer_field

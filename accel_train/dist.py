@@ -113,12 +113,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         datasets.disable_progress_bars()
     if note:
         get_logger(__name__).warning(note)
-    if accelerator.num_processes != world:
-        raise LaunchError(
-            f"the launcher started {world} processes but accelerate formed a group of {accelerator.num_processes} "
-            f"({accelerator.distributed_type}); each process would train alone. Check the accelerate config "
-            "(distributed_type, num_processes) against the devices of this machine."
-        )
+    check_launch(accelerator, world)
     if accelerator.num_processes > 1:
         # collective: every rank creates it here, once, right after the process group forms
         # the default group's backend (NCCL on GPUs, gloo on CPUs): no second mesh of connections to set up
@@ -126,15 +121,25 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         _store = torch.distributed.distributed_c10d._get_default_store()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
+    # What sharded parameters rule out was refused before (preflight.check_sharded): a launch asking for FSDP or
+    # DeepSpeed either gets it or stops in check_launch.
+    return accelerator
+
+
+def check_launch(accelerator: Accelerator, world: int) -> None:
+    """The group accelerate formed is the launch's: all its processes, on the engine its config asks for."""
+    if accelerator.num_processes != world:
+        raise LaunchError(
+            f"the launcher started {world} processes but accelerate formed a group of {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); each process would train alone. Check the accelerate config "
+            "(distributed_type, num_processes) against the devices of this machine."
+        )
     # A sharded launch that accelerate quietly turned into plain DDP would not fit in memory where it matters.
     for variable, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP),
                            ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
         if launcher_asks(variable) and accelerator.distributed_type != kind:
             raise LaunchError(f"the accelerate config asks for {kind.value} but accelerate set up "
                               f"{accelerator.distributed_type.value} on {accelerator.device}")
-    # What sharded parameters rule out was refused before (preflight.check_sharded): a launch asking for FSDP or
-    # DeepSpeed either gets it or stops just above.
-    return accelerator
 
 
 def zero3(accelerator: Accelerator) -> bool:

@@ -28,7 +28,7 @@ import weakref
 from accel_train.config import Config, ConfigError, DataConfig
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
-# What conversations tokenize to, in datasets' cache key (data.tokenize, dpo.tokenize_pairs): the key hashes the map
+# What conversations tokenize to, in datasets' cache key (data.tokenize, pairs.tokenize_pairs): the key hashes the map
 # function's arguments, not its code, so a change to the masking or truncation here bumps this, or a rerun after an
 # upgrade would read the old labels from the cache.
 TOKENIZE_VERSION = 3

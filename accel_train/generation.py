@@ -21,12 +21,19 @@ applies a repetition penalty or n-gram ban found there even to greedy decoding a
 ours. Qwen2.5-Instruct ships repetition_penalty=1.05: grpo's rollouts were drawn from scores up to 0.115 away from
 the logits its loss takes as the sampling distribution. The model's file applies only when asked (the generate
 tool's --model-defaults).
+
+Seeded sampling (grpo's rollouts, distill's on-policy responses): each sampled row's noise comes from its own
+generator, seeded by `row_seed` (seed, step, the row, the completion's number), and `SeededSampler` picks the token
+where the row's uniform draw falls in the distribution's cumulative sum: 1 and 2 processes, and a resumed run, sample
+the same tokens, whatever rows share a batch.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +41,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import utils as generation_utils
 
@@ -268,3 +275,44 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
                 f.write(json.dumps({"step": step, "index": i, "prompt": gen.prompts[i], "reference": reference,
                                     "generation": prediction, "scores": own}) + "\n")
     return results
+
+
+# ---------------------------------------------------------------------------------------------------- seeded sampling
+
+
+def row_seed(seed: int, step: int, index: int, generation: int) -> int:
+    """The seed of one completion's sampling noise: the same on any number of processes."""
+    return int.from_bytes(hashlib.sha256(f"{seed} {step} {index} {generation}".encode()).digest()[:8], "little") >> 1
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling (temperature, top_p) with each row's own noise: the next token is where the row's uniform draw
+    falls in the distribution's cumulative sum. It returns scores with only that token finite, so generate's
+    greedy choice picks it; the rows' draws do not depend on which other rows share the batch."""
+
+    def __init__(self, noise: torch.Tensor, prompt_width: int, temperature: float, top_p: float,
+                 offsets: torch.Tensor | None = None):
+        """noise: (rows, grpo.max_new_tokens) uniform draws; a row's token t of this generate call takes draw
+        offsets[row] + t (offsets: the tokens its completion already holds, in a later turn)."""
+        self.noise, self.prompt_width, self.temperature, self.top_p = noise, prompt_width, temperature, top_p
+        self.offsets = offsets if offsets is not None else torch.zeros(len(noise), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:  # keep the most likely tokens up to top_p of the mass (at least one)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        cdf = probs.cumsum(-1)
+        at = (self.offsets.to(self.noise.device) + input_ids.shape[1] - self.prompt_width).clamp(
+            max=self.noise.shape[1] - 1)  # past it: tokens cut at max_new_tokens anyway
+        u = self.noise.gather(1, at[:, None]) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask

@@ -133,7 +133,7 @@ def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = Fa
     if cfg.model.adapter_from:
         model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
         if reference_adapter:
-            # the same adapter, frozen (adapter-sized: the base is shared); dpo.reference_mode switches to it (TRL's
+            # the same adapter, frozen (adapter-sized: the base is shared); reference.reference_mode switches to it (TRL's
             # ref_adapter_name)
             model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         return model

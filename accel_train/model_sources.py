@@ -124,3 +124,14 @@ def check_task(folder: Path, task: str) -> None:
     if found is not None and found != task:
         kind = {"causal_lm": "a causal language model", "seq_cls": "a sequence classifier"}[found]
         raise ConfigError(f"{folder} holds {kind}: use {TOOLS[found]}")
+
+
+# Files that hold a model's weights (transformers' names, sharded or not): a folder without any is a config only.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def check_weights(path: str, random: bool, key: str, hint: str) -> None:
+    """A local folder given as a model holds weights, unless random ones are meant."""
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not random and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
+        raise ConfigError(f"{key}: {path} holds no weights ({', '.join(WEIGHT_FILES)}); {hint}")

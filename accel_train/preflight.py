@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 
 from accel_train.checkpoint import resolve_resume
-from accel_train.config import Config, ConfigError, is_embedded_tiny_model
+from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
-from accel_train.model_sources import check_model, trained_task
+from accel_train.model_sources import check_model, check_weights, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train import tasks
 from accel_train.tracking import check_trackers
@@ -100,17 +100,6 @@ def check_sharded(cfg: Config) -> None:
                           "loss.loss_head); set zero3_init_flag: false in the accelerate config")
 
 
-# Files that hold a model's weights (transformers' names, sharded or not): a folder without any is a config only.
-WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-
-
-def check_weights(path: str, random: bool, key: str, hint: str) -> None:
-    """A local folder given as a model holds weights, unless random ones are meant."""
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not random and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
-        raise ConfigError(f"{key}: {path} holds no weights ({', '.join(WEIGHT_FILES)}); {hint}")
-
-
 def check_model_source(cfg: Config) -> None:
     """A local model folder must exist, and hold weights unless random ones are asked for; a hub model must be
     reachable, or in the cache when offline (model_sources.check_model: one request, not a minute of retries)."""
@@ -124,22 +113,6 @@ def check_model_source(cfg: Config) -> None:
     check_model(path, cfg.model.revision)  # after the checks that need no network
     check_weights(path, cfg.model.random_init, "model.name_or_path",
                   "pass model.random_init=true to train from random weights built from its config.json")
-
-
-def check_teacher(cfg: Config) -> None:
-    """task distill: the teacher is a model folder with weights (or the embedded tiny model, random), or a hub model
-    this machine can load. Its tokenizer is compared with the student's when the run starts (tasks/distill.py)."""
-    teacher = cfg.distill.teacher
-    if not teacher:
-        raise ConfigError("task distill needs distill.teacher: the model to learn from (a local folder or hub id "
-                          "sharing the student's tokenizer)")
-    check_model(teacher, key="distill.teacher")
-    check_weights(teacher, is_embedded_tiny_model(teacher), "distill.teacher", "a teacher must be trained")
-
-
-def distill_samples(cfg: Config) -> bool:
-    """Whether task distill samples from the model (TaskInfo.generates): with distill.on_policy > 0."""
-    return cfg.distill.on_policy > 0
 
 
 def check_adapter_source(cfg: Config) -> None:

@@ -378,7 +378,7 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
         "hardware": results.get("hardware"), "effective_batch": results.get("effective_batch"),
         # rows cut, dropped and refused when tokenizing, per split (data.tokenize)
         "data": results.get("data"),
-        # grpo: completions generated (all ranks), the seconds spent generating and training (grpo.Rollouts)
+        # grpo: completions generated (all ranks), the seconds spent generating and training (grpo's Rollouts)
         **({"rollouts": results["rollouts"]} if "rollouts" in results else {}),
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),

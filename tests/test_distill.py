@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from accel_train import generation, tasks
 from accel_train.config import TINY_MODEL, load_config
-from accel_train.tasks import distill
+from accel_train.tasks.distill import task as distill
 
 pytestmark = pytest.mark.xdist_group("distill")
 

@@ -248,7 +248,8 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from accel_train.tasks.dpo import PairCollator, PreferenceLoss, tokenize_pair
+    from accel_train.components.pairs import PairCollator, tokenize_pair
+    from accel_train.tasks.dpo.task import PreferenceLoss
     from accel_train.model import build_model, build_tokenizer
 
     cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
@@ -299,7 +300,7 @@ def free_run(overrides: list[str]):
 
     from accel_train import tasks
     from accel_train.model import build_model, build_tokenizer
-    from accel_train.tasks.dpo import PairCollator, tokenize_pair
+    from accel_train.components.pairs import PairCollator, tokenize_pair
 
     cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
     tokenizer = build_tokenizer(cfg)

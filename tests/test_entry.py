@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,24 +19,28 @@ BAD_KEY_ERROR = "accel_train: error: unknown config key train.lrr; did you mean 
 
 
 def package_imports() -> dict[str, set[str]]:
-    """module -> the accel_train modules it imports, at top level or inside functions (from the source); the
-    modules of accel_train/tasks are named tasks.NAME, its registry tasks."""
-    paths = {p.stem: p for p in PACKAGE.glob("*.py")} | {"metrics": PACKAGE / "metrics" / "__init__.py",
-                                                          "tasks": PACKAGE / "tasks" / "__init__.py"}
-    paths |= {f"tasks.{p.stem}": p for p in (PACKAGE / "tasks").glob("*.py") if p.stem != "__init__"}
+    """module -> the accel_train modules it imports, at top level or inside functions (from the source), each named
+    by its dotted path under accel_train (tasks.dpo.task, components.pairs; a package by its __init__: tasks)."""
+    paths = {".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PACKAGE.rglob("*.py") if "metrics" not in p.parts[len(PACKAGE.parts):-1]}
+    paths["metrics"] = PACKAGE / "metrics" / "__init__.py"
+
+    def named(module: str) -> str | None:  # "accel_train.x.y" -> the closest module of ours it names
+        parts = module.split(".")[1:]
+        while parts and ".".join(parts) not in paths:
+            parts.pop()
+        return ".".join(parts) or None
+
     graph = {}
     for module, path in paths.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module in ("accel_train", "accel_train.tasks"):
-                prefix = "" if node.module == "accel_train" else "tasks."
-                found |= {prefix + a.name if prefix + a.name in paths else node.module.removeprefix("accel_train.")
-                          for a in node.names if prefix + a.name in paths or prefix}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_train."):
-                found.add(".".join(node.module.split(".")[1:3]))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_train"):
+                for alias in node.names:  # `from accel_train.tasks import Task` or `from accel_train import tasks`
+                    found.add(named(f"{node.module}.{alias.name}") or named(node.module))
             elif isinstance(node, ast.Import):
-                found |= {".".join(a.name.split(".")[1:3]) for a in node.names if a.name.startswith("accel_train.")}
-        graph[module] = found - {module}
+                found |= {named(a.name) for a in node.names if a.name.startswith("accel_train.")}
+        graph[module] = found - {module, None}
     return graph
 
 
@@ -60,6 +65,29 @@ def test_imports_point_one_way():
     assert not {m for m in reachable(graph, "recipe") | reachable(graph, "loop") if m.startswith("tasks.")}
     # The launch script holds no training code: it reaches the package only through the command line.
     assert graph["train"] == {"cli"}
+
+
+def test_tasks_import_no_other_task_and_components_no_task():
+    """A task is its own place over the components: its modules import none of another task's, and no component
+    (nor anything outside accel_train/tasks but the registry's `make`) imports a task's module."""
+    graph = package_imports()
+    assert {m for m in graph if m.startswith("tasks.")} >= {f"tasks.{name}" for name in ("sft", "classification")}
+
+    def task_of(module: str) -> str | None:
+        return module.split(".")[1] if module.startswith("tasks.") else None
+
+    crossing = {(m, d) for m, deps in graph.items() for d in deps
+                if task_of(d) and task_of(m) != task_of(d)}
+    assert not crossing, f"imports of another task's module: {sorted(crossing)}"
+
+
+def test_config_imports_no_torch():
+    """The config tree, every task's section with it, loads without torch (--help, preflight, YAML errors)."""
+    heavy = ("torch", "datasets", "transformers", "accelerate", "peft")
+    probe = (f"import sys, accel_train.config as c; c.load_config(None, ['task=grpo']); "
+             f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    proc = run([sys.executable, "-c", probe])
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
 
 
 def test_command_line_imports_no_torch():
@@ -138,3 +166,104 @@ def test_module_entry_under_accelerate_launch_with_the_gpu_config_on_a_cpu_machi
     train, evals = read_metrics(tmp_out)
     assert [r["step"] for r in train] == [1, 2, 3] and evals[-1]["eval_samples"] == 300
     assert (tmp_out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+NEW_TASK_CONFIG = '''
+from dataclasses import dataclass
+
+from accel_train.sections import ConfigError
+
+
+@dataclass
+class EchoConfig:
+    scale: float = 1.0
+    """What the summed loss is multiplied by."""
+
+    def resolve(self, cfg) -> None:
+        if cfg.task == "echo":
+            cfg.data.packing = False
+
+    def check(self, cfg) -> None:
+        if self.scale <= 0:
+            raise ConfigError(f"echo.scale must be > 0, got {self.scale}")
+'''
+
+NEW_TASK = '''
+import torch.nn.functional as F
+
+from accel_train.components import responses
+from accel_train.formats import IGNORE_INDEX
+from accel_train.tasks import Task
+
+
+class Echo(Task):
+    """SFT's data, a scaled cross-entropy: a new objective over the components."""
+
+    def columns(self, columns, source):
+        return responses.columns(self.cfg, columns, source)
+
+    def tokenize(self, ds, tokenizer, report=None, split="train"):
+        return responses.tokenize(ds, tokenizer, self.cfg, report, split)
+
+    def collator(self, tokenizer, pack=False, attention_cost=0.0, multiple=1):
+        return responses.collator(tokenizer, False, attention_cost, multiple)
+
+    def count_targets(self, batch):
+        return responses.count_targets(batch)
+
+    def loss(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = self.cfg.echo.scale * F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                                                     ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, loss.detach()[None]
+
+    def evaluate(self, job):
+        return {}
+
+    def inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out):
+        return responses.inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
+
+
+TASK = Echo
+'''
+
+
+@pytest.mark.long
+def test_a_new_objective_is_its_folder_and_one_registry_row(tmp_path, tmp_out):
+    """What adding an objective touches: its own folder (config.py: its section; task.py: the task, over the
+    components) and one REGISTRY row, nothing else of accel_train. Registered before the config is imported (as a
+    row of tasks/__init__.py is), the section is a config section like any (YAML keys, dotted overrides, its own
+    check, unknown keys, --help, config.yaml) and the task trains through the one entry."""
+    folder = tmp_path / "echo"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "config.py").write_text(NEW_TASK_CONFIG)
+    (folder / "task.py").write_text(NEW_TASK)
+    probe = f"""
+import sys
+from accel_train import tasks
+tasks.__path__.append({str(tmp_path)!r})  # the folder, as if it were accel_train/tasks/echo
+tasks.REGISTRY["echo"] = tasks.TaskInfo("echo.task", "causal_lm", "a scaled cross-entropy (echo.*)",
+                                        config="accel_train.tasks.echo.config:EchoConfig")
+tasks.NAMES = tuple(tasks.REGISTRY)
+from accel_train.config import ConfigError, help_text, load_config
+cfg = load_config(None, ["task=echo", "echo.scale=2"])
+assert cfg.echo.scale == 2.0 and cfg.data.packing is False, cfg
+assert "echo.scale (float, default 1.0): What the summed loss is multiplied by." in help_text()
+assert "torch" not in sys.modules
+for bad, message in ((["echo.scale=0"], "echo.scale must be > 0, got 0.0"),
+                     (["echo.scael=1"], "unknown config key echo.scael; did you mean echo.scale?")):
+    try:
+        load_config(None, ["task=echo", *bad])
+        raise SystemExit("accepted " + str(bad))
+    except ConfigError as e:
+        assert str(e) == message, e
+from accel_train.cli import main
+main(["task=echo", "echo.scale=2", "data.builtin_size=64", "train.max_steps=2", "train.log_every=1",
+      "track.log_with=[]", "output_dir={tmp_out}"])
+"""
+    proc = run([sys.executable, "-c", probe])
+    assert proc.returncode == 0, proc.stderr
+    assert "scale: 2.0" in (tmp_out / "config.yaml").read_text()
+    train, _ = read_metrics(tmp_out)
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["loss"]) for r in train)

@@ -485,33 +485,34 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
     import torch
 
     from accel_train.config import load_config
-    from accel_train.tasks import grpo
+    from accel_train.components import completions as completions_lib
+    from accel_train.tasks.grpo.rollouts import Rollouts
 
     model, tokenizer = leaky_model(tmp_path / "model")
     recorder = Recorder()
 
-    class RecordingSampler(grpo.SeededSampler):
+    class RecordingSampler(completions_lib.SeededSampler):
         def __call__(self, input_ids, scores):
             recorder(input_ids, scores)
             return super().__call__(input_ids, scores)
 
-    monkeypatch.setattr(grpo, "SeededSampler", RecordingSampler)
+    monkeypatch.setattr(completions_lib, "SeededSampler", RecordingSampler)
     accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
                                   autocast=contextlib.nullcontext)
     cfg = load_config(overrides=["task=grpo", "grpo.num_generations=2", "grpo.max_new_tokens=8"])
-    rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
+    rollouts = Rollouts(cfg, accelerator, model, tokenizer)
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     forwarded = []  # (rows, tokens) of each forward
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwarded.append(args[0].shape))
-    completions = rollouts.generate(model, {"prompt_ids": prompts, "index": torch.tensor([0, 1])}, step=0).ids
+    completions = rollouts.sampler.generate(model, {"prompt_ids": prompts, "index": torch.tensor([0, 1])}, step=0).ids
     hook.remove()
     assert len(completions) == 4 and recorder.calls
     # each prompt (left-padded) through the model once for its group, but its last token, then that token on each
     # of its group's rows: not the whole prompt once per completion
     assert forwarded[:2] == [(2, max(map(len, prompts)) - 1), (4, 1)], forwarded[:3]
-    assert assert_raw(model, recorder.calls, [p for p in prompts for _ in range(2)], rollouts.stop_ids) >= 8
+    assert assert_raw(model, recorder.calls, [p for p in prompts for _ in range(2)], rollouts.sampler.stop_ids) >= 8
     # grpo's greedy evaluation (no sampler): argmax of the logits, with its stop token
-    assert rollouts.complete(model, prompts) == [argmax_answer(model, p, rollouts.stop_ids, 8, keep=True)
+    assert rollouts.sampler.complete(model, prompts) == [argmax_answer(model, p, rollouts.sampler.stop_ids, 8, keep=True)
                                                  for p in prompts]
 
 

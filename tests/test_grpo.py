@@ -25,7 +25,11 @@ import chat_templates as ct
 from tensors import LargestTensors
 from accel_train import data as data_lib
 from accel_train.config import ConfigError, load_config
-from accel_train.tasks import grpo
+from accel_train.components import completions as completions_lib
+from accel_train.components import logprobs
+from accel_train.generation import position_ids
+from accel_train.tasks.grpo import rollouts as grpo_rollouts
+from accel_train.tasks.grpo import task as grpo
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("grpo")
@@ -371,14 +375,14 @@ def test_unscored_completions_get_advantage_0_and_stay_out_of_their_group():
     nan = math.nan
     values = torch.tensor([[[1.0, nan, 3.0, nan], [nan, nan, nan, 5.0]],  # function 0: (prompts, G)
                            [[1.0, nan, nan, 2.0], [nan, nan, nan, nan]]], dtype=torch.float64)  # function 1
-    total = grpo.weighted_total(values, [1.0, 0.5])
+    total = grpo_rollouts.weighted_total(values, [1.0, 0.5])
     assert total.tolist()[0][:1] + total.tolist()[0][2:] == [1.5, 3.0, 1.0] and math.isnan(total[0, 1])
     assert [math.isnan(v) for v in total[1].tolist()] == [True, True, True, False] and total[1, 3] == 5.0
-    got = grpo.group_advantages(total, scale=True).tolist()
+    got = grpo_rollouts.group_advantages(total, scale=True).tolist()
     mean, std = 5.5 / 3, math.sqrt(((1.5 - 5.5 / 3) ** 2 + (3 - 5.5 / 3) ** 2 + (1 - 5.5 / 3) ** 2) / 2)
     want = [[(1.5 - mean) / (std + 1e-4), 0.0, (3 - mean) / (std + 1e-4), (1 - mean) / (std + 1e-4)], [0.0] * 4]
     assert got == [pytest.approx(w, rel=1e-12) for w in want]
-    assert grpo.group_advantages(total, scale=False).tolist() == [
+    assert grpo_rollouts.group_advantages(total, scale=False).tolist() == [
         pytest.approx([1.5 - mean, 0.0, 3 - mean, 1 - mean]), [0.0] * 4]
 
 
@@ -388,7 +392,7 @@ def test_rloo_advantages_are_the_leave_one_out_baseline():
     others' baselines and gets 0, as does a group's only scored one (TRL's RLOOTrainer)."""
     nan = math.nan
     rewards = torch.tensor([[1.0, 0.0, 0.5, 2.0], [0.25, nan, 1.0, 0.0], [nan, nan, 3.0, nan]], dtype=torch.float64)
-    got = grpo.group_advantages(rewards, scale=False, leave_one_out=True).tolist()
+    got = grpo_rollouts.group_advantages(rewards, scale=False, leave_one_out=True).tolist()
     assert got[0] == pytest.approx(leave_one_out([1.0, 0.0, 0.5, 2.0]), rel=1e-12)
     assert got[0] == pytest.approx([4 / 3 * (r - 0.875) for r in (1.0, 0.0, 0.5, 2.0)], rel=1e-12)
     scored = leave_one_out([0.25, 1.0, 0.0])
@@ -526,7 +530,7 @@ def test_deepspeed_zero2_rolls_out_and_trains_as_ddp(sft, runs):
 def test_builtin_rewards_score_as_documented():
     """exact_match against the answer column (stripped), regex_match in full on the stripped completion, and DAPO's
     soft overlong penalty: 0 up to max_new_tokens - length_buffer tokens, then down to -1 at max_new_tokens."""
-    from accel_train.tasks.rewards import Rewards
+    from accel_train.components.rewards import Rewards
 
     cfg = load_config(None, ["task=grpo", "grpo.rewards=[exact_match,regex_match,length_penalty]", "grpo.regex='[a-j]+'",
                              "grpo.answer_field=answer", "grpo.max_new_tokens=8", "grpo.length_buffer=4"])
@@ -583,7 +587,7 @@ def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=4))
-    monkeypatch.setattr(grpo, "CHUNK_BYTES", 4 * vocab * 4, raising=False)
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", 4 * vocab * 4)
     ids = torch.randint(1, vocab, (3, prompt + width))
     attention_mask = torch.ones_like(ids)
     labels = ids.clone()
@@ -592,7 +596,7 @@ def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
         attention_mask[row, prompt + n:] = 0
         labels[row, prompt + n:] = -100
     mask = labels[:, prompt:] != -100
-    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": grpo.position_ids(attention_mask),
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask),
              "labels": labels, "completion_width": width}
     weights = torch.randn(3, width)
 
@@ -603,12 +607,12 @@ def test_completion_log_probs_in_chunks_are_the_formula(monkeypatch, route):
     largest = LargestTensors(vocab, hidden=32)
     if route == "logits":
         with largest:
-            got = run(lambda: grpo.completion_logps(model, batch, temperature))
+            got = run(lambda: logprobs.completion_logps(model, batch, temperature))
     else:
-        head = grpo.output_head(model)  # its check runs the model once, on 2 x 8 tokens
+        head = logprobs.output_head(model)  # its check runs the model once, on 2 x 8 tokens
         assert head is model.lm_head
         with largest:
-            got = run(lambda: grpo.completion_logps(model, batch, temperature, head))
+            got = run(lambda: logprobs.completion_logps(model, batch, temperature, head))
     for g, w in zip(got[:2], want[:2]):
         torch.testing.assert_close(g[mask], w[mask], rtol=0, atol=1e-6)
     for name, grad in want[2].items():
@@ -646,7 +650,7 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route, arch):
     labels = ids.masked_fill(attention_mask == 0, -100)
     labels[:, :5] = -100
     mask = labels[:, 5:] != -100
-    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": grpo.position_ids(attention_mask),
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask),
              "labels": labels, "completion_width": width, "group": G}
     weights = torch.randn(len(rows), width)
     seen = []
@@ -656,9 +660,9 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route, arch):
         return logps_and_grads(model, fn, weights * mask)
 
     want = run(lambda: formula_logps(model, batch, 5, temperature))
-    head = grpo.output_head(model) if route == "hidden states" else None
+    head = logprobs.output_head(model) if route == "hidden states" else None
     seen.clear()
-    got = run(lambda: grpo.completion_logps(model, batch, temperature, head, prompts_by=model))
+    got = run(lambda: logprobs.completion_logps(model, batch, temperature, head, prompts_by=model))
     assert seen == [(2, 4), (6, width + 1)]  # the prompts but their last token once, then each row's rest
     for g, w in zip(got[:2], want[:2]):
         torch.testing.assert_close(g[mask], w[mask], rtol=0, atol=1e-5)
@@ -707,11 +711,11 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
         cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
                                      f"grpo.generation_batch_size={size}", "grpo.answer_field=response",
                                      "grpo.log_completions=false"])
-        rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
+        rollouts = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer)
         calls.clear()
-        got[size] = rollouts.generate_window(model, batches, step=3)
+        got[size] = rollouts.sampler.generate_window(model, batches, step=3)
         assert calls == ([12] if size == "null" else [4, 4, 4]), calls
-    alone = [rollouts.generate(model, batch, step=3).ids for batch in batches]
+    alone = [rollouts.sampler.generate(model, batch, step=3).ids for batch in batches]
     assert [c.ids for c in got["null"]] == [c.ids for c in got["1"]] == alone
     assert [len(c) for c in alone] == [8, 4] and len({tuple(c) for c in alone[0]}) > 1  # sampled, not one answer
     scored, real = [], rollouts.rewards
@@ -769,7 +773,7 @@ def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_
     qwen = ct.tokenizer_for("qwen2.5")
     report = {}
     crowded = [{"role": "system", "content": "Answer in one word. " * 4}]
-    ds = grpo.tokenize_prompts(prompt_rows(system + long, crowded + short), qwen, cfg, ["prompt", "answer"], report)
+    ds = grpo.tokenize(prompt_rows(system + long, crowded + short), qwen, cfg, report)
     tokens = lambda text: len(qwen(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     start = tokens(f"<|im_start|>system\n{crowded[0]['content']}<|im_end|>\n<|im_start|>user\n")
     end = tokens("<|im_start|>assistant\n")
@@ -881,11 +885,11 @@ def test_an_observation_carries_no_loss_and_the_models_turns_do(sft, monkeypatch
     cfg = load_config(overrides=["task=grpo", f"grpo.num_generations={G}", "grpo.max_new_tokens=24",
                                  "grpo.answer_field=response", f"grpo.environment={env}:Again",
                                  "grpo.log_completions=false"])
-    rollouts = grpo.Rollouts(cfg, accelerator, model, tokenizer)
+    rollouts = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer)
     draws = []  # (the draw the sampler took, the sampled token's position in its row's completion)
     prompt_length = {}  # each row's noise -> its prompt's length (rows are prompt-major)
 
-    class Recording(grpo.SeededSampler):
+    class Recording(completions_lib.SeededSampler):
         def __call__(self, input_ids, scores):
             taken = (self.offsets + input_ids.shape[1] - self.prompt_width).clamp(max=self.noise.shape[1] - 1)
             for row, ids in enumerate(input_ids.tolist()):
@@ -895,19 +899,19 @@ def test_an_observation_carries_no_loss_and_the_models_turns_do(sft, monkeypatch
                 draws.append((int(taken[row]), len(ids) - padding - prompt_length[tuple(self.noise[row].tolist())]))
             return super().__call__(input_ids, scores)
 
-    monkeypatch.setattr(grpo, "SeededSampler", Recording)
+    monkeypatch.setattr(completions_lib, "SeededSampler", Recording)
     prompts = ["reverse abc", "reverse hello"]
     batch = {"prompt_ids": [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)[
         "input_ids"] for p in prompts], "index": torch.tensor([0, 1]), "prompts": prompts,
              "columns": {"response": ["cba", "olleh"]}}
-    original = grpo.Rollouts.turns
+    original = completions_lib.CompletionSampler.turns
 
     def turns(self, model, batch, repeats, noise=None, multi=True):
         for k, row in enumerate(noise.tolist() if noise is not None else []):
             prompt_length[tuple(row)] = len(batch["prompt_ids"][k // repeats])
         return original(self, model, batch, repeats, noise, multi)
 
-    monkeypatch.setattr(grpo.Rollouts, "turns", turns)
+    monkeypatch.setattr(completions_lib.CompletionSampler, "turns", turns)
     micro = rollouts.roll([batch], 0)[0]
     # (past max_new_tokens the draw is clamped: those tokens are cut)
     assert draws and all(taken == position for taken, position in draws if position < cfg.grpo.max_new_tokens)
@@ -972,7 +976,7 @@ def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_pat
     """An assistant turn as the real template renders its tool calls (vendored templates, a local tokenizer): each
     call runs, its result (or the error that ended it, or the timeout) comes back as a tool turn."""
     from accel_train.formats import stop_token_ids
-    from accel_train.tasks import tools as tools_lib
+    from accel_train.components import tools as tools_lib
 
     (tmp_path / "tools.py").write_text(TOOLS_PY)
     names = [f"{tmp_path / 'tools.py'}:{f}" for f in ("add", "broken", "slow")]
@@ -1009,7 +1013,7 @@ def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_pat
 def test_a_template_whose_tool_calls_cannot_be_read_is_refused_in_one_line(template, why, tmp_path):
     """SmolLM2's template has no tools; Mistral v0.3's needs call ids of its own form (TRL does not render them);
     Qwen3's rewrites the thinking block of an assistant turn once a tool turn follows it."""
-    from accel_train.tasks import tools as tools_lib
+    from accel_train.components import tools as tools_lib
 
     (tmp_path / "tools.py").write_text(TOOLS_PY)
     cfg = load_config(overrides=["task=grpo", f"grpo.tools=[{tmp_path / 'tools.py'}:add]"])

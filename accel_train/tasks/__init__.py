@@ -1,16 +1,22 @@
-"""Training objectives: one module per task, behind one interface (`Task`), registered in one table (`REGISTRY`).
+"""Training objectives: one place per task, behind one interface (`Task`), registered in one table (`REGISTRY`).
 
     causal_lm  sft.py             supervised fine-tuning on responses (or plain text)
     seq_cls    classification.py  sequence classification
-    dpo        dpo.py             preference pairs, against a reference or not (orpo, simpo, cpo)
-    grpo       grpo.py            RL on rewards of sampled completions (rewards.py: the reward functions)
-    distill    distill.py         a teacher's token distributions taught on the responses (GKD)
-    reward     reward.py          a reward model: one score per sequence, trained on preference pairs
-    kto        kto.py             answers labelled desirable or undesirable, against a reference
+    dpo        dpo/               preference pairs, against a reference or not (orpo, simpo, cpo)
+    grpo       grpo/              RL on rewards of sampled completions
+    distill    distill/           a teacher's token distributions taught on the responses (GKD)
+    reward     reward/            a reward model: one score per sequence, trained on preference pairs
+    kto        kto/               answers labelled desirable or undesirable, against a reference
+
+A task with settings of its own is a folder: config.py, its config section (a dataclass named for the task, torch
+free: config loading, --help and preflight import it), and task.py, its `Task` subclass named `TASK`. Tasks are thin
+over the components (accel_train/components: preference pairs, prompts, completions, log-probs, the reference,
+rewards, tools) and never import each other (tests/test_entry.py checks it).
 
 The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
-only through `Task`: they never ask which task it is. A new objective is one module with a `Task` subclass named
-`TASK` and one `REGISTRY` row; registering it puts it under the conformance suite (tests/test_conformance.py).
+only through `Task`: they never ask which task it is. A new objective is its own module or folder and one
+`REGISTRY` row: config.py adds its section to `Config` from the row, and registering it puts it under the
+conformance suite (tests/test_conformance.py).
 
 This module imports no torch: the registry's cheap facts (`TaskInfo`) answer the checks that run before the
 training code is imported (config, preflight, the model card). The task's module is imported by `make`.
@@ -18,6 +24,7 @@ training code is imported (config, preflight, the model card). The task's module
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
@@ -27,14 +34,14 @@ class TaskInfo:
     """What the cheap checks need to know of a task, without importing its module."""
 
     module: str
-    """The module under accel_train/tasks holding its `TASK` class."""
+    """The module under accel_train/tasks holding its `TASK` class (sft, dpo.task)."""
     head: str
     """The model it trains: "causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
     summary: str
     """One line for `--help`."""
     results: tuple[str, ...] | str = ("loss",)
     """The names of its own evaluation results (eval_ omitted), before those of eval.metrics: what
-    eval.metric_for_best may name; or "module:function" of a torch-free function cfg -> those names."""
+    eval.metric_for_best may name; or "module:NAME" of a torch-free tuple of them, or of a function cfg -> them."""
     metrics: bool = False
     """Whether it scores its predictions with eval.metrics."""
     generation: bool = False
@@ -45,12 +52,18 @@ class TaskInfo:
     example: tuple[str, ...] = ()
     """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on
     every topology; the built-in data comes from data_sources.BUILTIN)."""
+    config: str | None = None
+    """"module:Class" of its config section (a torch-free dataclass with `resolve` and `check`, sections.py), the
+    `Config` field named for the task; None: it reads the common sections only."""
     preflight: str | None = None
     """"module:function" of its own cheap checks (torch-free, cfg -> None), run by preflight; ConfigError on a
     mistake."""
 
     def result_names(self, cfg) -> list[str]:
-        return list(_function(self.results)(cfg) if isinstance(self.results, str) else self.results)
+        if not isinstance(self.results, str):
+            return list(self.results)
+        found = _function(self.results)
+        return list(found(cfg) if callable(found) else found)
 
     def generating(self, cfg) -> bool:
         return bool(_function(self.generates)(cfg) if isinstance(self.generates, str) else self.generates)
@@ -61,20 +74,10 @@ class TaskInfo:
 
 
 def _function(ref: str):
-    """A function named "module:function" (imported now: the registry imports no task code of its own)."""
+    """What "module:NAME" names (imported now: the registry imports no task code of its own)."""
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
 
-
-# dpo's evaluation results besides loss (tasks/dpo.py METRICS; tests/test_config.py checks that the two agree)
-DPO_RESULTS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
-               "logps/rejected")
-# kto's (tasks/kto.py METRICS): TRL's names, kl being the reference point z0
-KTO_RESULTS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
-
-# reward's evaluation results besides loss (tasks/reward.py METRICS): pairwise accuracy, mean r_chosen - r_rejected,
-# mean score
-REWARD_RESULTS = ("accuracy", "margin", "mean_reward")
 
 REGISTRY: dict[str, TaskInfo] = {
     "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
@@ -82,30 +85,39 @@ REGISTRY: dict[str, TaskInfo] = {
                           example=("data.path=builtin:reverse",)),
     "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True,
                         example=("data.path=builtin:sentiment",)),
-    "dpo": TaskInfo("dpo", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
-                    results=("loss", *DPO_RESULTS), example=("data.path=builtin:reverse_pref", "dpo.reference=base")),
-    "grpo": TaskInfo("grpo", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
-                     results="accel_train.tasks.rewards:eval_results", generates=True,
-                     example=("data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=6",
-                              "grpo.rewards=[length_penalty]"),
-                     preflight="accel_train.tasks.tools:preflight"),
+    "dpo": TaskInfo("dpo.task", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
+                    config="accel_train.tasks.dpo.config:DpoConfig", results="accel_train.tasks.dpo.config:RESULTS",
+                    example=("data.path=builtin:reverse_pref", "dpo.reference=base")),
+    "grpo": TaskInfo("grpo.task", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
+                     config="accel_train.tasks.grpo.config:GrpoConfig", results="accel_train.tasks.grpo.config:results",
+                     generates=True, example=("data.path=builtin:reverse", "grpo.num_generations=4",
+                                              "grpo.max_new_tokens=6", "grpo.rewards=[length_penalty]"),
+                     preflight="accel_train.tasks.grpo.config:preflight"),
     # the teacher: the embedded tiny model, random from seed + 1 (a real teacher: configs/train/distill_default.yaml)
-    "distill": TaskInfo("distill", "causal_lm", "distillation: a teacher's token distributions on the responses "
-                        "(distill.*)", results=("loss", "cross_entropy", "perplexity"),
-                        generates="accel_train.preflight:distill_samples",
+    "distill": TaskInfo("distill.task", "causal_lm", "distillation: a teacher's token distributions on the responses "
+                        "(distill.*)", config="accel_train.tasks.distill.config:DistillConfig",
+                        results="accel_train.tasks.distill.config:RESULTS",
+                        generates="accel_train.tasks.distill.config:samples",
                         example=("data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
                                  "distill.on_policy=0.5", "distill.max_new_tokens=8"),
-                        preflight="accel_train.preflight:check_teacher"),
-    "reward": TaskInfo("reward", "seq_cls", "a reward model (one score per sequence) on chosen/rejected pairs (reward.*)",
-                       results=("loss", *REWARD_RESULTS), example=("data.path=builtin:reverse_pref",)),
-    "kto": TaskInfo("kto", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
-                    results=("loss", *KTO_RESULTS), example=("data.path=builtin:reverse_pref", "kto.reference=base")),
+                        preflight="accel_train.tasks.distill.config:preflight"),
+    "reward": TaskInfo("reward.task", "seq_cls", "a reward model (one score per sequence) on chosen/rejected pairs "
+                       "(reward.*)", config="accel_train.tasks.reward.config:RewardConfig",
+                       results="accel_train.tasks.reward.config:RESULTS", example=("data.path=builtin:reverse_pref",)),
+    "kto": TaskInfo("kto.task", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
+                    config="accel_train.tasks.kto.config:KtoConfig", results="accel_train.tasks.kto.config:RESULTS",
+                    example=("data.path=builtin:reverse_pref", "kto.reference=base")),
 }
 NAMES = tuple(REGISTRY)
 
 
 def info(name: str) -> TaskInfo:
     return REGISTRY[name]
+
+
+def sections() -> dict[str, type]:
+    """The tasks' config sections, by task name (the `Config` field), in registry order."""
+    return {name: _function(task.config) for name, task in REGISTRY.items() if task.config}
 
 
 def make(cfg) -> "Task":
@@ -218,6 +230,11 @@ class Task:
         return ""
 
     # ------------------------------------------------------------------------------------------------ inspect
+
+    def untruncated(self) -> "Task":
+        """The same task without a length limit (inspect: what data.max_length cuts)."""
+        data = dataclasses.replace(self.cfg.data, max_length=10**9)
+        return type(self)(dataclasses.replace(self.cfg, data=data))
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
         """Print what `python -m accel_train.inspect` shows of the data as training sees it; returns its figures."""

@@ -7,7 +7,6 @@ argmax classes.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import torch
@@ -169,7 +168,7 @@ class Classification(Task):
             after_lengths=spread)
 
     def untruncated(self) -> "Classification":
-        task = type(self)(dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, max_length=10**9)))
+        task = super().untruncated()
         task.labels = self.labels
         return task
 

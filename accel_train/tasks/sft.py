@@ -1,6 +1,7 @@
 """Supervised fine-tuning of a causal LM (task causal_lm): next-token cross-entropy on the responses of
-conversations (formats.py reads messages, prompt/response, instruction/input/output and TRL's prompt/completion,
-through the chat template), or on every token of plain text (format text, cut into data.max_length chunks).
+conversations (components/responses.py, through formats.py: messages, prompt/response, instruction/input/output
+and TRL's prompt/completion, through the chat template), or on every token of plain text (format text, cut into
+data.max_length chunks).
 
 The loss is summed over the target tokens of the batch and divided by the loop by the step's target tokens over
 every rank and micro-batch. It is computed from the final hidden states in chunks (loss.LossHead) where the model
@@ -10,18 +11,14 @@ token, eval.metrics on argmax tokens, and with eval.generate the generated answe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
-from accel_train.tracking import get_logger
-from datasets import Dataset
-from transformers import DataCollatorForSeq2Seq
 
 from accel_train import data as data_lib
-from accel_train import formats
-from accel_train.config import Config, DataConfig
+from accel_train.components import responses
+from accel_train.config import Config
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.loss import loss_head
@@ -29,26 +26,10 @@ from accel_train.metrics import compute_metrics, load_metrics
 from accel_train.tasks import Task
 from accel_train.tracking import main_logger
 
-logger = get_logger(__name__)
 
 
-def tokenize_key(cfg: Config, d: DataConfig) -> Config:
-    """Only what tokenizing reads (datasets' cache key: other runs of the same data reuse it)."""
-    return Config(task=cfg.task, data=DataConfig(
-        prompt_field=d.prompt_field, response_field=d.response_field, messages_field=d.messages_field,
-        instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
-        format=d.format, train_on=d.train_on, text_field=d.text_field, label_field=d.label_field,
-        max_length=d.max_length, truncation=d.truncation))
 
 
-def _tokenize_conversations(batch: dict, rows: list[int], tokenizer, cfg: Config, fmt: str, version: int) -> dict:
-    """A batch of conversation rows, one by one (batched: datasets' per-row overhead was 40% of the time);
-    `version`: formats.TOKENIZE_VERSION, for the cache key only."""
-    out = {"input_ids": [], "attention_mask": [], "labels": [], "status": []}
-    for i, row in enumerate(rows):
-        for key, value in formats.tokenize_causal({k: v[i] for k, v in batch.items()}, tokenizer, cfg, fmt, row).items():
-            out[key].append(value)
-    return out
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -96,48 +77,17 @@ class SFT(Task):
     # ------------------------------------------------------------------------------------------------ data
 
     def columns(self, columns: list[str], source: str) -> str:
-        formats.check_columns(self.cfg, columns, source)
-        return formats.describe_format(self.cfg, columns)
+        return responses.columns(self.cfg, columns, source)
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
-        """Samples of input_ids, attention_mask and labels (IGNORE_INDEX off the trained tokens). Conversations that
-        were cut, dropped or refused (formats.tokenize_causal), <unk> tokens and samples left without a trained
-        token are counted into `report` and logged, naming `split` (in memory; a stream is not read ahead)."""
-        cfg, cols = self.cfg, data_lib.columns(ds)
-        d = formats.resolve(cfg, cols)  # the format and columns read
-        fmt, key = d.format, tokenize_key(cfg, d)
-        if fmt == "text":
-            fn, fn_kwargs, extra = formats.tokenize_text, {}, {"batched": True}
-        else:
-            fn, fn_kwargs, extra = (_tokenize_conversations, {"fmt": fmt, "version": formats.TOKENIZE_VERSION},
-                                    {"with_indices": True, "batched": True})
-        raw = ds
-        ds = data_lib.map_rows(ds, fn, "tokenizing", fn_kwargs={"tokenizer": tokenizer, "cfg": key, **fn_kwargs},
-                               remove_columns=cols, **extra)
-        found = data_lib.unknown_tokens(ds, raw, tokenizer, key, fmt) if isinstance(ds, Dataset) else {}
-        if fmt != "text":
-            ds = data_lib.filter_statuses(ds, cfg, split, found)
-        # a sample with no target token (an empty answer) would teach nothing
-        untrained = data_lib.untrained_samples(ds) if isinstance(ds, Dataset) and len(ds) else []
-        if untrained:
-            found.update(untrained=len(untrained), first_untrained=f"sample {untrained[0]}: "
-                         + repr(tokenizer.decode(ds[untrained[0]]["input_ids"])[:120]), samples=len(ds))
-        ds = ds.filter(lambda labels: any(t != IGNORE_INDEX for t in labels[1:]), input_columns="labels")
-        data_lib.log_unseen(found, cfg, split)
-        if report is not None:
-            report.update(found)
-        return ds
+        """Samples of input_ids, attention_mask and labels (IGNORE_INDEX off the trained tokens): responses.py."""
+        return responses.tokenize(ds, tokenizer, self.cfg, report, split)
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
-        """Packing, or dynamic padding: each batch padded to its own longest sequence (rounded up to `multiple`),
-        labels with IGNORE_INDEX."""
-        if pack:
-            return data_lib.PackingCollator(tokenizer.pad_token_id, attention_cost, multiple)
-        return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt",
-                                      pad_to_multiple_of=multiple)
+        return responses.collator(tokenizer, pack, attention_cost, multiple)
 
     def count_targets(self, batch: dict):
-        return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # response tokens after the shift
+        return responses.count_targets(batch)
 
     # ------------------------------------------------------------------------------------------------ model
 
@@ -203,20 +153,6 @@ class SFT(Task):
     # ------------------------------------------------------------------------------------------------ inspect
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
-        from accel_train.views import inspect_token_samples
-
-        cfg = self.cfg
-        fmt = formats.resolve_format(cfg, data_lib.columns(train_raw))
-        return inspect_token_samples(
-            self, train_raw, eval_raw, streamed, tokenizer, samples, out,
-            fmt_line=f"format {fmt}" + (f", train_on {cfg.data.train_on}" if fmt != "text" else ""),
-            detail=formats.describe_format(cfg, data_lib.columns(train_raw)),
-            text_chunks=fmt == "text",
-            target=lambda sample: (f"{sum(t != IGNORE_INDEX for t in sample['labels'][1:])} with loss, in [[ ]]"))
-
-    def untruncated(self) -> "SFT":
-        """The same task without a length limit (inspect: what max_length cuts)."""
-        return type(self)(dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, max_length=10**9)))
-
+        return responses.inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
 
 TASK = SFT

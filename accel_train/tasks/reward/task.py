@@ -1,8 +1,8 @@
 """Reward modelling (task reward): a model that gives one score to a sequence, trained on preference pairs so that
 the chosen answer scores above the rejected one (TRL's RewardTrainer, Ouyang et al. 2022).
 
-Data: dpo's pairs (tasks/dpo.py, whose column check and tokenization this task calls, with the columns named by
-reward.chosen_field and reward.rejected_field): {"prompt", "chosen", "rejected"} as texts or chat turns, or
+Data: preference pairs (components/pairs.py, with the columns named by reward.chosen_field and
+reward.rejected_field): {"prompt", "chosen", "rejected"} as texts or chat turns, or
 {"chosen", "rejected"} conversations sharing their prompt turns (TRL's implicit prompt); the chat template applied
 as for SFT. An optional column of margins (reward.margin_field, "margin"): the number by which chosen must win.
 
@@ -20,26 +20,24 @@ summed over the batch's pairs; the loop divides by the pairs of the effective ba
 TRL's mean over pairs. Logged and evaluated per pair: accuracy (r_chosen > r_rejected), margin (r_chosen -
 r_rejected), mean_reward ((r_chosen + r_rejected) / 2).
 
-The trained model is a reward of task grpo: grpo.rewards [model:PATH] (rewards.py) loads it with `reward_model` and
-scores each completion after its prompt, rendered as the pairs were (`RewardModel.score`).
+The trained model is a reward of task grpo: grpo.rewards [model:PATH] (components/rewards.py) loads it and scores
+each completion after its prompt, rendered as the pairs were (components/reward_model.py).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
 import torch
 import torch.nn.functional as F
 
-from accel_train.config import Config, ConfigError, RewardConfig
+from accel_train.components.pairs import PairCollator, inspect_pairs, pair_columns, tokenize_pair, tokenize_pairs
+from accel_train.config import Config, ConfigError
 from accel_train.data import columns as data_columns
-from accel_train.tasks import REWARD_RESULTS, Task
-from accel_train.tasks.dpo import (PairCollator, _turns, inspect_pairs, pair_columns, renderer,
-                                   tokenize_pair, tokenize_pairs)
+from accel_train.tasks import Task
+from accel_train.tasks.reward.config import METRICS, RewardConfig
 
-METRICS = REWARD_RESULTS  # logged per pair after the loss (tasks/__init__.py holds them: eval.metric_for_best)
 SECTION = "reward"  # the config section naming the pair's columns
 MARGIN = "margin"  # the column of margins read when reward.margin_field is not set (TRL's name)
 
@@ -107,56 +105,6 @@ def evaluate(accelerator, model, eval_dl, loss: PairLoss) -> dict:
     model.train()
     means = (sums / max(pairs, 1)).tolist()
     return {"eval_loss": means[0], "eval_samples": pairs, **{f"eval_{k}": v for k, v in zip(METRICS, means[1:])}}
-
-
-# ---------------------------------------------------------------------------------------------------- as a grpo reward
-
-
-class RewardModel:
-    """A trained reward model, frozen, scoring texts the way task reward trained it (one process's copy)."""
-
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
-        self.render = renderer(tokenizer)
-
-    def ids(self, prompt, completion: str, row: int, max_length: int) -> list[int]:
-        """The prompt (a text: one user turn; or chat turns) and the completion as the assistant's answer, rendered
-        as a pair's side is (through the chat template, as the reward run's tokenizer holds it), its last
-        `max_length` tokens."""
-        messages = _turns(prompt, row, "user") + [{"role": "assistant", "content": completion}]
-        ids = self.render(messages, self.tokenizer, "all")[0]  # "all": the ids alone, no answer to find
-        return ids[-max_length:]
-
-    @torch.no_grad()
-    def score(self, prompts: list, completions: list[str], max_length: int, batch_size: int) -> list[float]:
-        """One score per completion, `batch_size` sequences a forward (padded on the right)."""
-        rows = [self.ids(p, c, i, max_length) for i, (p, c) in enumerate(zip(prompts, completions))]
-        pad, device, out = self.tokenizer.pad_token_id, self.model.device, []
-        for start in range(0, len(rows), batch_size):
-            part = rows[start: start + batch_size]
-            width = max(len(r) for r in part)
-            ids = torch.tensor([r + [pad] * (width - len(r)) for r in part], device=device)
-            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part], device=device)
-            out += self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float().tolist()
-        return out
-
-
-@functools.cache  # once per process: the smoke test before training and every step use the same copy
-def reward_model(path: str, dtype: str) -> RewardModel:
-    """The reward model at `path` (a reward run's output_dir, adapter/ or model/), on this process's device, its
-    adapter merged, frozen."""
-    from accelerate import PartialState
-    from transformers import AutoModelForSequenceClassification
-
-    from accel_train.model import load_trained
-
-    model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
-                                    dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it
-    model.requires_grad_(False).eval().to(PartialState().device)
-    return RewardModel(model, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- the task

@@ -1,4 +1,5 @@
-"""Reward functions of task grpo: the built-ins, and a user's own by "module:function" or "path/to/file.py:function".
+"""Reward functions (grpo.rewards): the built-ins, a user's own by "module:function" or "path/to/file.py:function",
+and a trained reward model by "model:PATH"; `Rewards` calls them, checked, weighted by grpo.reward_weights.
 
 A reward function takes TRL's arguments and returns one number per completion, or None where it does not apply
 (as TRL: a None is left out of that completion's weighted sum, and of the function's logged mean; a completion that
@@ -19,7 +20,7 @@ Built-ins (grpo.rewards):
     length_penalty  DAPO's soft overlong penalty: 0 up to max_new_tokens - length_buffer tokens, then down to -1
                     (linearly) at max_new_tokens
 
-A reward model trained by task reward (tasks/reward.py) is a reward too: `model:PATH`, PATH its output_dir (or
+A reward model trained by task reward (tasks/reward/) is a reward too: `model:PATH`, PATH its output_dir (or
 its adapter/ or model/ folder). Each process loads it once, frozen, on its device, and scores its own completions
 without gradient, a batch of train.eval_batch_size at a time: each completion after its prompt, rendered as the
 reward model's pairs were (the prompt a user turn, or the prompt's turns; the completion the assistant's answer;
@@ -80,7 +81,7 @@ MODEL = "model:"  # grpo.rewards: model:PATH, a reward model
 
 
 class ModelReward:
-    """grpo.rewards model:PATH as a reward function: the model is loaded at the first call (tasks/reward.py, once per
+    """grpo.rewards model:PATH as a reward function: the model is loaded at the first call (reward_model.py, once per
     process), so that preflight, which only checks PATH, imports no torch."""
 
     def __init__(self, path: str, cfg: Config):
@@ -88,7 +89,7 @@ class ModelReward:
         self.max_length, self.batch_size = cfg.data.max_length, cfg.train.eval_batch_size
 
     def __call__(self, prompts, completions, completion_ids=None, **_) -> list[float]:
-        from accel_train.tasks.reward import reward_model
+        from accel_train.components.reward_model import reward_model
 
         return reward_model(self.path, self.dtype).score(prompts, completions, self.max_length, self.batch_size)
 

@@ -1,9 +1,9 @@
 """Knowledge distillation (task distill): a teacher's next-token distributions taught to the trained model (the
 student) on the responses of SFT data (GKD: Agarwal et al. 2024; TRL's GKDTrainer).
 
-Data: causal_lm's formats (messages, prompt/response, alpaca, TRL's prompt/completion, or plain text), tokenized by
-the causal_lm task (tasks/sft.py): the divergence applies where causal_lm's loss does (data.train_on). Batches are
-padded, not packed.
+Data: causal_lm's formats (messages, prompt/response, alpaca, TRL's prompt/completion, or plain text), tokenized as
+task causal_lm's (components/responses.py): the divergence applies where causal_lm's loss does (data.train_on).
+Batches are padded, not packed.
 
 The teacher (distill.teacher) is loaded on every process, frozen, in evaluation mode, on the process's device; it
 is not wrapped (no DDP). It must share the student's tokenizer and vocabulary: checked before the data is read.
@@ -46,16 +46,16 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 
 from accel_train import data as data_lib
+from accel_train.components import responses
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
 from accel_train.dist import zero3
 from accel_train.formats import IGNORE_INDEX
-from accel_train.generation import generation_config, split_prompt, until_stop
+from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
+                                    until_stop)
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.model import build_model
 from accel_train.model_sources import one_line
 from accel_train.tasks import Task
-from accel_train.tasks.grpo import SeededSampler, left_padded, row_seed
-from accel_train.tasks.sft import SFT
 
 # ---------------------------------------------------------------------------------------------------- loss
 
@@ -229,7 +229,7 @@ def prompts_of(batch: dict) -> list[list[int]]:
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, step: int, autocast) -> list[list[int]]:
-    """The student's response to each prompt, sampled with its own noise (grpo.SeededSampler), up to and with its
+    """The student's response to each prompt, sampled with its own noise (generation.SeededSampler), up to and with its
     stop token. `model`: unwrapped (no collective: each rank samples its own)."""
     d, device = cfg.distill, next(model.parameters()).device
     config = generation_config(model, tokenizer, d.max_new_tokens)  # greedy: the sampler picks the token
@@ -263,18 +263,17 @@ def on_policy_batch(prompts: list[list[int]], responses: list[list[int]], pad_id
 class Distill(Task):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self.sft = SFT(cfg)  # the data: causal_lm's formats and tokenization
         self.distillation: Distillation | None = None
         self.job, self.tokenizer = None, None
 
     def columns(self, columns: list[str], source: str) -> str:
-        return self.sft.columns(columns, source)
+        return responses.columns(self.cfg, columns, source)
 
     def prepare_data(self, train_raw, eval_raw) -> None:
         check_vocabulary(self.cfg)  # before tokenizing: a mismatch costs a second
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
-        ds = self.sft.tokenize(ds, tokenizer, report, split)
+        ds = responses.tokenize(ds, tokenizer, self.cfg, report, split)
         if split == "train" and self.cfg.distill.on_policy > 0 and isinstance(ds, Dataset):
             # every sample must have a prompt to answer: checked now, on every rank, not at the first on-policy step
             # (where a rank whose batch holds such a sample would stop alone)
@@ -285,10 +284,10 @@ class Distill(Task):
         return ds
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
-        return self.sft.collator(tokenizer, False, attention_cost, multiple)
+        return responses.collator(tokenizer, False, attention_cost, multiple)
 
     def count_targets(self, batch: dict):
-        return self.sft.count_targets(batch)
+        return responses.count_targets(batch)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
         if zero3(accelerator):
@@ -344,7 +343,7 @@ class Distill(Task):
         d = self.cfg.distill
         print(f"teacher: {d.teacher} (beta {d.beta}, temperature {d.temperature}; on-policy steps: {d.on_policy:g}, "
               f"the responses then sampled by the student, up to {d.max_new_tokens} tokens)", file=out)
-        return self.sft.inspect(train_raw, eval_raw, streamed, tokenizer, samples, out)
+        return responses.inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
 
 
 TASK = Distill

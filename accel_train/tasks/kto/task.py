@@ -6,7 +6,7 @@ A row is one answer, in TRL's unpaired form (the chat template applied as for ca
     {"prompt": "...", "completion": "...", "label": true}                  texts
     {"prompt": [turns...], "completion": [answer turn], "label": false}    conversations
 
-or one of dpo's preference pairs (tasks/dpo.py: prompt/chosen/rejected, or conversations), unpaired as it is read:
+or preference pairs (components/pairs.py: prompt/chosen/rejected, or conversations), unpaired as they are read:
 a desirable row (prompt + chosen) and an undesirable one (prompt + rejected), as TRL's unpair_preference_dataset
 does (in each block of MAP_BATCH pairs, the chosen rows, then the rejected ones). Truncation to data.max_length
 keeps the answer: the prompt loses its first tokens first.
@@ -26,7 +26,7 @@ micro-batch, clamped at 0 and not differentiated (TRL averages it per micro-batc
 `window`, when the step's micro-batches are fetched, from forwards without gradient (the policy in evaluation mode:
 no dropout); so the topology cannot change it. The reference is the model with its LoRA adapter disabled (or, with
 model.adapter_from and kto.reference=start, that adapter loaded again and frozen), or a frozen copy under full
-fine-tuning (dpo.reference_model). The loop sums the row losses and divides by the step's rows: TRL's mean over a
+fine-tuning (components/reference.py). The loop sums the row losses and divides by the step's rows: TRL's mean over a
 batch's rows, desirable and undesirable together. Evaluation estimates z0 from the whole eval split.
 """
 
@@ -39,16 +39,18 @@ from accelerate.logging import get_logger
 from datasets import Dataset, IterableDataset
 
 from accel_train import formats
-from accel_train.config import Config, ConfigError, DataConfig, DpoConfig, KtoConfig
+from accel_train.components.logprobs import sequence_logps
+from accel_train.components.pairs import (conversation, fit_prompt_first, pad_rows, pair_conversations,
+                                          prompt_and_response)
+from accel_train.components.reference import reference_mode, reference_model
+from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.data import columns as data_columns
 from accel_train.formats import IGNORE_INDEX
-from accel_train.tasks import KTO_RESULTS, Task
-from accel_train.tasks.dpo import (conversation, fit_prompt_first, pad_rows, pair_conversations, prompt_and_response,
-                                   reference_mode, reference_model, sequence_logps)
+from accel_train.tasks import Task
+from accel_train.tasks.kto.config import METRICS, KtoConfig
 
 logger = get_logger(__name__)
 
-METRICS = KTO_RESULTS  # (tasks/__init__.py holds them: eval.metric_for_best may name them before torch is loaded)
 MAP_BATCH = 1000  # rows per block of the tokenizing map: pairs are unpaired, and answers shifted, within one
 
 
@@ -102,7 +104,7 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, report: dict
     d, k, p = cfg.data, cfg.kto, cfg.dpo
     # Only what tokenizing reads goes into the cache key (see data.tokenize).
     key = Config(task="kto", data=DataConfig(prompt_field=d.prompt_field, max_length=d.max_length),
-                 dpo=DpoConfig(chosen_field=p.chosen_field, rejected_field=p.rejected_field),
+                 dpo=type(p)(chosen_field=p.chosen_field, rejected_field=p.rejected_field),
                  kto=KtoConfig(completion_field=k.completion_field, label_field=k.label_field))
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
               "remove_columns": data_columns(ds), "with_indices": True, "batched": True, "batch_size": MAP_BATCH}

@@ -35,7 +35,7 @@ import json
 import threading
 
 from accel_train.config import Config, ConfigError
-from accel_train.tasks.rewards import check_rewards, load_function
+from accel_train.components.rewards import load_function
 
 DEFAULT_TURNS = 4
 
@@ -195,12 +195,6 @@ def observation_ids(tokenizer, messages: list[dict], stop_ids: list[int], tools:
         raise ConfigError("grpo: the chat template rewrites an assistant turn once turns follow it (as Qwen3's its "
                           "thinking block): the tokens of a tool result or an observation cannot be appended")
     return full[len(before):]
-
-
-def preflight(cfg: Config) -> None:
-    """task grpo's preflight: the rewards (rewards.check_rewards), then the tools or the environment."""
-    check_rewards(cfg)
-    check_static(cfg)
 
 
 def check_static(cfg: Config) -> None:

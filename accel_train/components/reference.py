@@ -1,0 +1,50 @@
+"""The reference model of the objectives that compare the policy with where it started (tasks dpo, kto, grpo with
+grpo.beta > 0): under LoRA the policy itself with its adapter disabled (peft's `disable_adapter`: no second model),
+or switched to a frozen copy of the adapter it continues (model.adapter_from: model.REFERENCE_ADAPTER, TRL's
+ref_adapter_name); under full fine-tuning a frozen copy of the initial weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from accel_train.config import Config
+from accel_train.model import REFERENCE_ADAPTER
+
+
+def reference_model(cfg: Config, model: torch.nn.Module, accelerator) -> torch.nn.Module:
+    """The reference of the policy `model` (before accelerate wraps it): under LoRA the model itself (reference_mode
+    disables its adapter, or switches to the frozen one), under full fine-tuning a frozen copy of its initial
+    weights."""
+    return model if cfg.lora.enabled else copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
+
+
+@contextmanager
+def reference_mode(model, lora: bool):
+    """The reference: no gradient, evaluation mode (no dropout: the same numbers online and precomputed), and
+    under LoRA the adapter disabled. `model` is the unwrapped module, so DDP's forward (and its gradient
+    bookkeeping) is not involved."""
+    was_training = model.training
+    model.eval()
+    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):  # model.adapter_from, dpo.reference=start
+        context = adapter(model, REFERENCE_ADAPTER)
+    else:
+        context = model.disable_adapter() if lora else nullcontext()
+    try:
+        with torch.no_grad(), context:
+            yield
+    finally:
+        model.train(was_training)
+
+
+@contextmanager
+def adapter(model, name: str):
+    """`name` active, frozen; then the trained adapter active and trainable again, as peft's set_adapter leaves it."""
+    model.set_adapter(name, inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter("default")

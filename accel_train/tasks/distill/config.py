@@ -1,0 +1,65 @@
+"""The distill section (task distill), its cheap checks (preflight) and whether it samples. Imports nothing heavy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from accel_train.sections import ConfigError, positive
+
+# distill's evaluation results (task.py's evaluate)
+RESULTS = ("loss", "cross_entropy", "perplexity")
+
+
+@dataclass
+class DistillConfig:
+    teacher: Optional[str] = None
+    """The teacher: a local model folder or hub id (AutoModelForCausalLM, its pretrained weights; the embedded tiny
+    model is random, drawn from seed + 1, unlike the student), loaded frozen on every process. It must share the
+    student's tokenizer and vocabulary."""
+    beta: float = 0.5
+    """The divergence, per target token (TRL's generalized_jsd_loss): 0 forward KL(teacher || student), 1 reverse
+    KL(student || teacher), between them the generalized Jensen-Shannon divergence with this beta (GKD)."""
+    temperature: float = 1.0
+    """Softmax temperature of both models' logits in the divergence (and of the student's on-policy sampling), as
+    TRL's DistillationTrainer; TRL's GKDTrainer tempers the sampling only (the same at 1)."""
+    on_policy: float = 0.0
+    """GKD's lambda: the fraction of optimizer steps whose responses the student samples itself (at
+    distill.temperature) after each sample's prompt, instead of the data's; chosen per step from the seed."""
+    max_new_tokens: int = 128
+    """On-policy steps: tokens sampled at most per response (it stops earlier at the template's end of turn or eos)."""
+
+    def resolve(self, cfg) -> None:
+        if cfg.task == "distill":
+            cfg.data.packing = False  # the teacher scores padded rows (config.yaml records what the run did)
+
+    def check(self, cfg) -> None:
+        positive({"distill.temperature": self.temperature, "distill.max_new_tokens": self.max_new_tokens})
+        if cfg.task != "distill":
+            return
+        for key, value in (("distill.beta", self.beta), ("distill.on_policy", self.on_policy)):
+            if not 0 <= value <= 1:
+                raise ConfigError(f"{key} must be in [0, 1], got {value}")
+        if self.on_policy and (cfg.data.format == "text" or cfg.data.train_on == "all"):
+            raise ConfigError(f"distill.on_policy={self.on_policy} samples answers to prompts: not with "
+                              "data.format=text or data.train_on=all, where every token is trained and there is no "
+                              "prompt")
+
+
+def samples(cfg) -> bool:
+    """Whether the run samples from the model (TaskInfo.generates): with distill.on_policy > 0."""
+    return cfg.distill.on_policy > 0
+
+
+def preflight(cfg) -> None:
+    """The teacher is a model folder with weights (or the embedded tiny model, random), or a hub model this machine
+    can load. Its tokenizer is compared with the student's when the run starts (task.py)."""
+    from accel_train.config import is_embedded_tiny_model
+    from accel_train.model_sources import check_model, check_weights
+
+    teacher = cfg.distill.teacher
+    if not teacher:
+        raise ConfigError("task distill needs distill.teacher: the model to learn from (a local folder or hub id "
+                          "sharing the student's tokenizer)")
+    check_model(teacher, key="distill.teacher")
+    check_weights(teacher, is_embedded_tiny_model(teacher), "distill.teacher", "a teacher must be trained")

@@ -1,0 +1,1 @@
+"""Task dpo: preference pairs, against a reference or not (config.py: the dpo section; task.py: the task)."""

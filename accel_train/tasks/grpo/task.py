@@ -1,0 +1,362 @@
+"""Reinforcement learning from verifiable rewards (task grpo): sampled completions to prompts, scored by reward
+functions (components/rewards.py), each compared with the other completions of its prompt (Shao et al. 2024, GRPO).
+
+Data: one prompt per row, `prompt` (data.prompt_field: a text, or chat turns) or `messages` (data.messages_field)
+ending with a user turn; the chat template is applied with its generation prompt. Every other column goes to the
+reward functions by name (e.g. `answer` for exact_match, grpo.answer_field).
+
+One optimizer step, on each rank, for each of its grad_accum_steps micro-batches of per_device_batch_size prompts:
+
+    rollout   grpo.num_generations completions per prompt, sampled with the adapter on and the KV cache
+              (transformers' generate; the prompt's cache computed once for its group, then repeated),
+              ending at the template's end of turn, eos, or grpo.max_new_tokens.
+              Each completion's sampling noise comes from its own generator, seeded by (seed, the step of the
+              rollout, the prompt's row, the completion's number): 1 and 2 processes sample the same completions
+              for the same prompts, and a resumed run samples what the uninterrupted one did (nothing to save).
+              Generating runs no collective: every rank generates its own prompts' completions.
+    rewards   the reward functions' weighted sum, and each completion's advantage within its prompt's group
+              (rollouts.py says how).
+    loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
+              ratio = exp(logp - logp_old) (logp at grpo.temperature; logp_old: logp itself, detached, or with
+              grpo.num_iterations > 1 the log-prob at generation) and KL = exp(ref - logp) - (ref - logp) - 1
+              to the reference (the adapter disabled, as dpo's; under full fine-tuning a frozen copy of the initial
+              model). Log-probs come from the hidden states a chunk of tokens at a time (components/logprobs.py): the
+              logits (rows x tokens x vocabulary) are never whole. The loop sums the loss and divides by the
+              step's count over all ranks and micro-batches (grpo.loss_type): completion tokens (dapo),
+              completions, each first averaged over its tokens (grpo), or completions x max_new_tokens (dr_grpo).
+
+Multi-turn rollouts (grpo.tools, grpo.environment; components/tools.py, components/completions.py): after each
+assistant turn the completion's environment answers (tool results, or the user's environment's observation), its
+tokens are appended without loss (labels -100, attended to), and the model continues, up to grpo.max_turns turns
+within grpo.max_new_tokens tokens. Each row draws its noise by its own token count (observations counted):
+trajectories are the same on any number of processes and after a resume. The rewards get the last assistant turn's
+text as the completion and every turn as `trajectories`; rollouts.jsonl keeps the turns and the loss mask.
+
+With grpo.num_iterations = mu > 1 each batch of rollouts is trained on for mu optimizer steps (the data advances
+every mu steps); checkpoints are written between batches of rollouts only (checkpoint.save_every a multiple of mu).
+
+Sampling reads the model's logits as they are (generation.generation_config): no setting of the base's
+generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
+actually sampled. Generation is refused under FSDP and DeepSpeed ZeRO-3 (sharded weights would need every rank in
+step); ZeRO-1/2 keep the whole weights on every rank.
+
+Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
+several reward functions), frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length,
+/clipped_ratio (cut at max_new_tokens), clip_ratio, entropy, kl (beta > 0). Evaluation answers the eval prompts greedily: eval_reward,
+eval_rewards/NAME/mean, eval_completions/mean_length. output_dir/rollouts.jsonl holds every completion with its
+prompt, token ids, rewards, advantage and the columns the rewards read (grpo.log_completions); the progress bar
+shows the reward, and "generating" while the step's completions are sampled; summary.json's "rollouts" the tokens
+generated and the seconds spent generating and training.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from datasets import Dataset, IterableDataset
+
+from accel_train.components import tools as tools_lib
+from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
+from accel_train.components.prompts import PromptBudget, PromptCollator, prompt_column, tokenize_prompts
+from accel_train.components.reference import reference_mode
+from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test
+from accel_train.config import Config, ConfigError
+from accel_train.data import columns as data_columns
+from accel_train.dist import zero3
+from accel_train.formats import IGNORE_INDEX
+from accel_train.generation import merged_adapter
+from accel_train.tasks import Task
+from accel_train.tasks.grpo.rollouts import ROLLOUTS_FILE, Rollouts, stop_together, weighted_total
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def prompt_columns(cfg: Config, columns: list[str], source: str | None = None) -> None:
+    """The prompts are there, and the answers exact_match and number_match compare with."""
+    prompt_column(cfg, columns, source)
+    answered = [name for name in cfg.grpo.rewards if name in ANSWERED]
+    if answered and cfg.grpo.answer_field not in columns:
+        raise ConfigError(f"grpo.rewards: {answered[0]} compares with the column grpo.answer_field="
+                          f"{cfg.grpo.answer_field}, which {source or cfg.data.path} lacks; columns found: {', '.join(columns)}")
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def budget(cfg: Config) -> PromptBudget:
+    """The tokens a prompt keeps, so that prompt and completion fit data.max_length."""
+    keep = cfg.grpo.max_prompt_length(cfg)
+    return PromptBudget(keep, f"data.max_length={cfg.data.max_length} - grpo.max_new_tokens={cfg.grpo.max_new_tokens} "
+                              f"= {keep} tokens", "raise data.max_length or lower grpo.max_new_tokens")
+
+
+def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, report: dict | None = None,
+             split: str = "train") -> Dataset | IterableDataset:
+    """The prompts as the model continues them (components/prompts.py), grpo.tools' schemas shown to it."""
+    tools_lib.check_multi_turn(cfg, tokenizer)
+    return tokenize_prompts(ds, tokenizer, cfg, budget(cfg), tools_lib.schemas(tuple(cfg.grpo.tools)), report, split)
+
+
+def check_rewards_on(cfg: Config, ds: Dataset | IterableDataset) -> None:
+    """Before any model is built: every reward function called once on the first row (two empty completions)."""
+    example = next(iter(ds)) if isinstance(ds, IterableDataset) else ds[0]
+    column = prompt_column(cfg, list(example))
+    smoke_test(Rewards(cfg), example, example[column], [k for k in example if k != column],
+               turns=bool(cfg.grpo.tools or cfg.grpo.environment))
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# Logged from the loss, per completion token, after `loss` (see loop.LossSums)
+METRICS = ("entropy", "clip_ratio")
+
+
+class PolicyLoss:
+    """The GRPO loss of a micro-batch of completions (summed: the loop divides by the step's count), and its
+    per-token metrics."""
+
+    def __init__(self, cfg: Config, accelerator, model: torch.nn.Module | None = None):
+        """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
+        > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
+        self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
+        self.share_prompts = shares_prompts(cfg)
+        self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
+        if self.g.beta and not self.lora:
+            if model is None:
+                raise ValueError("grpo.PolicyLoss: with grpo.beta > 0 under full fine-tuning it needs the model "
+                                 "before accelerator.prepare, for its frozen reference")
+            self.reference = copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("loss", *METRICS, *(("kl",) if self.g.beta else ()), "n/tokens")
+
+    def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        sharded = zero3(self.accelerator)
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        logps, entropy = completion_logps(model, batch, self.g.temperature, output_head(unwrapped, sharded),
+                                          unwrapped if self.share_prompts else None)
+        mask = (batch["labels"][:, -batch["completion_width"]:] != IGNORE_INDEX).float()
+        old = batch.get("old_logps", logps.detach())
+        ratio = torch.exp(logps - old)
+        low, high = 1 - self.g.epsilon, 1 + (self.g.epsilon_high if self.g.epsilon_high is not None else self.g.epsilon)
+        advantages = batch["advantages"][:, None]
+        per_token = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+        logged = [(entropy * mask).sum(),
+                  ((((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))).float() * mask).sum()]
+        if self.g.beta:
+            reference = self.reference if self.reference is not None else unwrapped
+            with reference_mode(reference, self.lora), self.accelerator.autocast():
+                ref = completion_logps(reference, batch, self.g.temperature, output_head(reference, sharded),
+                                       reference if self.share_prompts else None)[0]
+            kl = torch.exp(ref - logps) - (ref - logps) - 1
+            per_token = per_token + self.g.beta * kl
+            logged.append((kl.detach() * mask).sum())
+        sums = (per_token * mask).sum(1)
+        loss = (sums / mask.sum(1).clamp(min=1)).sum() if self.g.loss_type == "grpo" else sums.sum()
+        return loss, torch.stack([loss.detach(), *logged, mask.sum()])
+
+
+def finish_means(means: dict) -> dict:
+    """loop.LossSums' means of the loss's sums: the per-token ones divided by the tokens, not the loss's count."""
+    tokens = means.pop("n/tokens")
+    return {k: (v / tokens if k in (*METRICS, "kl") and tokens else v) for k, v in means.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
+    """Greedy answers to every eval prompt, scored by the run's rewards: the means over all eval prompts (each once:
+    gather_for_metrics drops the repeated ones), the same on every rank."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unwrapped.eval()
+    sums, counts, n, failed = 0, 0, 0, None
+    try:
+        for batch in eval_dl:
+            n_rows = len(batch["prompt_ids"])
+            try:
+                # the adapted weights' copy while generating, freed before the rewards (a reward model) run
+                with merged_adapter(unwrapped, rollouts.g.merge_adapter), accelerator.autocast():
+                    completions = rollouts.sampler.turns(unwrapped, batch, 1)
+                texts = rollouts.sampler.texts(completions)
+                values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions.ids,
+                                                       completions.columns(batch["columns"])))
+                lengths = [float(n) for n in completions.written()]
+            except RewardError as e:  # the others gather on: every rank stops after the loop
+                failed = failed or str(e)
+                values = torch.full((len(rollouts.rewards.names), n_rows), math.nan)
+                lengths = [math.nan] * n_rows
+            total = weighted_total(values, rollouts.rewards.weights)
+            rows = torch.cat([total[None], values, torch.tensor([lengths])]).T
+            rows = accelerator.gather_for_metrics(rows.to(accelerator.device))
+            # means over the values given: a None (NaN) is left out
+            sums, counts, n = sums + rows.nan_to_num(0.0).sum(0), counts + (~rows.isnan()).sum(0), n + len(rows)
+    finally:
+        unwrapped.train()
+    stop_together(accelerator, failed, "scoring the evaluation's answers")
+    means = (sums / counts).tolist() if n else [math.nan] * (len(rollouts.rewards.names) + 2)
+    return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.labels,
+                                                                                          means[1:-1])},
+            "eval_completions/mean_length": means[-1], "eval_samples": n}
+
+
+def replay(rollouts: Rollouts, batch: dict) -> dict:
+    """A micro-batch of completions to run with weight 0 (loop.fit's replay, on a rank out of data): not logged."""
+    return rollouts.roll([batch], 0, log=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- the task
+
+
+class GRPO(Task):
+    log_files = (ROLLOUTS_FILE,)
+    progress = ("loss", "reward")
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.steps_per_batch = cfg.grpo.num_iterations
+        self.rollouts: Rollouts | None = None
+        self.policy: PolicyLoss | None = None
+
+    def columns(self, columns: list[str], source: str) -> None:
+        prompt_columns(self.cfg, columns, source)
+
+    def prepare_data(self, train_raw, eval_raw) -> None:
+        """A reward function that fails on the first row of either split stops the run now, before any model is
+        built (the eval split's at the end of training would lose it)."""
+        for split in (train_raw, eval_raw):
+            if split is not None and (not isinstance(split, Dataset) or len(split)):
+                check_rewards_on(self.cfg, split)
+
+    def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
+        return tokenize(ds, tokenizer, self.cfg, report, split)
+
+    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+        return PromptCollator(self.cfg)
+
+    def count_targets(self, batch: dict):
+        return batch["targets"]  # completion tokens, completions, or completions x max_new_tokens (grpo.loss_type)
+
+    def frozen_reference_adapter(self) -> bool:
+        return bool(self.cfg.grpo.beta)
+
+    def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
+        # with beta > 0 under full fine-tuning, the reference is a frozen copy of these initial weights
+        self.policy = PolicyLoss(self.cfg, accelerator, model)
+        self.logged = self.policy.names
+        return train_ds, eval_ds
+
+    def start(self, job, tokenizer, eval_ds) -> None:
+        self.rollouts = Rollouts(self.cfg, job.accelerator, job.model, tokenizer)
+        self.rollouts.phase = job.run_log.phase
+
+    def window(self, batches, step: int, accum: int) -> list[dict]:
+        return self.rollouts.window(batches, step)
+
+    def replay(self, batch: dict) -> dict:
+        return replay(self.rollouts, batch)
+
+    def loss(self, model, batch: dict):
+        return self.policy(model, batch)
+
+    def finish_means(self, means: dict) -> dict:
+        return finish_means(means)
+
+    def log_means(self, accelerator) -> dict:
+        return self.rollouts.means(accelerator)
+
+    def evaluate(self, job) -> dict:
+        return evaluate(job.accelerator, job.model, job.eval_dl, self.rollouts)
+
+    def summary(self, accelerator, fit_seconds: float) -> dict:
+        return {"rollouts": self.rollouts.summary(accelerator, fit_seconds)}
+
+    def batch_unit(self) -> str:
+        return f" prompts x {self.cfg.grpo.num_generations} completions"
+
+    def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
+        """task grpo: the prompts as the model continues them (template and generation prompt applied), what is cut,
+        and the columns the reward functions get."""
+        from accel_train.views import STREAM_ROWS, distribution
+
+        cfg = self.cfg
+        train = self.tokenize(train_raw, tokenizer)
+        lengths = [len(ids) for ids in train["prompt_ids"]]
+        keep = cfg.grpo.max_prompt_length(cfg)
+        whole = self.untruncated().tokenize(train_raw, tokenizer)
+        cut = sum(len(ids) > keep for ids in whole["prompt_ids"])
+        column = prompt_column(cfg, data_columns(train_raw))
+        others = [c for c in data_columns(train_raw) if c != column]
+        g = cfg.grpo
+        print(f"data: {cfg.data.path} (task grpo, prompts from {column}; rewards {', '.join(g.rewards)} get the columns "
+              f"{', '.join(others) or '(none)'}); tokenizer {cfg.model.name_or_path}", file=out)
+        print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to {keep} tokens "
+              f"(data.max_length - grpo.max_new_tokens; the template's start and the prompt's end kept)", file=out)
+        for i in range(min(samples, len(train))):
+            print(f"--- prompt {i}: {lengths[i]} tokens, then up to {g.max_new_tokens} generated", file=out)
+            print(tokenizer.decode(train[i]["prompt_ids"]), file=out)
+        print("---", file=out)
+        if lengths:
+            print(f"prompt tokens: {distribution(lengths)}", file=out)
+        return {"train_rows": len(train_raw), "train_prompts": len(train), "cut": cut, "prompt_lengths": lengths}
+
+
+TASK = GRPO
