@@ -15,7 +15,10 @@ import pytest
 import torch
 from conftest import forked_launch, python_m
 
-from accel_train import bench, dist
+from accel_train import dist
+from accel_train.bench import common, contenders, workloads
+from accel_train.bench import grpo as bench_grpo
+from accel_train.bench import run as bench
 
 
 @pytest.mark.long
@@ -36,8 +39,8 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
             proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
 
-    monkeypatch.setattr(bench, "_run", run)
-    monkeypatch.setattr(bench, "cls_samples", lambda args: 32 * args.batch)
+    monkeypatch.setattr(contenders, "run_process", run)
+    monkeypatch.setattr(workloads, "cls_samples", lambda args: 32 * args.batch)
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         monkeypatch.setenv(key, value)  # what main sets, undone after the test
     out = tmp_path / "bench.json"
@@ -52,7 +55,7 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     assert set(by) == {("ours", "skewed", 1), ("trainer", "skewed", 1), ("bare", "skewed", 1),
                        ("trl", "skewed", 1, "padding_free"), ("ours", "skewed", 2), ("ours", "cls", 1),
                        ("trainer", "cls", 1), ("trainer", "cls", 1, "group_by_length")}
-    epoch = 32  # cls' batches (bench.cls_samples, as patched)
+    epoch = 32  # cls' batches (workloads.cls_samples, as patched)
     for key, r in by.items():
         grouped = key in {("ours", "cls", 1), ("trainer", "cls", 1, "group_by_length")}
         assert r["steps_measured"] == (epoch if grouped else 3), key
@@ -97,16 +100,16 @@ def test_bench_reads_ours_grpo_run(tmp_path, monkeypatch):
         proc = python_m(*cmd[3:], timeout=300)
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
 
-    monkeypatch.setattr(bench, "_run", run)
+    monkeypatch.setattr(contenders, "run_process", run)
     args = bench.parse_args(["--quick", "--workloads", "grpo", "--warmup", "1", "--grpo-steps", "1", "--prompts", "1",
                              "--generations", "2", "--new-tokens", "4"])
-    bench.write_workload(args, tmp_path)
-    record = bench.run_ours(args, tmp_path, "grpo", "no", 1)
+    workloads.write_workload(args, tmp_path)
+    record = contenders.run_ours(args, tmp_path, "grpo", "no", 1)
     assert record["rows"] == [2, 2]  # a prompt's 2 completions a step
     assert sum(record["generated_tokens"]) == record["rollouts"]["generated_tokens"]
     assert all(2 <= g <= 2 * 4 for g in record["generated_tokens"])  # at least the stop token, at most max_new_tokens
     assert [real - g for real, g in zip(record["real_tokens"], record["generated_tokens"])] == [2 * (2 + 3)] * 2
-    r = bench.grpo_figures(record, args.warmup)
+    r = bench_grpo.grpo_figures(record, args.warmup)
     assert r["steps_measured"] == 1 and r["mfu"] is None
     assert r["steps_per_sec"] > 0 and r["generated_tokens_per_sec"] > 0 and r["tokens_per_sec"] > 0
     assert 0 < r["generation_share"] < 1 and 0 < r["completion_mean_length"] <= 4
@@ -125,7 +128,7 @@ def test_bench_grpo_on_a_model_folder(tmp_path, monkeypatch):
     folder = tmp_path / "model"
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**bench.SIZES["small"], "num_hidden_layers": 1}, bos_token_id=tokenizer.bos_token_id,
+    LlamaForCausalLM(LlamaConfig(**{**common.SIZES["small"], "num_hidden_layers": 1}, bos_token_id=tokenizer.bos_token_id,
                                  eos_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     commands = {}
@@ -136,7 +139,7 @@ def test_bench_grpo_on_a_model_folder(tmp_path, monkeypatch):
         proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
 
-    monkeypatch.setattr(bench, "_run", run)
+    monkeypatch.setattr(contenders, "run_process", run)
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         monkeypatch.setenv(key, value)
     report = bench.main(["--workloads", "grpo", "--model", str(folder), "--contenders", "ours,trl,generate",
@@ -150,7 +153,7 @@ def test_bench_grpo_on_a_model_folder(tmp_path, monkeypatch):
                         "grpo.rewards=[number_match]"):
             assert setting in given, (tag, setting)
         assert given.index("grpo.rewards=[number_match]") > given.index("grpo.rewards=[exact_match]"), tag
-    assert report["model"]["hidden_size"] == bench.SIZES["small"]["hidden_size"]
+    assert report["model"]["hidden_size"] == common.SIZES["small"]["hidden_size"]
     by = {r["contender"]: r for r in report["results"]}
     for name, r in by.items():
         assert r["steps_measured"] == 1 and r["steps_per_sec"] > 0 and r["peak_memory_mb"] > 0, name
@@ -205,8 +208,8 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
             result.write_text(json.dumps({**record, **summary, **({"generated_tokens": generated} if "rollouts"
                                                                    in summary else {})}))
 
-    monkeypatch.setattr(bench, "_run", run)
-    monkeypatch.setattr(bench, "_has_trl", lambda: True)
+    monkeypatch.setattr(contenders, "run_process", run)
+    monkeypatch.setattr(bench, "has_trl", lambda: True)
     report = bench.main(["--quick", "--batch", "2", "--steps", "3", "--warmup", "1", "--grpo-steps", "2",
                          "--out", str(tmp_path / "b.json"), "--workdir", str(tmp_path / "work")])
     assert list(commands) == [  # ours, then the others in --contenders' order, the 2-process run last
@@ -254,7 +257,7 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_trl_contender_needs_trl(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "_has_trl", lambda: False)
+    monkeypatch.setattr(bench, "has_trl", lambda: False)
     assert bench.parse_args([]).contenders == ["ours", "trainer", "bare", "generate"]  # trl where it is installed
     with pytest.raises(SystemExit):
         bench.parse_args(["--contenders", "ours,trl"])
@@ -302,9 +305,9 @@ def test_bench_repeat_interleaves_the_runs_and_reports_medians(tmp_path, monkeyp
                 "computed_tokens": [8, n + 1, n + 1], "rows": [1, 1, 1], "peak_memory_mb": 500.0 + n,
                 "mean_loss": 2.0}
 
-    monkeypatch.setattr(bench, "run_ours", lambda args, wd, workload, precision, procs, extra=(): record(
+    monkeypatch.setattr(contenders, "run_ours", lambda args, wd, workload, precision, procs, extra=(): record(
         "ours", workload, procs, extra))
-    monkeypatch.setattr(bench, "run_child", lambda kind, args, wd, workload, precision, options=(): record(
+    monkeypatch.setattr(contenders, "run_child", lambda kind, args, wd, workload, precision, options=(): record(
         kind, workload, 1, options))
     report = bench.main(["--quick", "--steps", "2", "--warmup", "1", "--repeat", "3", "--workloads", "fixed",
                          "--contenders", "ours,bare", "--no-scaling", "--out", str(tmp_path / "bench.json"),

@@ -419,7 +419,7 @@ def test_grouped_evaluation_batches_are_longest_first_and_complete(tok):
 def test_rank_balanced_order_keeps_each_micro_step_and_evens_the_ranks_tokens():
     """2 processes x batch 8 on the bench's skewed lengths: each window of 2 batches (one micro-step, a batch per
     rank) holds the seeded shuffle's samples, split so that the ranks' tokens are about even."""
-    from accel_train.bench import sample_lengths
+    from accel_train.bench.workloads import sample_lengths
 
     lengths, batch, procs = sample_lengths("skewed", 1003, 1024, random.Random(0)), 8, 2
     sampler = data_lib.RankBalancedSampler(lengths, batch, procs, seed=5)
@@ -457,7 +457,7 @@ def test_width_rounding_under_bf16_is_32_for_packed_rows_8_for_padded_batches():
 def test_grouped_classification_training_batches_are_90_percent_real_tokens_under_bf16(tok):
     """The bench's `cls` lengths (log-normal, median 128 tokens, up to 1,024), batches of 16 as the training loader
     of a bf16 run builds them (grouped by length, widths rounded up): at least 0.9 of the computed tokens are data."""
-    from accel_train.bench import sample_lengths
+    from accel_train.bench.workloads import sample_lengths
 
     cfg = make_cfg("task=seq_cls", "data.path=builtin:sentiment", "train.mixed_precision=bf16")
     lengths = sample_lengths("cls", 3200, 1024, random.Random(0))

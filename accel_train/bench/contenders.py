@@ -1,0 +1,274 @@
+"""The contenders of the training workloads, each in a process of its own: ours (the real entry), transformers'
+Trainer, TRL's SFTTrainer, a bare PyTorch loop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from accel_train import tasks
+from accel_train.bench.common import TRL_OPTIONS, on_cuda, torch_threads
+from accel_train.bench.workloads import batch_of, generated_per_step, measured_steps, overrides
+
+
+def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()) -> dict:
+    """This toolkit's real entry point, in its own process(es); timings from the run's steps.json."""
+    from accel_train.config import CONFIGS_DIR
+
+    tag = f"ours-{workload}-{procs}p" + "".join(f"-{e.split('=')[0].split('.')[-1]}" for e in extra)
+    out = wd / "runs" / tag
+    # ours groups classification batches by length (data.group_by_length defaults to true for seq_cls)
+    cfg = overrides(args, wd, workload, out, batch_of(args, workload) // procs, precision,
+                    measured_steps(args, workload, True))
+    cfg += list(extra)
+    if procs == 1:
+        cmd = [sys.executable, "-m", "accel_train", *cfg]
+    else:
+        import torch
+
+        accel = "2gpu.yaml" if torch.cuda.device_count() >= 2 else "cpu_2proc.yaml"
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+               str(CONFIGS_DIR / "accelerate" / accel), "--main_process_port", str(free_port()),
+               str(Path(__file__).parents[1] / "train.py"), *cfg]
+    run_process(cmd, tag)
+    steps, summary = json.loads((out / "steps.json").read_text()), json.loads((out / "summary.json").read_text())
+    final = summary["final"]
+    record = {"contender": "ours", "workload": workload, "processes": procs, "options": list(extra),
+              "threads_per_process": 1 if procs > 1 and not on_cuda() else torch_threads(), **steps,
+              "peak_memory_mb": summary["peak_memory_mb"], "mean_loss": final.get("loss")}
+    if workload == "grpo":
+        record["rollouts"] = summary["rollouts"]
+        record["generated_tokens"] = generated_per_step(record)
+    return record
+
+
+def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=()) -> dict:
+    """Trainer (options: "group_by_length"), TRL (options: "padding_free") or the bare loop, in a process of its
+    own."""
+    tag = f"{kind}-{workload}" + "".join(f"-{o}" for o in options)
+    out = wd / "runs" / tag
+    steps = measured_steps(args, workload, "group_by_length" in options)
+    spec = {"overrides": overrides(args, wd, workload, out, batch_of(args, workload), precision, steps),
+            "result": str(out / "result.json"), **{o: o in options for o in ("group_by_length", "padding_free")}}
+    out.mkdir(parents=True, exist_ok=True)
+    child = "trl_grpo" if kind == "trl" and workload == "grpo" else kind
+    run_process([sys.executable, "-m", "accel_train.bench", "--child", child, "--spec", json.dumps(spec)], tag)
+    return {"contender": kind, "workload": workload, "processes": 1, "options": list(options),
+            "threads_per_process": torch_threads(), **json.loads(Path(spec["result"]).read_text())}
+
+
+def setup_child(spec: dict, tokenize: bool = True):
+    """(config, task, tokenizer, train set, model with LoRA) exactly as `ours` builds them, same seed, through the
+    task (tasks.Task: class names from the raw rows, in ours' order; its tokenization; its model's head); the train
+    set tokenized, or with `tokenize` false its rows as they are (GRPOTrainer applies the chat template itself)."""
+    from accelerate.utils import set_seed
+
+    from accel_train import data as data_lib
+    from accel_train.config import load_config
+    from accel_train.model import apply_lora, build_model, build_tokenizer
+
+    cfg = load_config(None, spec["overrides"])
+    task = tasks.make(cfg)
+    set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.recipe.run
+    tokenizer = build_tokenizer(cfg)
+    train_raw, _ = data_lib.load_splits(cfg)
+    task.prepare_data(train_raw, None)
+    ds = task.tokenize(train_raw, tokenizer) if tokenize else train_raw
+    model = apply_lora(cfg, build_model(cfg, tokenizer, task.model_kwargs()))
+    return cfg, task, tokenizer, ds, model
+
+
+def child_trainer(spec: dict) -> dict:
+    """transformers.Trainer on the same samples: dynamic padding (the task's collator unpacked: DataCollatorForSeq2Seq
+    for causal LM, DataCollatorWithPadding for classification), bf16 as ours; with spec["group_by_length"] its
+    length-grouped sampler (train_sampling_strategy="group_by_length", the name of group_by_length=True in
+    transformers 5)."""
+    from transformers import Trainer, TrainingArguments
+
+    cfg, task, tokenizer, ds, model = setup_child(spec)
+    collator = task.collator(tokenizer)
+    targs = TrainingArguments(**trainer_args(spec, cfg), remove_unused_columns=False,
+                              train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random")
+    return train_timed(Trainer, spec, model, targs, dict(train_dataset=ds, data_collator=collator))
+
+
+def child_trl(spec: dict) -> dict:
+    """TRL's SFTTrainer on ours' tokenized rows (input_ids, and labels with everything but the response masked):
+    TRL skips its own tokenization for rows that have input_ids and keeps labels it is given, so the samples and
+    the trained tokens are ours. Its defaults otherwise (its collator, loss_type="chunked_nll", the per-step token
+    accuracy and entropy it logs), but gradient checkpointing off and bf16 only where ours has it (SFTConfig turns
+    both on by default). spec["padding_free"]: each batch flattened into one row whose position_ids restart per
+    sample (transformers' sdpa masks see the restarts, as for ours' packed rows); TRL then asks for
+    max_length=None (the rows are cut to data.max_length already)."""
+    from trl import SFTConfig, SFTTrainer
+
+    cfg, _, tokenizer, ds, model = setup_child(spec)
+    targs = SFTConfig(**trainer_args(spec, cfg), gradient_checkpointing=False, padding_free=spec["padding_free"],
+                      max_length=None if spec["padding_free"] else cfg.data.max_length, completion_only_loss=True)
+    return train_timed(SFTTrainer, spec, model, targs, dict(train_dataset=ds, processing_class=tokenizer))
+
+
+def trainer_args(spec: dict, cfg) -> dict:
+    """TrainingArguments (or SFTConfig) fields for ours' config: the same steps, schedule, clipping, precision, seed
+    (data_seed: accelerate's seeded shuffle, the same batches as ours where not grouped by length)."""
+    import torch
+
+    t = cfg.train
+    return dict(
+        output_dir=str(Path(spec["result"]).parent / "trainer"), per_device_train_batch_size=t.per_device_batch_size,
+        max_steps=t.max_steps, learning_rate=t.lr, lr_scheduler_type="linear", warmup_steps=t.warmup_steps,
+        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, bf16=t.mixed_precision == "bf16",
+        use_cpu=not torch.cuda.is_available(), seed=cfg.seed, data_seed=cfg.seed, logging_steps=t.max_steps,
+        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=cfg.data.num_workers)
+
+
+def train_timed(trainer_class, spec: dict, model, targs, kwargs: dict, counting=None) -> dict:
+    """trainer_class(...).train(), timed step to step and counting the real and computed tokens of its batches
+    (`counting`: _counting_batches, or grpo.py's rollout counter for GRPO, which also counts generated tokens and
+    the rollouts' time)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from accel_train.tracking import reset_peak_memory
+
+    steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0, "rows": 0}
+    if counting is not None:  # GRPO's
+        totals.update(generated=torch.zeros((), dtype=torch.long), generation_s=0.0)
+
+    class Timer(TrainerCallback):  # step to step, data loading included, as ours and bare are timed
+        def on_train_begin(self, *_, **__):
+            reset_peak_memory(model.device)  # as ours does before its first step (tracking.reset_peak_memory)
+            self.t_last = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            steps.append((time.perf_counter() - self.t_last, int(totals["real"]), totals["computed"], totals["rows"],
+                          *((int(totals["generated"]), totals["generation_s"]) if "generated" in totals else ())))
+            for k, v in totals.items():
+                totals[k] = v.zero_() if isinstance(v, torch.Tensor) else type(v)(0)
+            self.t_last = time.perf_counter()
+
+    trainer = (counting or _counting_batches)(trainer_class, totals)(model=model, args=targs, callbacks=[Timer()], **kwargs)
+    return child_result(steps, trainer.train().training_loss)
+
+
+def _counting_batches(trainer_class, totals: dict):
+    """trainer_class counting the tokens of the batches it trains on; it computes nothing else."""
+
+    class Counting(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            # a padding-free row (no attention mask) holds no padding: every token is real
+            mask = inputs.get("attention_mask")
+            totals["real"] += mask.sum().cpu() if mask is not None else inputs["input_ids"].numel()
+            totals["computed"] += inputs["input_ids"].numel()
+            totals["rows"] += inputs["input_ids"].shape[0]  # rows as computed (MFU's width), as ours counts them
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return Counting
+
+
+def child_bare(spec: dict) -> dict:
+    """A plain PyTorch loop on the batches `ours` trains on: the same seeded shuffle (accelerate's seedable
+    sampler seeds a generator with seed + epoch), the same collator, the same loss normalisation. Its loss comes
+    from the full logits (batch x length x vocabulary, upcast to fp32), as a plain loop computes it: it is the
+    reference without any of ours' machinery, chunked loss (loss.py) included, and stays so on purpose (on a
+    large vocabulary its peak memory is that of the logits). Causal LM only."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, RandomSampler
+    from transformers import get_scheduler
+
+    from accel_train import data as data_lib
+    from accel_train.model import attention_cost
+    from accel_train.tracking import reset_peak_memory
+
+    cfg, task, tokenizer, ds, model = setup_child(spec)
+    t = cfg.train
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).train()
+    pack = cfg.data.packing and task.packs  # as ours (recipe)
+    collate = task.collator(tokenizer, pack, attention_cost(model),
+                            data_lib.width_multiple(cfg, t.mixed_precision, pack))
+    dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
+                    sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
+                    pin_memory=device.type == "cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.mixed_precision == "bf16")
+    reset_peak_memory(device)  # as ours does before its first step (tracking.reset_peak_memory)
+    steps, loss_total, targets_total, t_last = [], 0.0, 0, time.perf_counter()
+    for _, batch in zip(range(t.max_steps), dl):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        labels = batch["labels"][:, 1:]
+        targets = task.count_targets(batch)  # ours' loss normaliser
+        with autocast:
+            logits = model(**data_lib.model_inputs(batch), use_cache=False).logits[:, :-1]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        (loss / targets).backward()
+        torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_total, targets_total = loss_total + loss.detach(), targets_total + targets
+        real, computed = data_lib.token_counts(batch)
+        real = int(real)  # the synchronisation every loop needs once per step to know it is done
+        steps.append((time.perf_counter() - t_last, real, computed, batch["input_ids"].shape[0]))
+        t_last = time.perf_counter()
+    return child_result(steps, float(loss_total / targets_total))
+
+
+def child_result(steps: list[tuple], mean_loss: float) -> dict:
+    from accel_train.tracking import peak_memory_mb
+
+    import torch
+
+    names = ("seconds", "real_tokens", "computed_tokens", "rows", "generated_tokens", "generation_seconds")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {**dict(zip(names, zip(*steps))), "peak_memory_mb": round(peak_memory_mb(device), 1),
+            "mean_loss": mean_loss}
+
+
+def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list:
+    """One round of `workload`: each contender's run (a function returning its record), in --contenders' order,
+    then ours' gradient-checkpointing and compile variants, then (`scale`) ours on 2 processes."""
+    jobs = []
+    for contender in args.contenders:
+        if contender == "ours":
+            jobs.append(lambda: run_ours(args, wd, workload, precision, 1))
+        elif workload == "grpo":  # TRL's GRPOTrainer, bare generation; Trainer and the bare loop have no rollouts
+            if contender in ("trl", "generate"):
+                jobs.append(lambda c=contender: run_child(c, args, wd, workload, precision))
+        elif contender == "generate":  # grpo only
+            continue
+        elif contender == "trainer":
+            jobs.append(lambda: run_child("trainer", args, wd, workload, precision))
+            if workload == "cls":
+                jobs.append(lambda: run_child("trainer", args, wd, workload, precision, ["group_by_length"]))
+        elif workload != "cls":  # the bare loop and TRL's SFTTrainer: causal LM
+            jobs.append(lambda c=contender: run_child(c, args, wd, workload, precision,
+                                                      TRL_OPTIONS[workload] if c == "trl" else []))
+    for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
+        if flag and "ours" in args.contenders and workload != "grpo":
+            jobs.append(lambda o=option: run_ours(args, wd, workload, precision, 1, [o]))
+    if scale:
+        jobs.append(lambda: run_ours(args, wd, workload, precision, 2))
+    return jobs
+
+
+def run_process(cmd: list[str], tag: str) -> None:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench: {tag} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"  {tag}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
