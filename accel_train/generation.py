@@ -307,7 +307,9 @@ class SeededSampler(LogitsProcessor):
         at = (self.offsets.to(self.noise.device) + input_ids.shape[1] - self.prompt_width).clamp(
             max=self.noise.shape[1] - 1)  # past it: tokens cut at max_new_tokens anyway
         u = self.noise.gather(1, at[:, None]) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)
+        # the token whose interval [cdf before it, its cdf) holds u: right=True, so that u = 0 (a draw of exactly 0.0,
+        # about 2^-24 of them) takes the first token with mass, not token 0 whatever its probability
+        token = torch.searchsorted(cdf, u, right=True).clamp(max=scores.shape[-1] - 1)
         return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
 
 

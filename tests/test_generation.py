@@ -624,3 +624,23 @@ def test_a_merged_adapter_gives_the_adapters_logits_and_leaves_the_weights_as_th
         assert weight.data_ptr() == pointer and torch.equal(weight, values) and not layer.merged
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_seeded_sampler_takes_the_token_whose_interval_holds_the_draw():
+    """A row's token is where its uniform draw u falls in the cumulative distribution: [0, p0) token 0, [p0, p0 + p1)
+    token 1, ... A draw of exactly 0.0 (torch.rand gives it about once in 2^24 draws) takes the first token with
+    mass, never a token of probability 0, nor one top_p removed."""
+    import torch
+
+    from accel_train.generation import SeededSampler
+
+    # token 0 impossible (-inf), token 1 outside top_p 0.5 (probabilities about 0, 0.1, 0.6, 0.3)
+    scores = torch.log(torch.tensor([[0.0, 0.1, 0.6, 0.3]])).repeat(4, 1)
+    noise = torch.tensor([[0.0], [0.0], [0.6], [0.99]])
+    input_ids = torch.zeros(4, 3, dtype=torch.long)
+    picked = lambda sampler: sampler(input_ids, scores).argmax(-1).tolist()  # noqa: E731 (the one finite score)
+    assert picked(SeededSampler(noise, 3, 1.0, 1.0))[:1] == [1]  # u = 0: token 1, the first with mass
+    # p = (0, 0.1, 0.6, 0.3): token 2 holds [0.1, 0.7), token 3 [0.7, 1)
+    assert picked(SeededSampler(noise, 3, 1.0, 1.0))[2:] == [2, 3]
+    # top_p 0.5 keeps token 2 alone: every draw, 0 included, takes it
+    assert picked(SeededSampler(noise, 3, 1.0, 0.5)) == [2, 2, 2, 2]
