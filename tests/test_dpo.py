@@ -470,3 +470,39 @@ def test_a_key_the_loss_would_ignore_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["task=dpo", *overrides])
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_orpo_is_finite_on_answers_the_model_is_certain_of():
+    """A model certain of every response token (its log_softmax rounds to exactly 0 in fp32, so a mean log-prob of
+    0): ORPO's odds p / (1 - p) would be infinite, its log-odds inf - inf; the loss is beta log 2 (equal log-odds,
+    capped at p = 1 - 1e-7) plus a chosen NLL of 0, and the gradient is finite."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from accel_train.components.pairs import PairCollator, tokenize_pair
+    from accel_train.model import build_tokenizer
+    from accel_train.tasks.dpo.task import PreferenceLoss
+
+    cfg = load_config(None, ["task=dpo", "lora.enabled=false", "dpo.loss_type=orpo", f"dpo.beta={BETA}"])
+    tokenizer = build_tokenizer(cfg)
+
+    class Certain(torch.nn.Module):  # logits 1e4 at each position's next token: log-prob exactly 0 there
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, input_ids, attention_mask=None, **_):
+            following = torch.roll(input_ids, -1, 1)
+            return SimpleNamespace(logits=F.one_hot(following, len(tokenizer)).float() * 1e4 * self.scale)
+
+    model = Certain()
+    rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abcdef"}]
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
+    batch["nll_scale"] = 1.0
+    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu")))
+    total, _ = loss(model, batch)
+    total.backward()
+    assert float(total) == pytest.approx(BETA * math.log(2), rel=1e-6)
+    assert torch.isfinite(model.scale.grad)

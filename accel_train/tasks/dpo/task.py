@@ -75,6 +75,12 @@ def nll_mask(batch: dict, loss_type: str) -> torch.Tensor:
     return batch["labels"][chosen, 1:] != IGNORE_INDEX
 
 
+# orpo: the largest mean log-prob whose odds are taken. A response the model is certain of has a mean log-prob of
+# exactly 0 in fp32 (log_softmax rounds to 0), whose odds p / (1 - p) are infinite: its log-odds, and the pair's loss
+# and gradient, were NaN. Capped, p <= 1 - 1e-7: log-odds at most 16.1.
+ORPO_MAX_LOGP = -1e-7
+
+
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, without cancellation (TRL's, after Maechler 2012)."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
@@ -118,7 +124,8 @@ class PreferenceLoss:
         if loss_type == "ipo":
             losses = (margin - 1 / (2 * beta)) ** 2
         elif loss_type == "orpo":
-            log_odds = margin - (log1mexp(chosen) - log1mexp(rejected))
+            chosen_odds, rejected_odds = (log1mexp(x.clamp(max=ORPO_MAX_LOGP)) for x in (chosen, rejected))
+            log_odds = margin - (chosen_odds - rejected_odds)
             losses = -beta * F.logsigmoid(log_odds)
         else:  # sigmoid, simpo, cpo
             z = beta * margin - (self.cfg.simpo_gamma if loss_type == "simpo" else 0.0)
