@@ -325,3 +325,24 @@ def test_unbalanced_rows_are_warned_of_with_weights_that_fit(caplog):
         tasks.make(load_config(None, ["task=kto", "kto.undesirable_weight=3"])).tokenize(
             Dataset.from_list(unpaired(4)), tokenizer)
     assert "desirable training rows" not in caplog.text
+
+
+def test_a_mismatched_pair_takes_another_prompts_answer():
+    """Data grouped by prompt (several answers to each, one after the other, as sampled data is): each row's
+    mismatched pair is its prompt with the answer of the nearest row before it that has another prompt (the block's
+    last rows before its first), never an answer to its own prompt."""
+    from datasets import Dataset
+
+    rows = [{"prompt": f"reverse {word}", "completion": answer, "label": good}
+            for word in ("abc", "hello", "kite") for answer, good in ((word[::-1], True), (word, False))]
+    cfg = load_config(None, ["task=kto", "data.path=builtin:reverse_pref"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    ds = tasks.make(cfg).tokenize(Dataset.from_list(rows), tokenizer)
+
+    def answer(ids, labels):
+        text = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+        return text.removesuffix(tokenizer.eos_token)
+
+    kl = [answer(r["kl_input_ids"], r["kl_labels"]) for r in ds]
+    # abc's rows take kite's last answer (cyclically), hello's abc's last, kite's hello's last
+    assert kl == ["kite", "kite", "abc", "abc", "hello", "hello"]

@@ -11,8 +11,10 @@ a desirable row (prompt + chosen) and an undesirable one (prompt + rejected), as
 does (in each block of MAP_BATCH pairs, the chosen rows, then the rejected ones). Truncation to data.max_length
 keeps the answer: the prompt loses its first tokens first.
 
-The reference point z0 is estimated from mismatched pairs, as TRL does: each row also carries the answer of the row
-before it in its block of MAP_BATCH rows (the first row, the block's last) after its own prompt. They are made once
+The reference point z0 is estimated from mismatched pairs, as TRL does: each row also carries, after its own prompt,
+the answer of the nearest row before it in its block of MAP_BATCH rows (cyclically) whose prompt is another (data
+holding several answers per prompt, one after the other, would otherwise pair a row with its own prompt's answer:
+`mismatched`). They are made once
 with the data, so the same rows give the same mismatched pairs however a step's batch is split over processes and
 accumulation (TRL shifts the answers within each per-device batch, read in order).
 
@@ -80,15 +82,27 @@ def unpaired_rows(rows: dict, indices: list[int], cfg: Config) -> list[tuple[lis
              _label(example[k.label_field], i, k.label_field), i) for example, i in zip(examples, indices)]
 
 
+def mismatched(prompts: list[tuple[int, ...]]) -> list[int]:
+    """For each row of a block, the row whose answer makes its mismatched pair: the nearest before it (before the
+    block's first, its last) with another prompt, so that data holding several answers to a prompt, one after the
+    other, pairs a row with another prompt's answer; the row before it where every row has the same prompt."""
+    n = len(prompts)
+    if len(set(prompts)) < 2:
+        return [(i - 1) % n for i in range(n)]
+    return [next(j % n for j in range(i - 1, i - n, -1) if prompts[j % n] != prompts[i]) for i in range(n)]
+
+
 def tokenize_rows(rows: dict, indices: list[int], tokenizer, cfg: Config,
                   version: int = formats.TOKENIZE_VERSION) -> dict:
-    """A block of rows as prompt + answer (input_ids, labels) and prompt + the previous row's answer (kl_input_ids,
-    kl_labels), each truncated to data.max_length prompt first; `desirable`, and whether the row was cut."""
+    """A block of rows as prompt + answer (input_ids, labels) and prompt + another prompt's answer (kl_input_ids,
+    kl_labels: `mismatched`), each truncated to data.max_length prompt first; `desirable`, and whether the row was
+    cut."""
     found = unpaired_rows(rows, indices, cfg)
     tokens = [prompt_and_response(messages, tokenizer, row) for messages, _, row in found]
+    others = mismatched([tuple(prompt) for prompt, _ in tokens])
     out = {k: [] for k in ("input_ids", "labels", "kl_input_ids", "kl_labels", "desirable", "truncated")}
     for i, ((prompt, answer), (_, desirable, _)) in enumerate(zip(tokens, found)):
-        for prefix, response in (("", answer), ("kl_", tokens[i - 1][1])):  # row -1: the block's last
+        for prefix, response in (("", answer), ("kl_", tokens[others[i]][1])):
             kept, (response,), truncated = fit_prompt_first(prompt, [response], cfg.data.max_length)
             out[f"{prefix}input_ids"].append(kept + response)
             out[f"{prefix}labels"].append([IGNORE_INDEX] * len(kept) + response)
