@@ -64,11 +64,27 @@ def padded_batch(samples: list[dict], pad: int) -> dict:
             "labels": fill("labels", -100)}
 
 
-@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
-def test_step_one_loss_and_gradient_are_the_formula(teacher, tmp_path, beta):
+@pytest.fixture(scope="module")
+def padded_teacher(tmp_path_factory):
+    """A teacher whose head is padded past the tokenizer it shares with the student (as Qwen2.5-7B's 152,064 rows
+    against 0.5B's 151,936): 11 rows more, its own random weights."""
+    folder = tmp_path_factory.mktemp("distill") / "padded"
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    config.vocab_size += 11
+    torch.manual_seed(8)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("beta,padded", [(0.0, False), (1.0, False), (0.5, False), (0.5, True)],
+                         ids=["0.0", "1.0", "0.5", "0.5-padded-teacher"])
+def test_step_one_loss_and_gradient_are_the_formula(teacher, padded_teacher, tmp_path, beta, padded):
     """One step of full fine-tuning at lr 1e-12 on the 4 rows in one batch (the saved model is the initial one to
     1e-12): the logged loss is the formula's sum over the target tokens / their number, the logged grad_norm the
-    norm of its gradient."""
+    norm of its gradient. A teacher whose head is padded past the shared tokenizer: the formula on the tokens both
+    heads have."""
+    teacher = padded_teacher if padded else teacher
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "run"
@@ -90,7 +106,10 @@ def test_step_one_loss_and_gradient_are_the_formula(teacher, tmp_path, beta):
     with torch.no_grad():
         teacher_logits = teacher_model(**inputs).logits
     targets = int((batch["labels"][:, 1:] != -100).sum())
-    loss = formula(student(**inputs).logits, teacher_logits, batch["labels"], beta, TEMPERATURE) / targets
+    student_logits = student(**inputs).logits
+    assert teacher_logits.shape[-1] == student_logits.shape[-1] + (11 if padded else 0)
+    teacher_logits = teacher_logits[..., :student_logits.shape[-1]]
+    loss = formula(student_logits, teacher_logits, batch["labels"], beta, TEMPERATURE) / targets
     loss.backward()
     grad_norm = torch.cat([p.grad.flatten() for p in student.parameters()]).norm()
     assert loss.item() > 1e-3  # a teacher unlike the student
@@ -166,9 +185,9 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta):
 def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_path, case):
     other = tmp_path / "other"
     shutil.copytree(teacher, other)
-    if case == "vocab_size":  # one more row in its embeddings and head
+    if case == "vocab_size":  # one row fewer in its embeddings and head than its tokenizer has tokens
         config = AutoConfig.from_pretrained(teacher)
-        config.vocab_size += 1
+        config.vocab_size -= 1
         AutoModelForCausalLM.from_config(config).save_pretrained(other)
     else:  # the same size, two tokens swapped
         tokenizer = json.loads((other / "tokenizer.json").read_text())
@@ -180,8 +199,8 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_pat
     lines = said(proc.stdout + proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[0].startswith("accel_train: error: distill.teacher:") and "another vocabulary" in lines[0]
-    assert ("vocab_size 53" if case == "vocab_size" else "token 30 is 'z' in the teacher's, 'y' in the student's") \
-        in lines[0], lines[0]
+    assert ("vocab_size 51 in its config.json, fewer than its tokenizer's 52 tokens" if case == "vocab_size" else
+            "token 30 is 'z' in the teacher's, 'y' in the student's") in lines[0], lines[0]
     assert not any(out.glob("*/*"))  # nothing trained
 
 

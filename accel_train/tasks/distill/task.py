@@ -55,15 +55,21 @@ from accel_train.generation import (SeededSampler, generation_config, left_padde
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.model import build_model
 from accel_train.model_sources import one_line
+from accel_train.tracking import get_logger
 from accel_train.tasks import Task
+
+logger = get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float
-               ) -> torch.Tensor:
+def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float,
+               vocab: int | None = None) -> torch.Tensor:
     """(..., V) logits of both models -> (...) the divergence at each position, in fp32 (TRL's
-    generalized_jsd_loss before its reduction, summed over the vocabulary)."""
+    generalized_jsd_loss before its reduction, summed over the vocabulary); `vocab`: over the first `vocab` tokens
+    only, where one model's head is padded past the tokenizer the two share."""
+    if vocab is not None:
+        student_logits, teacher_logits = student_logits[..., :vocab], teacher_logits[..., :vocab]
     s = F.log_softmax(student_logits.float() / temperature, -1)
     p = F.log_softmax(teacher_logits.float() / temperature, -1)
     kl = lambda log_q, log_r: F.kl_div(log_q, log_r, reduction="none", log_target=True)  # noqa: E731 (KL(r || q))
@@ -75,31 +81,32 @@ def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta:
     return (beta * kl(mixture, p) + (1 - beta) * kl(mixture, s)).sum(-1)
 
 
-def _chunk_sum(student_head, teacher_head, rows, teacher_rows, beta: float, temperature: float) -> torch.Tensor:
-    return divergence(student_head(rows), teacher_head(teacher_rows), beta, temperature).sum()
+def _chunk_sum(student_head, teacher_head, rows, teacher_rows, beta: float, temperature: float,
+               vocab: int | None) -> torch.Tensor:
+    return divergence(student_head(rows), teacher_head(teacher_rows), beta, temperature, vocab).sum()
 
 
 def summed_divergence(student_head, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, chunk: int,
-                      beta: float, temperature: float) -> torch.Tensor:
+                      beta: float, temperature: float, vocab: int | None = None) -> torch.Tensor:
     """The divergence summed over target positions, from both models' hidden states there (N, H) and (N, H'):
     `chunk` positions at a time, each chunk but the last checkpointed (its logits freed, recomputed in backward), as
     loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights)."""
     total, n = 0, max(len(rows), 1)
     for i in range(0, n, chunk):
-        args = (student_head, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk], beta, temperature)
+        args = (student_head, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk], beta, temperature, vocab)
         total = total + (_chunk_sum(*args) if i + chunk >= n else checkpoint(_chunk_sum, *args, use_reentrant=False))
     return total
 
 
 @torch.no_grad()
 def token_values(student_head, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, targets: torch.Tensor,
-                 chunk: int, beta: float, temperature: float) -> torch.Tensor:
-    """Evaluation: (N, 2) the divergence and the student's cross-entropy (at temperature 1) at each target, by
-    chunks."""
+                 chunk: int, beta: float, temperature: float, vocab: int | None = None) -> torch.Tensor:
+    """Evaluation: (N, 2) the divergence (over `vocab` tokens) and the student's cross-entropy (at temperature 1,
+    over its whole head) at each target, by chunks."""
     parts = [rows.new_zeros((0, 2), dtype=torch.float32)]
     for i in range(0, len(rows), chunk):
         logits = student_head(rows[i:i + chunk]).float()
-        parts.append(torch.stack([divergence(logits, teacher_head(teacher_rows[i:i + chunk]), beta, temperature),
+        parts.append(torch.stack([divergence(logits, teacher_head(teacher_rows[i:i + chunk]), beta, temperature, vocab),
                                   F.cross_entropy(logits, targets[i:i + chunk], reduction="none")], -1))
     return torch.cat(parts)
 
@@ -114,7 +121,10 @@ class Distillation:
         self.beta, self.temperature = cfg.distill.beta, cfg.distill.temperature
         self.student_head, self.teacher, self.autocast = student_head, teacher, autocast
         self.teacher_head = teacher.get_output_embeddings()
-        vocab = teacher.config.get_text_config().vocab_size
+        rows = [getattr(h, "out_features", None) or h.weight.shape[0] for h in (student_head, self.teacher_head)]
+        # a head padded past the shared tokenizer (Qwen2.5-7B's 152,064 rows, 0.5B's 151,936): the common tokens
+        self.vocab = min(rows) if rows[0] != rows[1] else None
+        vocab = max(rows)
         self.chunk = chunk or max(1, CHUNK_BYTES // (8 * vocab))  # both models' fp32 logits: CHUNK_BYTES
         """Target positions per chunk."""
 
@@ -135,9 +145,9 @@ class Distillation:
             rows = hidden[:, :-1][mask]
             if not evaluation:
                 return summed_divergence(call_head, self.teacher_head, rows, teacher_rows, self.chunk, self.beta,
-                                         self.temperature)
+                                         self.temperature, self.vocab)
             values = token_values(call_head, self.teacher_head, rows, teacher_rows, labels[:, 1:][mask], self.chunk,
-                                  self.beta, self.temperature)
+                                  self.beta, self.temperature, self.vocab)
             out = values.new_zeros(*mask.shape, 2)
             out[mask] = values
             return out.sum(1)
@@ -159,8 +169,9 @@ def _load(kind, path: str, cfg: Config):
 
 
 def check_vocabulary(cfg: Config) -> None:
-    """The teacher's tokenizer and vocabulary are the student's: the divergence compares the two distributions token
-    by token. One line (ConfigError) naming the first difference, before the data is read."""
+    """The teacher's tokenizer is the student's, and its head has a row for each of its tokens (one padded past them,
+    as Qwen2.5-7B's, is read on the common tokens): the divergence compares the two distributions token by token.
+    One line (ConfigError) naming the first difference, before the data is read."""
     student, teacher = cfg.model.name_or_path, cfg.distill.teacher
     mine, theirs = (_load(AutoTokenizer, p, cfg).get_vocab() for p in (student, teacher))
     sizes = [_load(AutoConfig, p, cfg).get_text_config().vocab_size for p in (student, teacher)]
@@ -171,8 +182,11 @@ def check_vocabulary(cfg: Config) -> None:
         why = (f"{len(theirs)} tokens against the student's {len(mine)}; token {index} is "
                f"{next((t for t, i in theirs.items() if i == index), None)!r} in the teacher's, "
                f"{next((t for t, i in mine.items() if i == index), None)!r} in the student's")
+    elif sizes[1] < len(theirs):
+        why = f"vocab_size {sizes[1]} in its config.json, fewer than its tokenizer's {len(theirs)} tokens"
     elif sizes[0] != sizes[1]:
-        why = f"vocab_size {sizes[1]} in its config.json against the student's {sizes[0]}"
+        logger.info(f"distill: the teacher's head has {sizes[1]} rows, the student's {sizes[0]}, for the same "
+                    f"tokenizer's {len(mine)} tokens: the divergence is over the first {min(sizes)}")
     if why:
         raise ConfigError(f"distill.teacher: {teacher} has another vocabulary than the student {student} ({why}); "
                           "distillation compares the two models' next-token distributions token by token: give a "
