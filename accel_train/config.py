@@ -218,7 +218,8 @@ class TrainConfig:
     """Samples per optimizer step over all processes (in per_device_batch_size's unit: prompts for grpo). When set,
     each process takes global_batch_size / processes of them, in micro-batches of at most per_device_batch_size
     (grad_accum_steps follows), so that 1, 2 or N processes run the same optimisation; refused when the processes
-    do not divide it. None: per_device_batch_size x grad_accum_steps x processes."""
+    do not divide it; a run's config.yaml, which records its split, is split again on another number of processes.
+    None: per_device_batch_size x grad_accum_steps x processes."""
     epochs: int = 10
     """Passes over the training data."""
     max_steps: Optional[int] = None

@@ -45,7 +45,9 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
 
 def split_global_batch(cfg: Config, processes: int) -> None:
     """train.global_batch_size over `processes`: each takes an equal share, in the fewest micro-batches of at most
-    train.per_device_batch_size (per_device_batch_size and grad_accum_steps are set to the split)."""
+    train.per_device_batch_size (per_device_batch_size and grad_accum_steps are set to the split). A split that a
+    run's config.yaml records (per_device_batch_size x grad_accum_steps divides global_batch_size) is split again
+    for these processes: the file trains again on any number of them."""
     t = cfg.train
     if t.global_batch_size is None:
         return
@@ -53,12 +55,31 @@ def split_global_batch(cfg: Config, processes: int) -> None:
     if rest:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not divide over {processes} processes: "
                           f"make it a multiple of {processes} (or null)")
-    batch = max(d for d in range(1, min(share, t.per_device_batch_size) + 1) if share % d == 0)
-    if t.grad_accum_steps not in (1, share // batch):  # 1, or the split itself (a run's config.yaml records it)
+    batch = _largest_divisor(share, t.per_device_batch_size)
+    recorded = t.global_batch_size % (t.per_device_batch_size * t.grad_accum_steps) == 0
+    if t.grad_accum_steps not in (1, share // batch) and not recorded:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} decides train.grad_accum_steps "
                           f"({share // batch} on {processes} process(es)): drop train.grad_accum_steps={t.grad_accum_steps}, "
                           "or set train.global_batch_size=null")
+    if not _even(share, t.per_device_batch_size) and is_local_main():  # said, not refused: it trains, slowly
+        near = [g for g in range(t.global_batch_size - processes, 0, -processes)
+                if _even(g // processes, t.per_device_batch_size)]
+        logging.getLogger(__name__).warning(
+            f"train.global_batch_size={t.global_batch_size} on {processes} process(es): {share} samples each, in "
+            f"{share // batch} micro-batches of {batch} ({share} has no divisor nearer "
+            f"train.per_device_batch_size={t.per_device_batch_size}); "
+            + (f"{near[0]} would run micro-batches of {_largest_divisor(near[0] // processes, t.per_device_batch_size)}"
+               if near else "raise train.per_device_batch_size"))
     t.per_device_batch_size, t.grad_accum_steps = batch, share // batch
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _even(share: int, cap: int) -> bool:
+    """A share whose micro-batches are more than half of per_device_batch_size (or the whole share)."""
+    return 2 * _largest_divisor(share, cap) > min(share, cap)
 
 
 def launched_world_size() -> int:

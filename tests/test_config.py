@@ -7,7 +7,7 @@ import typing
 
 import pytest
 import yaml
-from conftest import ACCEL_CONFIGS, TRAIN_CONFIGS, python_m
+from conftest import ACCEL_CONFIGS, REPO, TRAIN_CONFIGS, python_m
 
 from accel_train.config import Config, ConfigError, help_text, load_config
 
@@ -254,3 +254,43 @@ def test_accel_train_launch_leaves_the_split_to_the_ranks(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.global_batch_size=16: split for 1 process\(es\) \(WORLD_SIZE\), "
                                           r"but the group has 4"):
         check_split(cfg, 4)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs" / "train").glob("*.yaml")
+                                          if "global_batch_size" in p.read_text()))
+def test_a_runs_config_yaml_trains_again_on_another_number_of_processes(recipe, tmp_path):
+    """A shipped recipe with train.global_batch_size, split for 1, 2 or 4 processes and written as the run's
+    config.yaml writes it, splits again for each of the others, to the same effective batch."""
+    from accel_train.config import save_config
+    from accel_train.preflight import split_global_batch
+
+    path = REPO / "configs" / "train" / recipe
+    total = load_config(path).train.global_batch_size
+    counts = [p for p in (1, 2, 4) if total % p == 0]
+    for ran in counts:
+        cfg = load_config(path)
+        split_global_batch(cfg, ran)
+        save_config(cfg, tmp_path / "config.yaml")
+        for again in counts:
+            rerun = load_config(tmp_path / "config.yaml")
+            split_global_batch(rerun, again)
+            t = rerun.train
+            assert t.per_device_batch_size * t.grad_accum_steps * again == total, (ran, again)
+
+
+def test_a_global_batch_in_micro_batches_of_one_is_said(caplog):
+    """34 samples on 2 processes with per_device_batch_size 16: 17 each, which only 1 and 17 divide: 17
+    micro-batches of 1, said in one warning with a global batch that splits well, not silently."""
+    from accel_train.preflight import split_global_batch
+
+    cfg = load_config(None, ["train.global_batch_size=34", "train.per_device_batch_size=16"])
+    with caplog.at_level("WARNING"):
+        split_global_batch(cfg, 2)
+    assert (cfg.train.per_device_batch_size, cfg.train.grad_accum_steps) == (1, 17)
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.global_batch_size=34 on 2 process(es): 17 samples each, in 17 micro-batches of 1 (17 has no divisor "
+        "nearer train.per_device_batch_size=16); 32 would run micro-batches of 16"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        split_global_batch(load_config(None, ["train.global_batch_size=32", "train.per_device_batch_size=16"]), 2)
+    assert not caplog.records
