@@ -1019,3 +1019,29 @@ def test_a_template_whose_tool_calls_cannot_be_read_is_refused_in_one_line(templ
     cfg = load_config(overrides=["task=grpo", f"grpo.tools=[{tmp_path / 'tools.py'}:add]"])
     with pytest.raises(ConfigError, match=why):
         tools_lib.check_multi_turn(cfg, ct.tokenizer_for(template))
+
+
+def test_a_steps_prompts_share_a_call_only_where_their_cache_fits(monkeypatch):
+    """grpo.generation_batch_size=null: all of a window's prompts in one generate call where the KV cache of all
+    their completions (layers x 2 x KV heads x head size x bytes, per token of prompt + max_new_tokens, per row)
+    takes at most a quarter of the memory; else a micro-batch's prompts a call: a 7B-shaped config (28 layers, 4 KV
+    heads of 128, bf16) with 64 prompts x 8 completions of 1,024 tokens on an 80 GB device, against a small model."""
+    from types import SimpleNamespace
+
+    import psutil
+    from transformers import Qwen2Config
+
+    cfg = load_config(overrides=["task=grpo", "grpo.num_generations=8", "grpo.max_new_tokens=1000", "data.max_length=1024"])
+    sampler = completions_lib.CompletionSampler.__new__(completions_lib.CompletionSampler)
+    sampler.g, sampler.device = cfg.grpo, torch.device("cpu")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=80 * 2**30))
+    batches = [{"prompt_ids": [[1] * 24] * 8} for _ in range(8)]  # 8 micro-batches of 8 prompts of 24 tokens
+
+    def model(**shape):
+        return SimpleNamespace(config=Qwen2Config(**shape), parameters=lambda: [torch.zeros(1, dtype=torch.bfloat16)])
+
+    big = model(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584)
+    cache = 2 * 28 * 4 * 128 * 2 * (24 + 1000) * 64 * 8  # bytes: 30 GB > 80 GB / 4
+    assert cache > 80 * 2**30 / 4 and sampler.prompts_per_call(big, batches) == 8
+    small = model(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    assert sampler.prompts_per_call(small, batches) == 64

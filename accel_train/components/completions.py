@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 from contextlib import contextmanager
 
+import psutil
 import torch
 from transformers import LogitsProcessorList
 
@@ -74,16 +75,35 @@ class CompletionSampler:
 
     def generate_window(self, model, batches: list[dict], step: int, multi: bool = True) -> list[Completions]:
         """Each prompt batch's completions, generated grpo.generation_batch_size prompts at a time: by default all of
-        a step's prompts on this process in one generate call, whose decoding reads the weights once a token for all
+        a step's prompts on this process in one generate call where memory allows (`prompts_per_call`), whose decoding reads the weights once a token for all
         their rows (SmolLM2 on a CPU: 127 tokens/s with 16 rows, 156 with 32, 184 with 64). A row's tokens do not
         depend on the rows beside it (SeededSampler; in fp32; in bf16 a wider padded batch may change the logits'
         last bits)."""
         G, n = self.g.num_generations, sum(len(b["prompt_ids"]) for b in batches)
         if not n:  # the end of an epoch: no prompt left for this window
             return [Completions([]) for _ in batches]
-        size = self.g.generation_batch_size or n
+        size = self.g.generation_batch_size or self.prompts_per_call(model, batches)
         parts = [self.generate(model, prompt_rows(batches, i, i + size), step, multi) for i in range(0, n, size)]
         return Completions.joined(parts).split([len(b["prompt_ids"]) * G for b in batches])
+
+    def prompts_per_call(self, model, batches: list[dict]) -> int:
+        """grpo.generation_batch_size=None: all of the window's prompts in one call where the KV cache of all their
+        completions, at full length, takes at most a quarter of the device's memory (CPU: the machine's); else one
+        micro-batch's prompts a call, whose cache is one micro-batch's. A 7B model (28 layers, 4 KV heads of 128,
+        bf16) with 64 prompts x 8 completions of 1,024 tokens would hold 30 GB of cache at once, a micro-batch of 8
+        prompts 3.8 GB; SmolLM2-135M's 32 completions of 56 tokens, 80 MB."""
+        n = sum(len(b["prompt_ids"]) for b in batches)
+        text = model.config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        width = max(len(p) for b in batches for p in b["prompt_ids"]) + self.g.max_new_tokens
+        element = max(p.element_size() for p in model.parameters())  # bf16 autocast on fp32 weights: counted at 4
+        cache = 2 * text.num_hidden_layers * heads * head_dim * element * width * n * self.g.num_generations
+        if self.device.type == "cuda":
+            memory = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            memory = psutil.virtual_memory().total
+        return n if 4 * cache <= memory else max(len(b["prompt_ids"]) for b in batches)
 
     def generate(self, model, batch: dict, step: int, multi: bool = True) -> Completions:
         """grpo.num_generations sampled completions per prompt (prompt-major)."""

@@ -75,8 +75,9 @@ class GrpoConfig:
     """grpo.tools: a call still running after this many seconds gets "timed out" as its result."""
     generation_batch_size: Optional[int] = None
     """Prompts per generate call of the rollouts (each sampled grpo.num_generations times); None: all of a step's
-    prompts on a process in one call (the fastest; the KV cache of all their completions at once: with
-    train.grad_accum_steps > 1, set it to train.per_device_batch_size for the memory of one micro-batch's)."""
+    prompts on a process in one call (the fastest) where the KV cache of all their completions takes at most a
+    quarter of the device's memory, else a micro-batch's prompts a call (the memory of one micro-batch's cache;
+    components/completions.py)."""
     merge_adapter: Optional[bool] = None
     """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
     for each generation and freed before the rewards run (generation.merged_adapter): faster, for the memory of that
