@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 import torch
 from accelerate.commands.launch import launch_command_parser
-from conftest import (BIN, accel_train_launch, accelerate_launch, ctrl_c_launch, free_port, python_m,
+from conftest import (BIN, accel_train_launch, accelerate_launch, ctrl_c_launch, free_port, python_m, python_script,
                       read_metrics, run, said)
 from peft import PeftModel
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -217,3 +217,14 @@ def test_accel_train_launch_maps_the_ranks_statuses(capsys):
     # a crash (a traceback on rank 1) and the rank the launcher then stopped: the launcher's report, status 1
     assert launch.outcome({1: 1, 0: -15}, show) == 1
     assert crashes == ["shown"] and capsys.readouterr().err == ""
+
+
+def test_forked_runs_draw_their_own_random_state(tmp_path):
+    """Two runs forked from the test fork server (conftest.python_script) draw different random fingerprints in
+    datasets (a fresh interpreter each, as separately launched processes, seeds datasets' generator anew) and
+    different numpy numbers: no cache file or random draw shared by accident."""
+    script = tmp_path / "draw.py"
+    script.write_text("import numpy\nfrom datasets.fingerprint import generate_random_fingerprint\n"
+                      "print(generate_random_fingerprint(), numpy.random.random())\n")
+    draws = [python_script(str(script)).stdout.split() for _ in range(2)]
+    assert all(len(d) == 2 for d in draws) and draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1], draws

@@ -15,6 +15,21 @@ import sys
 import warnings
 
 
+def reseed() -> None:
+    """The random state a fresh interpreter starts with, where a fork would copy the server's: datasets' random
+    fingerprints (its own random.Random: two children drew the same ones, so their unhashable maps shared cache
+    files), numpy's global generator, torch's default generator at its initial seed. (random's own is reseeded by
+    Python at every fork. The string hash seed is fixed at interpreter start: the children share the server's,
+    where separately launched processes each have their own.)"""
+    import datasets.fingerprint
+    import numpy
+    import torch
+
+    datasets.fingerprint.fingerprint_rng.seed()
+    numpy.random.seed()
+    torch.default_generator.manual_seed(torch.default_generator.initial_seed())
+
+
 def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str, rank: bool = False) -> None:
     """Run `target` (a module, or the path of a .py script) with `args` as `python -m target` or `python target`.
     rank: one worker of a launch (conftest.forked_launch): it appends to the output its peers share, unbuffered, as
@@ -29,6 +44,7 @@ def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr
     if rank:
         sys.stdout.reconfigure(line_buffering=True, write_through=True)
         sys.stderr.reconfigure(line_buffering=True, write_through=True)
+    reseed()
     if "OMP_NUM_THREADS" in env:  # read by torch at import, in the server: apply it as a fresh process would
         import torch
 
