@@ -255,12 +255,15 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
             # effective batch.
             scale = accelerator.num_processes * accum / targets
+            # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0 for each it
+            # lacks: all ranks then run the same forwards and backwards, hence the same collectives, from the task's
+            # own work on the step's micro-batches (prepare: kto's reference point) to the last backward.
+            real = len(window)
+            window = task.prepare(window + [replay() for _ in range(n_micro - real)], real)
             window_sums = torch.zeros_like(since_log.sums)
             for i in range(n_micro):
                 poison = faults.inject(state.step + 1, i, rank)
-                # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0:
-                # all ranks then run the same forwards and backwards, hence the same collectives.
-                batch, weight = (window[i], 1.0) if i < len(window) else (replay(), 0.0)
+                batch, weight = window[i], 1.0 if i < real else 0.0
                 sync = i == n_micro - 1  # gradients are all-reduced on the window's last backward only
                 # accelerate reads this in backward: under DeepSpeed it marks the accumulation boundary, where the
                 # engine steps (it is true again after the window's last micro-batch, as optimizer.step needs)

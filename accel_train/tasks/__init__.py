@@ -196,10 +196,18 @@ class Task:
     # ------------------------------------------------------------------------------------------------ loop
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
-        """This step's micro-batches from the data iterator (grpo: its prompts' completions)."""
+        """This step's micro-batches from the data iterator (grpo: its prompts' completions). A rank at an epoch's
+        end may get fewer than another: no collective whose number depends on the micro-batches runs here (under
+        FSDP or ZeRO-3 every forward is one); that is `prepare`'s."""
         from itertools import islice
 
         return list(islice(batches, accum))
+
+    def prepare(self, window: list[dict], real: int) -> list[dict]:
+        """The step's micro-batches, as many on every rank (the loop pads a rank's window with `replay` batches: its
+        last len(window) - real, run with weight 0), before any loss: what runs the model on each micro-batch
+        outside the loss (kto's reference point) runs here, where every rank issues the same collectives."""
+        return window
 
     def replay(self, batch: dict) -> dict:
         """A micro-batch made from a collated data batch, run with weight 0 on a rank out of data."""

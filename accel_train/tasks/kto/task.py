@@ -229,13 +229,15 @@ class KtoLoss:
             self.policy.train(was_training)
         return policy - self.reference_logps(rows)
 
-    def reference_point(self, batches: list[dict]) -> torch.Tensor:
-        """z0 of one optimizer step: the mean over the mismatched pairs of `batches` on every rank, clamped at 0 (0
-        without any). A collective: every rank calls it at the same point."""
+    def reference_point(self, batches: list[dict], real: int | None = None) -> torch.Tensor:
+        """z0 of one optimizer step: the mean over the mismatched pairs of the first `real` of `batches` (None: all)
+        on every rank, clamped at 0 (0 without any). Every batch runs its forwards, counted or not: a collective
+        (under FSDP or ZeRO-3 each forward is one too), every rank calls it at the same point with as many batches."""
         sums = torch.zeros(2, device=self.accelerator.device)
-        for batch in batches:
+        for i, batch in enumerate(batches):
             ratios = self.kl_ratios(batch)
-            sums += torch.stack([ratios.sum(), torch.tensor(float(len(ratios)), device=sums.device)])
+            if real is None or i < real:
+                sums += torch.stack([ratios.sum(), torch.tensor(float(len(ratios)), device=sums.device)])
         total, count = self.accelerator.reduce(sums, reduction="sum")
         return (total / count).clamp(min=0) if count else total.new_zeros(())
 
@@ -305,10 +307,10 @@ class KTO(Task):
         self.kto = KtoLoss(self.cfg, model, accelerator)
         return train_ds, eval_ds
 
-    def window(self, batches, step: int, accum: int) -> list[dict]:
-        """The step's micro-batches, each given the step's reference point z0 (`kl`)."""
-        window = super().window(batches, step, accum)
-        z0 = self.kto.reference_point(window)
+    def prepare(self, window: list[dict], real: int) -> list[dict]:
+        """The step's micro-batches, each given the step's reference point z0 (`kl`), computed on the first `real`
+        (the others, replayed with weight 0, run the same forwards without counting)."""
+        z0 = self.kto.reference_point(window, real)
         return [{**batch, "kl": z0} for batch in window]
 
     def replay(self, batch: dict) -> dict:
