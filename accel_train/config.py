@@ -42,8 +42,6 @@ def is_embedded_tiny_model(name_or_path: str) -> bool:
 YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
 
-
-
 @dataclass
 class ModelConfig:
     name_or_path: str = TINY_MODEL
@@ -386,15 +384,17 @@ class Config:
     track: TrackConfig = field(default_factory=TrackConfig)
 
     def __post_init__(self):
-        """Every section resolves its defaults that depend on other keys, then checks itself against the run."""
-        sections = [getattr(self, f.name) for f in dataclasses.fields(self)
-                    if dataclasses.is_dataclass(getattr(self, f.name))]
-        for section in sections:
-            if hasattr(section, "resolve"):
-                section.resolve(self)
-        for section in sections:
-            if hasattr(section, "check"):
-                section.check(self)
+        """Every section resolves its defaults that depend on other keys, then checks itself against the run: the
+        tasks' sections first (the most specific message: task dpo's "always cuts the prompt first" before the data
+        section's), then the common ones, then the combinations of _check_best."""
+        names = [f.name for f in dataclasses.fields(self) if dataclasses.is_dataclass(getattr(self, f.name))]
+        for name in names:
+            if hasattr(getattr(self, name), "resolve"):
+                getattr(self, name).resolve(self)
+        own = tasks.sections()
+        for name in sorted(names, key=lambda name: name not in own):  # stable: each group in field order
+            if hasattr(getattr(self, name), "check"):
+                getattr(self, name).check(self)
         self._check_best()
 
     def _check_best(self):

@@ -117,7 +117,8 @@ def prepare_inputs(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from accel_train.bench import SIZES, sample_lengths
+    from accel_train.bench.common import SIZES
+    from accel_train.bench.workloads import sample_lengths
     from accel_train.config import TINY_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)

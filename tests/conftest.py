@@ -138,6 +138,8 @@ def launch_environment(config: str, cached: bool = True) -> tuple[dict, int]:
             launch_command(launch_command_parser().parse_args(["--config_file", str(ACCEL_CONFIGS / config), "--main_process_port", str(free_port()),
                                                                "accel_train/train.py"]))
         assert handed and handed["nnodes"] in ("1", "1:1"), f"{config}: not a one-machine torchrun launch"
+        if not cached:  # asked under conditions of its own (a faked accelerator): not kept for the launches
+            return handed["env"], handed["nproc"]
         _LAUNCH_ENV[config] = handed["env"], handed["nproc"]
     return _LAUNCH_ENV[config]
 

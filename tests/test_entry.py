@@ -81,6 +81,24 @@ def test_tasks_import_no_other_task_and_components_no_task():
     assert not crossing, f"imports of another task's module: {sorted(crossing)}"
 
 
+def test_every_import_of_the_package_resolves():
+    """Each `from accel_train.X import NAME` in accel_train/, at top level or inside a function (also where only a
+    GPU or an option runs it: gpu_check's), names a module and a name in it that exist: a module split or moved
+    leaves no import behind."""
+    import importlib
+    import importlib.util
+
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_train"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{alias.name}"
+                            for alias in node.names if not hasattr(module, alias.name)
+                            and importlib.util.find_spec(f"{node.module}.{alias.name}") is None]
+    assert not missing, missing
+
+
 def test_config_imports_no_torch():
     """The config tree, every task's section with it, loads without torch (--help, preflight, YAML errors)."""
     heavy = ("torch", "datasets", "transformers", "accelerate", "peft")
@@ -213,8 +231,9 @@ class Echo(Task):
 
     def loss(self, model, batch):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = self.cfg.echo.scale * F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                                                     ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = self.cfg.echo.scale * F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                     batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                                                     reduction="sum")
         return loss, loss.detach()[None]
 
     def evaluate(self, job):

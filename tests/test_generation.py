@@ -512,8 +512,9 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
     assert forwarded[:2] == [(2, max(map(len, prompts)) - 1), (4, 1)], forwarded[:3]
     assert assert_raw(model, recorder.calls, [p for p in prompts for _ in range(2)], rollouts.sampler.stop_ids) >= 8
     # grpo's greedy evaluation (no sampler): argmax of the logits, with its stop token
-    assert rollouts.sampler.complete(model, prompts) == [argmax_answer(model, p, rollouts.sampler.stop_ids, 8, keep=True)
-                                                 for p in prompts]
+    stop_ids = rollouts.sampler.stop_ids
+    assert rollouts.sampler.complete(model, prompts) == [argmax_answer(model, p, stop_ids, 8, keep=True)
+                                                         for p in prompts]
 
 
 def test_generate_cli_greedy_is_the_argmax_of_the_logits(tmp_path, capsys):

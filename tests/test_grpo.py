@@ -1031,7 +1031,8 @@ def test_a_steps_prompts_share_a_call_only_where_their_cache_fits(monkeypatch):
     import psutil
     from transformers import Qwen2Config
 
-    cfg = load_config(overrides=["task=grpo", "grpo.num_generations=8", "grpo.max_new_tokens=1000", "data.max_length=1024"])
+    cfg = load_config(overrides=["task=grpo", "grpo.num_generations=8", "grpo.max_new_tokens=1000",
+                                 "data.max_length=1024"])
     sampler = completions_lib.CompletionSampler.__new__(completions_lib.CompletionSampler)
     sampler.g, sampler.device = cfg.grpo, torch.device("cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=80 * 2**30))

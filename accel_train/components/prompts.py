@@ -64,7 +64,10 @@ def tokenize_prompt(example: dict, row: int, tokenizer, fields: tuple[str, str],
     the first found is read); `index`: the row (seeds its completions' sampling). `status`,
     as formats.tokenize_causal's: "" whole, "cut", "dropped: ..." (too long to cut) or "refused: ..." (the chat
     template raises on it, as Gemma 2's on a system turn): tokenize_prompts counts them and removes the last two."""
-    turns = prompt_turns(example[next(name for name in fields if name in example)], row)
+    column = next((name for name in fields if name in example), None)
+    if column is None:
+        raise ConfigError(f"data: row {row} has no {fields[0]!r} or {fields[1]!r} column of prompts")
+    turns = prompt_turns(example[column], row)
     bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
         try:  # `tools`: the tools' schemas (in the cache key: an edited docstring tokenizes again)

@@ -253,8 +253,3 @@ def smoke_test(rewards: Rewards, example: dict, prompt, answer_columns: list[str
     if turns:
         columns["trajectories"] = [[{"role": "assistant", "content": ""}]] * 2
     rewards([prompt] * 2, ["", ""], [[], []], columns)
-
-
-def eval_results(cfg: Config) -> list[str]:
-    """task grpo's evaluation results (grpo.evaluate: the rewards of greedy answers), for eval.metric_for_best."""
-    return ["reward", *(f"rewards/{name}/mean" for name in labels(cfg.grpo.rewards)), "completions/mean_length"]

@@ -27,11 +27,6 @@ from accel_train.tasks import Task
 from accel_train.tracking import main_logger
 
 
-
-
-
-
-
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of the next-token cross-entropy over the target tokens."""
     return F.cross_entropy(logits[:, :-1].flatten(0, -2).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
@@ -154,5 +149,6 @@ class SFT(Task):
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
         return responses.inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
+
 
 TASK = SFT

@@ -83,20 +83,6 @@ def prompt_columns(cfg: Config, columns: list[str], source: str | None = None) -
                           f"{cfg.grpo.answer_field}, which {source or cfg.data.path} lacks; columns found: {', '.join(columns)}")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def budget(cfg: Config) -> PromptBudget:
     """The tokens a prompt keeps, so that prompt and completion fit data.max_length."""
     keep = cfg.grpo.max_prompt_length(cfg)
@@ -119,47 +105,7 @@ def check_rewards_on(cfg: Config, ds: Dataset | IterableDataset) -> None:
                turns=bool(cfg.grpo.tools or cfg.grpo.environment))
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------------- loss
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # Logged from the loss, per completion token, after `loss` (see loop.LossSums)
