@@ -198,10 +198,6 @@ class DataConfig:
         if self.streaming and cfg.task == "seq_cls" and cfg.model.num_labels is None:
             raise ConfigError("data.streaming=true with task seq_cls needs model.num_labels (it cannot be read "
                               "from a stream without reading all of it)")
-        if self.truncation != "prompt_first" and (self.format == "text" or cfg.task == "seq_cls"):
-            raise ConfigError(f"data.truncation={self.truncation} is for causal_lm conversations: "
-                              + ("seq_cls texts are cut at max_length" if cfg.task == "seq_cls" else
-                                 "format text is split into max_length chunks"))
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
@@ -384,18 +380,28 @@ class Config:
     track: TrackConfig = field(default_factory=TrackConfig)
 
     def __post_init__(self):
-        """Every section resolves its defaults that depend on other keys, then checks itself against the run: the
-        tasks' sections first (the most specific message: task dpo's "always cuts the prompt first" before the data
-        section's), then the common ones, then the combinations of _check_best."""
-        names = [f.name for f in dataclasses.fields(self) if dataclasses.is_dataclass(getattr(self, f.name))]
-        for name in names:
-            if hasattr(getattr(self, name), "resolve"):
-                getattr(self, name).resolve(self)
-        own = tasks.sections()
-        for name in sorted(names, key=lambda name: name not in own):  # stable: each group in field order
-            if hasattr(getattr(self, name), "check"):
-                getattr(self, name).check(self)
+        """Every section resolves its defaults that depend on other keys, then checks itself against the run (in
+        field order: the common values' ranges before a task's combinations of them), then the combinations left to
+        the whole config: data.truncation where no task section refused it first, and _check_best."""
+        sections = [getattr(self, f.name) for f in dataclasses.fields(self)
+                    if dataclasses.is_dataclass(getattr(self, f.name))]
+        for section in sections:
+            if hasattr(section, "resolve"):
+                section.resolve(self)
+        for section in sections:
+            if hasattr(section, "check"):
+                section.check(self)
+        self._check_truncation()
         self._check_best()
+
+    def _check_truncation(self):
+        """data.truncation=right cuts a conversation's end: not text chunks, nor seq_cls texts (tasks that cut the
+        prompt first say so in their own section's check, which runs before)."""
+        d = self.data
+        if d.truncation != "prompt_first" and (d.format == "text" or self.task == "seq_cls"):
+            raise ConfigError(f"data.truncation={d.truncation} is for causal_lm conversations: "
+                              + ("seq_cls texts are cut at max_length" if self.task == "seq_cls" else
+                                 "format text is split into max_length chunks"))
 
     def _check_best(self):
         """Generation, early stopping and the best checkpoint: the combinations that can work."""

@@ -149,6 +149,33 @@ def zero3(accelerator: Accelerator) -> bool:
 
 
 @contextmanager
+def generating(model):
+    """Around generate() on a prepared model. Under FSDP2 a module's parameters are gathered by its own forward's
+    hooks, and generate() calls the inner model's forward, not the root's (the prepared model: a PeftModel, whose
+    embeddings, final norm and head are the root's): they are gathered here (FSDPModule.unshard, a collective, on
+    every rank) and sharded again after. Elsewhere, nothing."""
+    root = model if callable(getattr(model, "unshard", None)) and callable(getattr(model, "reshard", None)) else None
+    if root is not None:
+        # FSDP2 makes the first module to run forward the root: generation before any training forward would make
+        # the embeddings' module one, and the root's later forward fail. Initialized from the root, as its own
+        # forward would (torch 2.13 has no public call for it).
+        root._get_fsdp_state()._lazy_init()
+        root.unshard()
+    try:
+        yield
+    finally:
+        if root is not None:
+            root.reshard()
+
+
+def sharded(accelerator: Accelerator) -> bool:
+    """Whether the weights are sharded over the ranks (FSDP, DeepSpeed ZeRO-3): every forward is then a collective,
+    so each rank generates in lock-step with the others (generate's synced_gpus: a rank whose rows are done keeps
+    running forwards until every rank's are), the same number of generate calls on every rank."""
+    return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
+
+
+@contextmanager
 def whole_model(accelerator: Accelerator):
     """Inside, transformers builds models whole, as on one process, even under a ZeRO-3 launch without
     zero3_init_flag: accelerate 1.15 registers the DeepSpeed config with transformers whatever the flag says, and

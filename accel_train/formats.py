@@ -31,7 +31,7 @@ IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding 
 # What conversations tokenize to, in datasets' cache key (data.tokenize, pairs.tokenize_pairs): the key hashes the map
 # function's arguments, not its code, so a change to the masking or truncation here bumps this, or a rerun after an
 # upgrade would read the old labels from the cache.
-TOKENIZE_VERSION = 3
+TOKENIZE_VERSION = 4  # 4: kto's mismatched pairs across prompts
 SHAREGPT_COLUMN = "conversations"
 # ShareGPT's speaker names -> chat-template roles
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",

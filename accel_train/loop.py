@@ -10,9 +10,12 @@ Why 1 process with accumulation and N processes give the same numbers (tests/tes
 3. gradients are all-reduced on a step's last micro-batch only (no_sync before it: accelerate's `accumulate`
    written out, since the normalisation needs the whole step fetched first), then clipped: the global norm;
 4. the scheduler steps once per optimizer step (step_scheduler_with_optimizer=False);
-5. no sample dropped or repeated: a rank out of batches at an epoch's end replays one with weight 0, and evaluation
-   drops accelerate's repeats (gather_for_metrics);
-6. every decision that steers control flow comes from that one gather or from the global gradient norm.
+5. no sample dropped or repeated: a rank out of batches at an epoch's end replays one with weight 0 (padded in
+   before the task's own work on the step, Task.prepare: every rank then runs as many forwards, hence the same
+   collectives, also under FSDP and ZeRO-3, where each forward is one), and evaluation drops accelerate's repeats
+   (gather_for_metrics);
+6. every decision that steers control flow comes from one gather per step (the step's micro-batches, a signal)
+   or from the global gradient norm.
 
 The objects it drives are built by `recipe.py` and handed over in one `TrainingJob`; what depends on the objective
 (batches, loss, evaluation) is asked of `job.task` (accel_train/tasks), never decided here.
@@ -58,17 +61,16 @@ class TrainingJob:
     preemption: Preemption
 
 
-def window_stats(window: list[dict], task: Task, signum: int, device) -> torch.Tensor:
-    """This rank's [targets, real tokens, computed tokens, rows, micro-batches, signal] for one step (on the
-    device: summing there costs no host sync)."""
-    stats = torch.zeros(6, dtype=torch.long, device=device)
+def window_stats(window: list[dict], task: Task, device) -> torch.Tensor:
+    """This rank's [targets, real tokens, computed tokens, rows] for one step (on the device: summing there costs
+    no host sync)."""
+    stats = torch.zeros(4, dtype=torch.long, device=device)
     for batch in window:
         real, computed = data_lib.token_counts(batch)
         stats[0] += task.count_targets(batch)
         stats[1] += real
         stats[2] += computed
         stats[3] += batch["input_ids"].shape[0]
-    stats[4], stats[5] = len(window), signum
     return stats
 
 
@@ -237,13 +239,10 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
         while state.step < job.total_steps and stopped is None:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
-            # grpo: the window's prompts become completions here (generated on each rank, no collective).
-            window = task.window(batches, state.step, accum)
-            # One collective and one device-to-host copy per step: every rank learns every rank's counts.
-            stats = window_stats(window, task, job.preemption.signum, accelerator.device)
-            rows = accelerator.gather(stats[None]).tolist()
-            targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
-            n_micro, signal = max(r[4] for r in rows), max(r[5] for r in rows)
+            window = task.window(batches, state.step, accum)  # local: no collective (Task.window)
+            # One collective: every rank learns how many micro-batches the step has, and whether a signal came.
+            n_micro, signal = accelerator.gather(torch.tensor([[len(window), job.preemption.signum]],
+                                                              device=accelerator.device)).amax(0).tolist()
             if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step
                 # (between two batches of data: grpo's rollouts are not saved)
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
@@ -251,15 +250,20 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 if state.step_in_epoch == 0:  # and it gave no step: reading it again would never end
                     raise empty_pass(cfg)
                 break
+            # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0 for each it
+            # lacks: all ranks then run the same forwards and backwards, hence the same collectives, from the task's
+            # own work on the step's micro-batches (prepare: kto's reference point, grpo's rollouts) to the last
+            # backward.
+            real = len(window)
+            window = task.prepare(window + [replay() for _ in range(n_micro - real)], real)
+            # One collective and one device-to-host copy per step: every rank learns every rank's counts.
+            stats = window_stats(window[:real], task, accelerator.device)
+            rows = accelerator.gather(stats[None]).tolist()
+            targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
             # effective batch.
             scale = accelerator.num_processes * accum / targets
-            # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0 for each it
-            # lacks: all ranks then run the same forwards and backwards, hence the same collectives, from the task's
-            # own work on the step's micro-batches (prepare: kto's reference point) to the last backward.
-            real = len(window)
-            window = task.prepare(window + [replay() for _ in range(n_micro - real)], real)
             window_sums = torch.zeros_like(since_log.sums)
             for i in range(n_micro):
                 poison = faults.inject(state.step + 1, i, rank)

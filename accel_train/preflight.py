@@ -62,14 +62,17 @@ def split_global_batch(cfg: Config, processes: int) -> None:
                           f"({share // batch} on {processes} process(es)): drop train.grad_accum_steps={t.grad_accum_steps}, "
                           "or set train.global_batch_size=null")
     if not _even(share, t.per_device_batch_size) and is_local_main():  # said, not refused: it trains, slowly
-        near = [g for g in range(t.global_batch_size - processes, 0, -processes)
+        near = [g for g in range(t.global_batch_size - processes, 0, -processes)  # never empty: a share of 1
                 if _even(g // processes, t.per_device_batch_size)]
         logging.getLogger(__name__).warning(
             f"train.global_batch_size={t.global_batch_size} on {processes} process(es): {share} samples each, in "
             f"{share // batch} micro-batches of {batch} ({share} has no divisor nearer "
             f"train.per_device_batch_size={t.per_device_batch_size}); "
-            + (f"{near[0]} would run micro-batches of {_largest_divisor(near[0] // processes, t.per_device_batch_size)}"
-               if near else "raise train.per_device_batch_size"))
+            + f"{near[0]} would run micro-batches of {_largest_divisor(near[0] // processes, t.per_device_batch_size)}")
+    if t.grad_accum_steps not in (1, share // batch) and is_local_main():  # a recorded split, or one written by hand
+        logging.getLogger(__name__).info(
+            f"train.grad_accum_steps={t.grad_accum_steps} follows train.global_batch_size={t.global_batch_size}: "
+            f"{share // batch} micro-batches of {batch} on {processes} process(es)")
     t.per_device_batch_size, t.grad_accum_steps = batch, share // batch
 
 
@@ -98,21 +101,26 @@ def launcher_asks(variable: str) -> bool:
 
 
 def check_sharded(cfg: Config) -> None:
-    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generate() would need every rank in lock-step
-    (synced_gpus), which is not done here; ZeRO-1/2 keep the whole weights on every rank, so a rank generates alone
-    there. A checkpoint's weights are DeepSpeed's or FSDP's own files (save.final=best cannot load them). Said
-    before any rank loads anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's
-    zero3_init_flag)."""
+    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs in lock-step on every rank
+    (dist.sharded), one generate call per micro-batch, so what would make ranks call generate a different number of
+    times is refused: multi-turn rollouts (each completion's turns) and grpo.generation_batch_size. A checkpoint's
+    weights are DeepSpeed's or FSDP's own files (save.final=best cannot load them). Said before any rank loads
+    anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's zero3_init_flag)."""
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # set by accelerate launch from the config
     whole = launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage in ("0", "1", "2")
+    generates = tasks.info(cfg.task).generating(cfg)
+    g = cfg.grpo
     for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
-        for key, on in (("eval.generate=true", cfg.eval.generate and not whole),
-                        ("save.final=best", cfg.save.final == "best"),
-                        (f"task={cfg.task} (it generates)", tasks.info(cfg.task).generating(cfg) and not whole)):
+        for key, on, why in (
+                ("save.final=best", cfg.save.final == "best", "sharded parameters"),
+                ("grpo.tools or grpo.environment", generates and bool(g.tools or g.environment) and not whole,
+                 "sharded parameters: each completion's turns would make the ranks generate a different number of "
+                 "times"),
+                (f"grpo.generation_batch_size={g.generation_batch_size}",
+                 generates and g.generation_batch_size is not None and not whole,
+                 "sharded parameters: generation runs in lock-step, one call per micro-batch")):
             if on and launcher_asks(variable):
-                raise ConfigError(f"{key} is not supported under {kind} (sharded parameters"
-                                  + ("" if key.startswith("save.") else ": generating would need every rank in step")
-                                  + "); use DDP (configs/accelerate/2gpu.yaml)"
+                raise ConfigError(f"{key} is not supported under {kind} ({why}); use DDP (configs/accelerate/2gpu.yaml)"
                                   + (" or DeepSpeed ZeRO-2" if not key.startswith("save.") else "") + " or turn it off")
     if launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
         # transformers would build the model sharded (deepspeed.zero.Init), where the forwards before prepare fail

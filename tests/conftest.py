@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 import time
 from pathlib import Path
 
@@ -243,6 +244,11 @@ def fresh_accelerator(**kwargs):
 
     AcceleratorState._reset_state(reset_partial_state=True)
     return Accelerator(cpu=True, **kwargs)
+
+
+# What a stand-in accelerator of one process (a SimpleNamespace) answers for accel_train's engine checks
+# (dist.sharded: no FSDP, no DeepSpeed)
+ONE_PROCESS = {"distributed_type": "NO", "state": SimpleNamespace(deepspeed_plugin=None)}
 
 
 def said(text: str) -> list[str]:

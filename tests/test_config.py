@@ -239,7 +239,7 @@ def test_global_batch_refusals_are_one_line(tmp_path):
 
 def test_accel_train_launch_leaves_the_split_to_the_ranks(tmp_path):
     """`accel-train launch` checks the command line before it knows how many processes it starts: the split (4 x 2 on
-    2 processes, refused on 1) is each rank's, and a group other than the one split for stops at start."""
+    2 processes, 4 x 4 on 1) is each rank's, and a group other than the one split for stops at start."""
     from accel_train.cli import check
     from accel_train.recipe import check_split
 

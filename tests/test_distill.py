@@ -233,10 +233,13 @@ def test_on_policy_steps_sample_the_responses_through_generation_config(teacher,
 
     assert distill.generation_config is generation.generation_config
     monkeypatch.setattr(distill, "generation_config", spy)
-    window = task.window(iter(batches), 3, 2)
+    def prepared(step):  # as the loop runs a step: the window, then prepare (an on-policy step samples there)
+        return task.prepare(task.window(iter(batches), step, 2), 2)
+
+    window = prepared(3)
     assert len(calls) == 2
-    again = task.window(iter(batches), 3, 2)
-    later = task.window(iter(batches), 4, 2)
+    again = prepared(3)
+    later = prepared(4)
     responses = []
     for micro, source in zip(window, batches):
         prompts = distill.prompts_of(source)

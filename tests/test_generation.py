@@ -15,7 +15,7 @@ import json
 
 import pytest
 import yaml
-from conftest import forked_launch, python_m, read_metrics
+from conftest import ONE_PROCESS, forked_launch, python_m, read_metrics
 from safetensors.torch import load_file
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
@@ -147,17 +147,19 @@ def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
     assert "AutoPeftModelForCausalLM.from_pretrained('me/reverse')" in card.text
 
 
-def test_generation_is_refused_under_fsdp(tmp_out):
-    """Sharded parameters: generate() would need every rank in lock-step; refused by every rank before it loads
-    anything (preflight), not a hang."""
-    proc = forked_launch("fsdp2.yaml", "eval.generate=true", "train.max_steps=2", f"output_dir={tmp_out}")
-    assert proc.returncode != 0
-    # the launcher stops the other rank once one has failed: one line, or the same line from both
-    errors = {line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")}
-    assert errors == {("accel_train: error: eval.generate=true is not supported under FSDP (sharded parameters: "
-                       "generating would need every rank in step); use DDP (configs/accelerate/2gpu.yaml) or "
-                       "DeepSpeed ZeRO-2 or turn it off")}
-    assert not tmp_out.exists()
+@pytest.mark.long
+def test_generation_under_fsdp_answers_as_ddp(tmp_path):
+    """Sharded parameters (FSDP2): every rank generates in lock-step (generate's synced_gpus: a rank whose answers
+    are done keeps running forwards until the other's are); the eval answers and their scores are DDP's."""
+    answers = {}
+    for config in ("cpu_2proc.yaml", "fsdp2.yaml"):
+        out = tmp_path / config
+        proc = forked_launch(config, "eval.generate=true", "eval.max_new_tokens=8", "data.builtin_size=80",
+                             "train.max_steps=2", "train.mixed_precision=no", "track.log_with=[]",
+                             f"output_dir={out}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        answers[config] = [(r["step"], r["index"], r["generation"]) for r in predictions(out)]
+    assert len(answers["fsdp2.yaml"]) == 8 and answers["fsdp2.yaml"] == answers["cpu_2proc.yaml"]
 
 
 def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
@@ -497,7 +499,7 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
             return super().__call__(input_ids, scores)
 
     monkeypatch.setattr(completions_lib, "SeededSampler", RecordingSampler)
-    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"), **ONE_PROCESS,
                                   autocast=contextlib.nullcontext)
     cfg = load_config(overrides=["task=grpo", "grpo.num_generations=2", "grpo.max_new_tokens=8"])
     rollouts = Rollouts(cfg, accelerator, model, tokenizer)

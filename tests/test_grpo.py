@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import tokenized, accel_train_launch, forked_launch, python_m, said
+from conftest import ONE_PROCESS, accel_train_launch, forked_launch, python_m, said, tokenized
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -694,7 +694,7 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
                            LoraConfig(r=4, target_modules="all-linear")).eval()
     layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     tokenizer = AutoTokenizer.from_pretrained(tiny)
-    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"), **ONE_PROCESS,
                                   autocast=contextlib.nullcontext, num_processes=1)
     texts = ["abcab", "reverse xyz", "q"]
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
@@ -880,7 +880,7 @@ def test_an_observation_carries_no_loss_and_the_models_turns_do(sft, monkeypatch
 
     model = PeftModel.from_pretrained(model, sft / "adapter")
     tokenizer = AutoTokenizer.from_pretrained(sft / "adapter")
-    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"),
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"), **ONE_PROCESS,
                                   autocast=contextlib.nullcontext, num_processes=1)
     cfg = load_config(overrides=["task=grpo", f"grpo.num_generations={G}", "grpo.max_new_tokens=24",
                                  "grpo.answer_field=response", f"grpo.environment={env}:Again",

@@ -63,9 +63,11 @@ class Completions:
 class CompletionSampler:
     """Samples completions of prompt batches (PromptCollator's) from a model, on this process's device."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device):
-        """`model`: the unwrapped model, whose generation_config.json is read (and overridden: generation.py)."""
-        self.cfg, self.g, self.tokenizer, self.device = cfg, cfg.grpo, tokenizer, device
+    def __init__(self, cfg: Config, model, tokenizer, device, synced: bool = False):
+        """`model`: the unwrapped model, whose generation_config.json is read (and overridden: generation.py);
+        `synced`: its weights are sharded (dist.sharded): every rank generates in lock-step, one generate call per
+        micro-batch."""
+        self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
         self.generation_config = generation_config(model, tokenizer, self.g.max_new_tokens)
@@ -75,13 +77,16 @@ class CompletionSampler:
 
     def generate_window(self, model, batches: list[dict], step: int, multi: bool = True) -> list[Completions]:
         """Each prompt batch's completions, generated grpo.generation_batch_size prompts at a time: by default all of
-        a step's prompts on this process in one generate call where memory allows (`prompts_per_call`), whose decoding reads the weights once a token for all
-        their rows (SmolLM2 on a CPU: 127 tokens/s with 16 rows, 156 with 32, 184 with 64). A row's tokens do not
-        depend on the rows beside it (SeededSampler; in fp32; in bf16 a wider padded batch may change the logits'
-        last bits)."""
+        a step's prompts on this process in one generate call where memory allows (`prompts_per_call`), whose
+        decoding reads the weights once a token for all their rows (SmolLM2 on a CPU: 127 tokens/s with 16 rows, 156
+        with 32, 184 with 64); under sharded weights one call per micro-batch. A row's tokens do not depend on the
+        rows beside it (SeededSampler; in fp32; in bf16 a wider padded batch may change the logits' last bits)."""
         G, n = self.g.num_generations, sum(len(b["prompt_ids"]) for b in batches)
         if not n:  # the end of an epoch: no prompt left for this window
             return [Completions([]) for _ in batches]
+        if self.synced:  # as many calls on every rank: one per micro-batch (the loop pads every rank's window alike)
+            parts = [self.generate(model, prompt_rows([b], 0, len(b["prompt_ids"])), step, multi) for b in batches]
+            return Completions.joined(parts).split([len(b["prompt_ids"]) * G for b in batches])
         size = self.g.generation_batch_size or self.prompts_per_call(model, batches)
         parts = [self.generate(model, prompt_rows(batches, i, i + size), step, multi) for i in range(0, n, size)]
         return Completions.joined(parts).split([len(b["prompt_ids"]) * G for b in batches])
@@ -92,18 +97,22 @@ class CompletionSampler:
         micro-batch's prompts a call, whose cache is one micro-batch's. A 7B model (28 layers, 4 KV heads of 128,
         bf16) with 64 prompts x 8 completions of 1,024 tokens would hold 30 GB of cache at once, a micro-batch of 8
         prompts 3.8 GB; SmolLM2-135M's 32 completions of 56 tokens, 80 MB."""
-        n = sum(len(b["prompt_ids"]) for b in batches)
+        n, micro = sum(len(b["prompt_ids"]) for b in batches), max(len(b["prompt_ids"]) for b in batches)
         text = model.config.get_text_config()
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        try:
+            heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            layers = text.num_hidden_layers
+        except AttributeError:  # no attention heads to count (a state-space model): a micro-batch's a call
+            return micro
         width = max(len(p) for b in batches for p in b["prompt_ids"]) + self.g.max_new_tokens
         element = max(p.element_size() for p in model.parameters())  # bf16 autocast on fp32 weights: counted at 4
-        cache = 2 * text.num_hidden_layers * heads * head_dim * element * width * n * self.g.num_generations
+        cache = 2 * layers * heads * head_dim * element * width * n * self.g.num_generations
         if self.device.type == "cuda":
             memory = torch.cuda.get_device_properties(self.device).total_memory
         else:
             memory = psutil.virtual_memory().total
-        return n if 4 * cache <= memory else max(len(b["prompt_ids"]) for b in batches)
+        return n if 4 * cache <= memory else micro
 
     def generate(self, model, batch: dict, step: int, multi: bool = True) -> Completions:
         """grpo.num_generations sampled completions per prompt (prompt-major)."""
@@ -186,7 +195,8 @@ class CompletionSampler:
         `sampler(prompt width)`, a LogitsProcessor. The prompts' KV cache is computed once for all their rows
         (generation.shared_prompt_cache)."""
         input_ids, attention_mask = left_padded(prompts, self.tokenizer.pad_token_id, self.device)
-        cache = shared_prompt_cache(model, input_ids, attention_mask, repeats)
+        # (not when synced: a prompt forward more on one rank than on another would break the lock-step)
+        cache = None if self.synced else shared_prompt_cache(model, input_ids, attention_mask, repeats)
         input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
         processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
         config = self.generation_config
@@ -195,8 +205,8 @@ class CompletionSampler:
             config.max_new_tokens = max_new_tokens
         more = {CACHE_ARG: cache} if cache is not None else {}
         new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=processors, **more)[:, input_ids.shape[1]:].tolist()
-        return [until_stop(t, self.stop_ids, keep=True) for t in new]
+                             logits_processor=processors, synced_gpus=self.synced, **more)
+        return [until_stop(t, self.stop_ids, keep=True) for t in new[:, input_ids.shape[1]:].tolist()]
 
     def texts(self, completions: Completions) -> list[str]:
         """What the reward functions get as completions: each one's text, or with several turns its last

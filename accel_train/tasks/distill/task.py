@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 from accel_train import data as data_lib
 from accel_train.components import responses
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
-from accel_train.dist import zero3
+from accel_train.dist import generating, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                     until_stop)
@@ -57,6 +57,7 @@ from accel_train.model import build_model
 from accel_train.model_sources import one_line
 from accel_train.tracking import get_logger
 from accel_train.tasks import Task
+from accel_train.tasks.distill.config import ZERO3_REFUSAL
 
 logger = get_logger(__name__)
 
@@ -184,6 +185,11 @@ def check_vocabulary(cfg: Config) -> None:
                f"{next((t for t, i in mine.items() if i == index), None)!r} in the student's")
     elif sizes[1] < len(theirs):
         why = f"vocab_size {sizes[1]} in its config.json, fewer than its tokenizer's {len(theirs)} tokens"
+    elif sizes[0] < len(mine):
+        why = f"the student's vocab_size {sizes[0]}, fewer than the tokenizer's {len(mine)} tokens"
+    elif sizes[0] > sizes[1] and cfg.distill.on_policy:
+        why = (f"vocab_size {sizes[1]} against the student's {sizes[0]}: on-policy, the student would sample ids the "
+               "teacher has no row for")
     elif sizes[0] != sizes[1]:
         logger.info(f"distill: the teacher's head has {sizes[1]} rows, the student's {sizes[0]}, for the same "
                     f"tokenizer's {len(mine)} tokens: the divergence is over the first {min(sizes)}")
@@ -242,9 +248,11 @@ def prompts_of(batch: dict) -> list[list[int]]:
 
 
 @torch.no_grad()
-def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, step: int, autocast) -> list[list[int]]:
-    """The student's response to each prompt, sampled with its own noise (generation.SeededSampler), up to and with its
-    stop token. `model`: unwrapped (no collective: each rank samples its own)."""
+def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, step: int, autocast,
+                     synced: bool = False) -> list[list[int]]:
+    """The student's response to each prompt, sampled with its own noise (generation.SeededSampler), up to and with
+    its stop token. `model`: unwrapped (no collective: each rank samples its own; `synced`, under sharded weights:
+    in lock-step with the other ranks, dist.sharded)."""
     d, device = cfg.distill, next(model.parameters()).device
     config = generation_config(model, tokenizer, d.max_new_tokens)  # greedy: the sampler picks the token
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
@@ -253,9 +261,10 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
     sampler = SeededSampler(noise, input_ids.shape[1], d.temperature, 1.0)
     was_training = model.training
     model.eval()
-    with autocast():
+    with generating(model), autocast():
         new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([sampler]))[:, input_ids.shape[1]:].tolist()
+                             logits_processor=LogitsProcessorList([sampler]), synced_gpus=synced)
+    new = new[:, input_ids.shape[1]:].tolist()
     model.train(was_training)
     return [until_stop(t, config.eos_token_id, keep=True) for t in new]
 
@@ -278,7 +287,7 @@ class Distill(Task):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.distillation: Distillation | None = None
-        self.job, self.tokenizer = None, None
+        self.job, self.tokenizer, self.step = None, None, 0
 
     def columns(self, columns: list[str], source: str) -> str:
         return responses.columns(self.cfg, columns, source)
@@ -304,9 +313,8 @@ class Distill(Task):
         return responses.count_targets(batch)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
-        if zero3(accelerator):
-            raise ConfigError("task distill is not supported under DeepSpeed ZeRO-3 (the student's output head is "
-                              "whole only inside its module's calls); use ZeRO-2, FSDP or DDP")
+        if zero3(accelerator):  # refused by preflight already (config.preflight): a launch that bypassed it
+            raise ConfigError(ZERO3_REFUSAL)
         head = checked_head(model, f"model.name_or_path={self.cfg.model.name_or_path}")
         teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
         checked_head(teacher, f"distill.teacher={self.cfg.distill.teacher}")
@@ -319,7 +327,13 @@ class Distill(Task):
             generation_config(job.accelerator.unwrap_model(job.model), tokenizer, 1)  # refused now, on every rank
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
-        window = list(islice(batches, accum))
+        self.step = step  # prepare's: an on-policy step's responses are sampled there, for the padded window too
+        return list(islice(batches, accum))
+
+    def prepare(self, window: list[dict], real: int) -> list[dict]:
+        """On an on-policy step, each micro-batch's responses sampled by the student after its prompts (those of the
+        replayed ones too: every rank generates as many times)."""
+        step = self.step
         if not on_policy_step(self.cfg.seed, step, self.cfg.distill.on_policy):
             return window
         accelerator = self.job.accelerator
@@ -327,7 +341,8 @@ class Distill(Task):
         out = []
         for batch in window:
             prompts = prompts_of(batch)
-            responses = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast)
+            responses = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast,
+                                         sharded(accelerator))
             out.append(on_policy_batch(prompts, responses, self.tokenizer.pad_token_id, accelerator.device))
         return out
 

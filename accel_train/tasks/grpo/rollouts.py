@@ -26,7 +26,7 @@ from accel_train.components.completions import CompletionSampler, Completions
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.rewards import RewardError, Rewards
 from accel_train.config import Config, ConfigError
-from accel_train.dist import zero3
+from accel_train.dist import generating, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import left_padded, merged_adapter, position_ids
 from accel_train.tracking import get_logger
@@ -88,8 +88,16 @@ class Rollouts:
     def __init__(self, cfg: Config, accelerator, model, tokenizer):
         self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
         self.rewards = Rewards(cfg)
-        self.sampler = CompletionSampler(cfg, accelerator.unwrap_model(model), tokenizer, accelerator.device)
-        self.current: list[dict] | None = None
+        self.synced = sharded(accelerator)
+        self.sampler = CompletionSampler(cfg, accelerator.unwrap_model(model), tokenizer, accelerator.device,
+                                         self.synced)
+        # a LoRA adapter merged into weights that FSDP or ZeRO-3 shard is not built: rollouts run it beside them
+        self.merge = self.g.merge_adapter and not self.synced
+        if self.g.merge_adapter and self.synced:
+            logger.info("grpo.merge_adapter: off under sharded weights (FSDP, ZeRO-3): rollouts run the adapter "
+                        "beside the weights", main_process_only=True)
+        self.current: list[dict] | None = None  # the last rollouts (grpo.num_iterations > 1 trains on them again)
+        self.start, self.real = 0, 0  # the step they were sampled at; how many of them are this rank's own
         self.generated_tokens, self.generation_s = 0, 0.0
         n = len(self.rewards.names)
         # since the last log, this rank's: reward, reward^2 and scored completions, each function's reward, reward^2
@@ -101,20 +109,31 @@ class Rollouts:
         self.phase = lambda name: None  # the progress bar's phase (tracking.RunLog.phase), once training starts
 
     def window(self, batches, step: int) -> list[dict]:
-        """This step's micro-batches: a new batch of rollouts every grpo.num_iterations steps, else the last one."""
+        """This step's micro-batches: every grpo.num_iterations steps the next prompt batches (rolled out by
+        `prepare`), else the last rollouts (this rank's, but for the replayed ones)."""
         mu = self.g.num_iterations
         if step % mu and self.current is None:
             logger.warning(f"grpo: resumed at step {step}, inside a batch of rollouts (grpo.num_iterations={mu}): "
                            "its completions are sampled again with the current weights", main_process_only=True)
         if step % mu == 0 or self.current is None:
-            start = step - step % mu
-            self.current = self.roll(list(islice(batches, self.cfg.train.grad_accum_steps)), start)
+            self.current, self.start = None, step - step % mu
+            return list(islice(batches, self.cfg.train.grad_accum_steps))
+        return self.current[:self.real]
+
+    def prepare(self, window: list[dict], real: int) -> list[dict]:
+        """The step's micro-batches of completions: the prompt batches rolled out (the last len(window) - real,
+        replayed with weight 0, neither scored nor logged), or the last rollouts again, as padded then."""
+        if self.current is None:
+            self.current, self.real = self.roll(window, self.start, real), real
         return self.current
 
     @torch.no_grad()
-    def roll(self, prompt_batches: list[dict], step: int, log: bool = True) -> list[dict]:
+    def roll(self, prompt_batches: list[dict], step: int, logged: int | None = None) -> list[dict]:
         """Training micro-batches from prompt batches: completions, rewards, advantages. `step`: the optimizer steps
-        done before the rollout (seeds the sampling); `log`: count and write them (not for a replayed batch)."""
+        done before the rollout (seeds the sampling); `logged`: the first this-many are counted, scored and written
+        (None: all); the others, replayed with weight 0, get reward 0 and run no environment. A collective (the
+        rewards' stop, rollouts.jsonl's gather): every rank rolls out at the same steps."""
+        logged = len(prompt_batches) if logged is None else logged
         t0 = time.perf_counter()
         self.phase("generating")
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
@@ -124,30 +143,30 @@ class Rollouts:
         try:
             # one copy of the adapted weights while generating (none for an epoch's empty window), freed before
             # the rewards (a reward model) run
-            with merged_adapter(unwrapped, self.g.merge_adapter and bool(prompt_batches)), self.accelerator.autocast():
+            with merged_adapter(unwrapped, self.merge and bool(prompt_batches)), generating(unwrapped), \
+                    self.accelerator.autocast():
                 # a replayed batch (weight 0: its tokens do not matter) runs no environment
-                generated = self.sampler.generate_window(unwrapped, prompt_batches, step, multi=log)
+                generated = (self.sampler.generate_window(unwrapped, prompt_batches[:logged], step)
+                             + self.sampler.generate_window(unwrapped, prompt_batches[logged:], step, multi=False))
             self.phase("scoring")
-            for batch, completions in zip(prompt_batches, generated):
-                micro, rows = self.score(batch, completions, step, log)
+            for i, (batch, completions) in enumerate(zip(prompt_batches, generated)):
+                micro, rows = self.score(batch, completions, step, i < logged)
                 out.append(micro)
                 records += rows
         except RewardError as e:  # a reward function's, or an environment's
             failed = str(e)
         finally:
             unwrapped.train(was_training)
-        if log:  # every rank rolls out at the same steps (a replayed batch, on one rank, calls no reward function)
-            stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
+        stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
-            prompts_by = unwrapped if shares_prompts(self.cfg) else None  # as PolicyLoss runs them
+            prompts_by = unwrapped if shares_prompts(self.cfg) and not self.synced else None  # as PolicyLoss runs them
             for micro in out:
                 with self.accelerator.autocast():
                     micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
                         unwrapped, zero3(self.accelerator)), prompts_by)[0]
         self.generation_s += time.perf_counter() - t0
         self.phase("")
-        if log:
-            self.write(records)
+        self.write(records)
         return out
 
     def score(self, batch: dict, trajectories: Completions, step: int, log: bool) -> tuple[dict, list[dict]]:

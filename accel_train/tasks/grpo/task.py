@@ -64,7 +64,7 @@ from accel_train.components.reference import reference_mode
 from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test
 from accel_train.config import Config, ConfigError
 from accel_train.data import columns as data_columns
-from accel_train.dist import zero3
+from accel_train.dist import generating, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import merged_adapter
 from accel_train.tasks import Task
@@ -120,7 +120,8 @@ class PolicyLoss:
         """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
         > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
         self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
-        self.share_prompts = shares_prompts(cfg)
+        # each prompt's forward once for its group, but under sharded weights (a forward more is a collective more)
+        self.share_prompts = shares_prompts(cfg) and not sharded(accelerator)
         self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
         if self.g.beta and not self.lora:
             if model is None:
@@ -179,7 +180,7 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
             n_rows = len(batch["prompt_ids"])
             try:
                 # the adapted weights' copy while generating, freed before the rewards (a reward model) run
-                with merged_adapter(unwrapped, rollouts.g.merge_adapter), accelerator.autocast():
+                with merged_adapter(unwrapped, rollouts.merge), generating(unwrapped), accelerator.autocast():
                     completions = rollouts.sampler.turns(unwrapped, batch, 1)
                 texts = rollouts.sampler.texts(completions)
                 values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions.ids,
@@ -201,11 +202,6 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
     return {"eval_reward": means[0], **{f"eval_rewards/{name}/mean": v for name, v in zip(rollouts.rewards.labels,
                                                                                           means[1:-1])},
             "eval_completions/mean_length": means[-1], "eval_samples": n}
-
-
-def replay(rollouts: Rollouts, batch: dict) -> dict:
-    """A micro-batch of completions to run with weight 0 (loop.fit's replay, on a rank out of data): not logged."""
-    return rollouts.roll([batch], 0, log=False)[0]
 
 
 # ---------------------------------------------------------------------------------------------------- the task
@@ -256,8 +252,11 @@ class GRPO(Task):
     def window(self, batches, step: int, accum: int) -> list[dict]:
         return self.rollouts.window(batches, step)
 
+    def prepare(self, window: list[dict], real: int) -> list[dict]:
+        return self.rollouts.prepare(window, real)
+
     def replay(self, batch: dict) -> dict:
-        return replay(self.rollouts, batch)
+        return batch  # a prompt batch: rolled out, with weight 0, by prepare
 
     def loss(self, model, batch: dict):
         return self.policy(model, batch)

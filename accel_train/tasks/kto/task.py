@@ -89,7 +89,14 @@ def mismatched(prompts: list[tuple[int, ...]]) -> list[int]:
     n = len(prompts)
     if len(set(prompts)) < 2:
         return [(i - 1) % n for i in range(n)]
-    return [next(j % n for j in range(i - 1, i - n, -1) if prompts[j % n] != prompts[i]) for i in range(n)]
+    # one pass around the block from a row whose prompt differs from the one before it: a row whose predecessor
+    # shares its prompt takes what the predecessor takes
+    start = next(i for i in range(n) if prompts[i] != prompts[i - 1])
+    out = [0] * n
+    for k in range(start, start + n):
+        i = k % n
+        out[i] = (i - 1) % n if prompts[i] != prompts[i - 1] else out[(i - 1) % n]
+    return out
 
 
 def tokenize_rows(rows: dict, indices: list[int], tokenizer, cfg: Config,
