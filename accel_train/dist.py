@@ -150,11 +150,13 @@ def zero3(accelerator: Accelerator) -> bool:
 
 @contextmanager
 def generating(model):
-    """Around generate() on a prepared model. Under FSDP2 a module's parameters are gathered by its own forward's
-    hooks, and generate() calls the inner model's forward, not the root's (the prepared model: a PeftModel, whose
-    embeddings, final norm and head are the root's): they are gathered here (FSDPModule.unshard, a collective, on
-    every rank) and sharded again after. Elsewhere, nothing."""
-    root = model if callable(getattr(model, "unshard", None)) and callable(getattr(model, "reshard", None)) else None
+    """Around generate() on a prepared model. Under FSDP2 each shard group's parameters are gathered by its own
+    forward's hooks, and generate() calls the inner model's forward, not the root's (the prepared model, a
+    PeftModel): the root's own parameters are gathered here (FSDPModule.unshard, a collective, on every rank; the
+    others' by their hooks) and sharded again after. Elsewhere, nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = model if isinstance(model, FSDPModule) else None
     if root is not None:
         # FSDP2 makes the first module to run forward the root: generation before any training forward would make
         # the embeddings' module one, and the root's later forward fail. Initialized from the root, as its own

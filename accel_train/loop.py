@@ -239,7 +239,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
         while state.step < job.total_steps and stopped is None:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
-            window = task.window(batches, state.step, accum)  # local: no collective (Task.window)
+            window = task.window(batches, state.step, accum)  # no collective that depends on its length (Task.window)
             # One collective: every rank learns how many micro-batches the step has, and whether a signal came.
             n_micro, signal = accelerator.gather(torch.tensor([[len(window), job.preemption.signum]],
                                                               device=accelerator.device)).amax(0).tolist()
@@ -256,7 +256,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # backward.
             real = len(window)
             window = task.prepare(window + [replay() for _ in range(n_micro - real)], real)
-            # One collective and one device-to-host copy per step: every rank learns every rank's counts.
+            # Every rank learns every rank's counts (the step's second gather).
             stats = window_stats(window[:real], task, accelerator.device)
             rows = accelerator.gather(stats[None]).tolist()
             targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))

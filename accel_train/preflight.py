@@ -70,9 +70,9 @@ def split_global_batch(cfg: Config, processes: int) -> None:
             f"train.per_device_batch_size={t.per_device_batch_size}); "
             + f"{near[0]} would run micro-batches of {_largest_divisor(near[0] // processes, t.per_device_batch_size)}")
     if t.grad_accum_steps not in (1, share // batch) and is_local_main():  # a recorded split, or one written by hand
-        logging.getLogger(__name__).info(
-            f"train.grad_accum_steps={t.grad_accum_steps} follows train.global_batch_size={t.global_batch_size}: "
-            f"{share // batch} micro-batches of {batch} on {processes} process(es)")
+        logging.getLogger(__name__).warning(
+            f"train.grad_accum_steps={t.grad_accum_steps} replaced: train.global_batch_size={t.global_batch_size} on "
+            f"{processes} process(es) runs {share // batch} micro-batches of {batch}")
     t.per_device_batch_size, t.grad_accum_steps = batch, share // batch
 
 
@@ -110,6 +110,11 @@ def check_sharded(cfg: Config) -> None:
     whole = launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage in ("0", "1", "2")
     generates = tasks.info(cfg.task).generating(cfg)
     g = cfg.grpo
+    if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
+            generates or cfg.eval.generate):
+        key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
+        raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
+                          "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
     for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
         for key, on, why in (
                 ("save.final=best", cfg.save.final == "best", "sharded parameters"),

@@ -294,3 +294,16 @@ def test_a_global_batch_in_micro_batches_of_one_is_said(caplog):
     with caplog.at_level("WARNING"):
         split_global_batch(load_config(None, ["train.global_batch_size=32", "train.per_device_batch_size=16"]), 2)
     assert not caplog.records
+
+
+def test_a_grad_accum_steps_the_split_replaces_is_said(caplog):
+    """train.grad_accum_steps given with train.global_batch_size (a run's config.yaml records its split): the split
+    for these processes replaces it, in one warning."""
+    from accel_train.preflight import split_global_batch
+
+    cfg = load_config(None, ["train.global_batch_size=16", "train.per_device_batch_size=4", "train.grad_accum_steps=2"])
+    with caplog.at_level("WARNING"):
+        split_global_batch(cfg, 1)
+    assert (cfg.train.per_device_batch_size, cfg.train.grad_accum_steps) == (4, 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.grad_accum_steps=2 replaced: train.global_batch_size=16 on 1 process(es) runs 4 micro-batches of 4"]

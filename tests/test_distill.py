@@ -268,3 +268,15 @@ def test_on_policy_needs_a_prompt_in_every_sample_said_before_training(tmp_path)
     assert said(proc.stderr) == ["accel_train: error: distill.on_policy: a sample has no prompt before its trained "
                                  "response (text data trains on every token); set distill.on_policy=0"]
     assert " | loss " not in proc.stderr
+
+
+def test_a_student_larger_than_its_teacher_is_refused_on_policy(teacher, padded_teacher, tmp_path):
+    """On-policy, a student whose head has more rows than the teacher's would sample ids the teacher has no row for:
+    refused in one line before the data is read (off-policy, the divergence is read on the common tokens)."""
+    out = tmp_path / "run"
+    proc = python_m("task=distill", f"model.name_or_path={padded_teacher}", f"distill.teacher={teacher}",
+                    "distill.on_policy=0.5", "data.builtin_size=16", "train.max_steps=1", "track.log_with=[]",
+                    f"output_dir={out}")
+    lines = said(proc.stdout + proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("accel_train: error: distill.on_policy=0.5: the student's head has 63 rows"), lines

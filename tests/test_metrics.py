@@ -117,6 +117,7 @@ BEST = ["save.final=best", "checkpoint.keep_best=true", "eval.metric_for_best=lo
 @pytest.mark.parametrize("overrides, key", [(["task=grpo", "grpo.generation_batch_size=2"],
                                              "grpo.generation_batch_size=2"), (BEST, "save.final=best")])
 def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch, variable, kind, overrides, key):
+    monkeypatch.setenv("FSDP_VERSION", "2")  # as configs/accelerate/fsdp2.yaml launches it (FSDP1: the next test)
     cfg = load_config(None, overrides)
     check_sharded(cfg)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
     monkeypatch.setenv(variable, "true")
@@ -327,3 +328,16 @@ def test_a_metric_that_cannot_run_on_the_runs_data_stops_before_training():
     assert set(load_metrics(["accuracy", "f1"], {"f1": {"average": "macro"}}, *tokens, "eval.metrics")) == {"accuracy",
                                                                                                           "f1"}
     assert set(load_metrics(["f1"], {}, [0, 1], [1, 0], "eval.metrics")) == {"f1"}  # two classes: binary is right
+
+
+def test_generation_under_fsdp1_is_refused_before_loading(monkeypatch):
+    """Lock-step generation is built for FSDP2 (dist.generating): accelerate's FSDP1 (its default fsdp_version)
+    would fail at the first generate; refused in one line, and FSDP2 passes."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    for overrides, key in ((["eval.generate=true"], "eval.generate=true"), (["task=grpo"], "task=grpo (it generates)")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under FSDP1 .*fsdp_version: 2"):
+            check_sharded(load_config(None, overrides))
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    check_sharded(load_config(None, ["eval.generate=true"]))
+    check_sharded(load_config(None, ["task=grpo"]))

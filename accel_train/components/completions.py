@@ -6,7 +6,7 @@ max_new_tokens, temperature, top_p, generation_batch_size, tools, environment, m
 
 A row's token at completion position k (observations counted) takes the k-th draw of its noise, whatever the turn:
 trajectories are the same on any number of processes and after a resume. The prompts' KV cache is computed once
-for all the rows that continue them (generation.shared_prompt_cache).
+for all the rows that continue them (generation.shared_prompt_cache), but under sharded weights (`synced`).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class CompletionSampler:
                  max_new_tokens: int | None = None) -> list[list[int]]:
         """`repeats` completions per prompt (prompt-major), each up to and with its stop token: greedy, or drawn by
         `sampler(prompt width)`, a LogitsProcessor. The prompts' KV cache is computed once for all their rows
-        (generation.shared_prompt_cache)."""
+        (generation.shared_prompt_cache), but when synced."""
         input_ids, attention_mask = left_padded(prompts, self.tokenizer.pad_token_id, self.device)
         # (not when synced: a prompt forward more on one rank than on another would break the lock-step)
         cache = None if self.synced else shared_prompt_cache(model, input_ids, attention_mask, repeats)

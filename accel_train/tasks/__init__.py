@@ -47,8 +47,9 @@ class TaskInfo:
     generation: bool = False
     """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
     generates: bool | str = False
-    """Whether training samples from the model (refused under sharded parameters: FSDP, DeepSpeed ZeRO-3); or
-    "module:function" of a torch-free function cfg -> that (when only some settings sample)."""
+    """Whether training samples from the model (under sharded parameters, FSDP2 and ZeRO-3, in lock-step on every
+    rank: preflight.check_sharded); or "module:function" of a torch-free function cfg -> that (when only some
+    settings sample)."""
     example: tuple[str, ...] = ()
     """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on
     every topology; the built-in data comes from data_sources.BUILTIN)."""
@@ -196,9 +197,9 @@ class Task:
     # ------------------------------------------------------------------------------------------------ loop
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
-        """This step's micro-batches from the data iterator (grpo: its prompts' completions). A rank at an epoch's
-        end may get fewer than another: no collective whose number depends on the micro-batches runs here (under
-        FSDP or ZeRO-3 every forward is one); that is `prepare`'s."""
+        """This step's micro-batches from the data iterator (grpo: its prompt batches, or the last rollouts). A rank at
+        an epoch's end may get fewer than another: no collective whose number depends on the micro-batches runs here
+        (under FSDP or ZeRO-3 every forward is one); that is `prepare`'s."""
         from itertools import islice
 
         return list(islice(batches, accum))

@@ -186,10 +186,12 @@ def check_vocabulary(cfg: Config) -> None:
     elif sizes[1] < len(theirs):
         why = f"vocab_size {sizes[1]} in its config.json, fewer than its tokenizer's {len(theirs)} tokens"
     elif sizes[0] < len(mine):
-        why = f"the student's vocab_size {sizes[0]}, fewer than the tokenizer's {len(mine)} tokens"
+        raise ConfigError(f"model.name_or_path: {student} has vocab_size {sizes[0]} in its config.json, fewer than its "
+                          f"tokenizer's {len(mine)} tokens")
     elif sizes[0] > sizes[1] and cfg.distill.on_policy:
-        why = (f"vocab_size {sizes[1]} against the student's {sizes[0]}: on-policy, the student would sample ids the "
-               "teacher has no row for")
+        raise ConfigError(f"distill.on_policy={cfg.distill.on_policy}: the student's head has {sizes[0]} rows, the "
+                          f"teacher's {teacher} {sizes[1]}: the student would sample ids the teacher has no row for; "
+                          "set distill.on_policy=0, or give a teacher whose head is at least the student's")
     elif sizes[0] != sizes[1]:
         logger.info(f"distill: the teacher's head has {sizes[1]} rows, the student's {sizes[0]}, for the same "
                     f"tokenizer's {len(mine)} tokens: the divergence is over the first {min(sizes)}")

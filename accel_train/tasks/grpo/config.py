@@ -77,12 +77,12 @@ class GrpoConfig:
     """Prompts per generate call of the rollouts (each sampled grpo.num_generations times); None: all of a step's
     prompts on a process in one call (the fastest) where the KV cache of all their completions takes at most a
     quarter of the device's memory, else a micro-batch's prompts a call (the memory of one micro-batch's cache;
-    components/completions.py)."""
+    components/completions.py). Under FSDP2 and ZeRO-3 one call per micro-batch (setting it is refused there)."""
     merge_adapter: Optional[bool] = None
     """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
     for each generation and freed before the rewards run (generation.merged_adapter): faster, for the memory of that
     copy; false: run the adapter beside the weights. None: true under LoRA, but for a quantized model
-    (model.quantization)."""
+    (model.quantization). Off under FSDP2 and ZeRO-3 (sharded weights), said in one line."""
 
     def resolve(self, cfg) -> None:
         if cfg.task == "grpo":

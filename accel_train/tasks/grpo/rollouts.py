@@ -141,8 +141,7 @@ class Rollouts:
         unwrapped.eval()
         out, records, failed = [], [], None
         try:
-            # one copy of the adapted weights while generating (none for an epoch's empty window), freed before
-            # the rewards (a reward model) run
+            # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
             with merged_adapter(unwrapped, self.merge and bool(prompt_batches)), generating(unwrapped), \
                     self.accelerator.autocast():
                 # a replayed batch (weight 0: its tokens do not matter) runs no environment
