@@ -12,8 +12,8 @@ Each task's runs, made once (fixture `once`) and shared by its checks:
                epoch's end and the next epoch's order again (where the rows end an epoch in 4 steps)
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
-    sharded    `two`'s settings, no signal, under FSDP2 and DeepSpeed ZeRO-3 (ENGINES): every step and evaluation
-               the reference's
+    sharded    `two`'s settings, no signal, under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES): every step and
+               evaluation the reference's
 Bad inputs and inspect start a process each that stops before training.
 """
 
@@ -44,8 +44,9 @@ TIMING = {"tokens_per_sec", "mfu", "memory_mb"}
 REL = 1e-5
 SIGTERM_STEP = 3
 CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=3,micro=0,rank=0"}  # the last checkpoint: step 2
-# The engines that shard the weights, where every forward is a collective (ZeRO-2 keeps whole weights on each rank)
-ENGINES = {"fsdp2": "fsdp2.yaml", "zero3": "cpu_deepspeed_zero3.yaml"}
+# The engines users scale with beyond DDP: FSDP2 and ZeRO-3 shard the weights (every forward a collective; generation
+# in lock-step), ZeRO-2 the gradients and optimizer state (whole weights on each rank: each generates alone)
+ENGINES = {"fsdp2": "fsdp2.yaml", "zero2": "cpu_deepspeed_zero2.yaml", "zero3": "cpu_deepspeed_zero3.yaml"}
 # FSDP2 reduce-scatters the gradients (another order of the fp32 sums than 1 process's) and steps the optimizer on
 # shards: after 4 steps at lr 1e-2, up to 2e-5 relative (kto's kl, reward's eval_margin): 1e-4
 SHARDED_REL = 1e-4
@@ -168,10 +169,11 @@ def test_topology_1proc_accumulation_equals_2proc(name, reference, two):
 
 @pytest.mark.long
 def test_sharded_engines_train_as_one_process(name, reference, sharded):
-    """Under FSDP2 and DeepSpeed ZeRO-3, 2 processes x batch 2 log the reference's numbers at every step (the epoch
-    ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same forwards,
-    the task's own included: Task.prepare) and at every evaluation; a task that samples from the model (grpo,
-    distill on-policy) generates in lock-step on every rank (dist.sharded) what 1 process samples."""
+    """Under FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, 2 processes x batch 2 log the reference's numbers at every step
+    (the epoch ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same
+    forwards, the task's own included: Task.prepare) and at every evaluation; a task that samples from the model
+    (grpo, distill on-policy) generates what 1 process samples (in lock-step on every rank under sharded weights:
+    dist.sharded)."""
     for engine, (proc, out) in sharded.items():
         text = proc.stdout + proc.stderr
         refusal = refused_under(name, ENGINES[engine])
