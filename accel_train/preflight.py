@@ -103,9 +103,9 @@ def launcher_asks(variable: str) -> bool:
 def check_sharded(cfg: Config) -> None:
     """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs in lock-step on every rank
     (dist.sharded), one generate call per micro-batch, so what would make ranks call generate a different number of
-    times is refused: multi-turn rollouts (each completion's turns) and grpo.generation_batch_size. A checkpoint's
-    weights are DeepSpeed's or FSDP's own files (save.final=best cannot load them). Said before any rank loads
-    anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's zero3_init_flag)."""
+    times is refused: multi-turn rollouts (each completion's turns) and grpo.generation_batch_size. Said before any
+    rank loads anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's
+    zero3_init_flag)."""
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # set by accelerate launch from the config
     whole = launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage in ("0", "1", "2")
     generates = tasks.info(cfg.task).generating(cfg)
@@ -117,7 +117,6 @@ def check_sharded(cfg: Config) -> None:
                           "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
     for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
         for key, on, why in (
-                ("save.final=best", cfg.save.final == "best", "sharded parameters"),
                 ("grpo.tools or grpo.environment", generates and bool(g.tools or g.environment) and not whole,
                  "sharded parameters: each completion's turns would make the ranks generate a different number of "
                  "times"),
@@ -125,8 +124,8 @@ def check_sharded(cfg: Config) -> None:
                  generates and g.generation_batch_size is not None and not whole,
                  "sharded parameters: generation runs in lock-step, one call per micro-batch")):
             if on and launcher_asks(variable):
-                raise ConfigError(f"{key} is not supported under {kind} ({why}); use DDP (configs/accelerate/2gpu.yaml)"
-                                  + (" or DeepSpeed ZeRO-2" if not key.startswith("save.") else "") + " or turn it off")
+                raise ConfigError(f"{key} is not supported under {kind} ({why}); use DDP (configs/accelerate/2gpu.yaml) "
+                                  "or DeepSpeed ZeRO-2 or turn it off")
     if launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
         # transformers would build the model sharded (deepspeed.zero.Init), where the forwards before prepare fail
         raise ConfigError("zero3_init_flag: true is not supported: the model is built whole on each process and "

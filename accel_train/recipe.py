@@ -88,9 +88,13 @@ def run(cfg: Config, resume: Path | None) -> dict:
         best = cfg.save.final == "best" and job.state.best_metric is not None
         saved_step = job.state.best_step if best else job.state.step
         if saved_step != job.state.step:  # save.final=best: the best evaluation's weights, from its checkpoint
-            load_trainable(accelerator.unwrap_model(job.model, keep_torch_compile=False),
-                           checkpoints_dir(cfg.output_dir) / f"step-{saved_step}" / "model.safetensors")
-            target = save_model(cfg, accelerator, task, job.model, tokenizer)
+            best_dir = checkpoints_dir(cfg.output_dir) / f"step-{saved_step}"
+            if (best_dir / "model.safetensors").is_file():  # the trainable weights, by name (checkpoint.register_hooks)
+                load_trainable(accelerator.unwrap_model(job.model, keep_torch_compile=False),
+                               best_dir / "model.safetensors")
+            else:  # FSDP's or DeepSpeed's own files of the whole model, sharded: read back by every rank
+                accelerator.load_state(str(best_dir))
+            target = save_model(cfg, accelerator, task, job.model, tokenizer)  # consolidated, as the last weights
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
                        effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
         if accelerator.is_main_process:

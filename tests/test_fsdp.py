@@ -78,3 +78,21 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_exactly(tmp_path, fsdp_run, ddp_
     mine, ref = adapter(out), adapter(fsdp_run)
     for key in ref:
         assert (mine[key] - ref[key]).norm() <= 1e-6 * ref[key].norm(), key
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "cpu_deepspeed_zero3.yaml"])
+def test_sharded_save_final_best_saves_the_best_evaluations_weights(tmp_path, config):
+    """save.final=best under FSDP2 and ZeRO-3: the best checkpoint (accelerate's sharded files of the whole model) is
+    read back by every rank and its weights saved as a normal adapter folder, consolidated: rebuilt from disk as a
+    user would, they give the best evaluation's loss, not the last one's. (greater_is_better=true on the loss makes
+    the first evaluation, at step 2, the best of three.)"""
+    out = tmp_path / "run"
+    proc = forked_launch(config, "data.builtin_size=200", "train.max_steps=6", "train.eval_every=2",
+                         "train.mixed_precision=no", "train.per_device_batch_size=4", "track.log_with=[]",
+                         "eval.metric_for_best=loss", "eval.greater_is_better=true", "checkpoint.keep_best=true",
+                         "checkpoint.save_every=2", "save.final=best", f"output_dir={out}", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(out)[1]}
+    assert sorted(evals) == [2, 4, 6] and evals[2] > evals[6]
+    assert eval_loss_from_saved(out) == pytest.approx(evals[2], rel=1e-5)
