@@ -250,15 +250,12 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 if state.step_in_epoch == 0:  # and it gave no step: reading it again would never end
                     raise empty_pass(cfg)
                 break
-            # A rank with fewer micro-batches in the last window of an epoch replays one with weight 0 for each it
-            # lacks: all ranks then run the same forwards and backwards, hence the same collectives, from the task's
-            # own work on the step's micro-batches (prepare: kto's reference point, grpo's rollouts) to the last
-            # backward.
+            # A rank short of micro-batches (an epoch's end) replays one with weight 0 for each it lacks: all ranks
+            # then run the same forwards, hence the same collectives, from the task's own work on the step's
+            # micro-batches (prepare: kto's reference point, grpo's rollouts) to the last backward.
             real = len(window)
             window = task.prepare(window + [replay() for _ in range(n_micro - real)], real)
-            # Every rank learns every rank's counts (the step's second gather).
-            stats = window_stats(window[:real], task, accelerator.device)
-            rows = accelerator.gather(stats[None]).tolist()
+            rows = accelerator.gather(window_stats(window[:real], task, accelerator.device)[None]).tolist()
             targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
