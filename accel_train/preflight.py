@@ -100,32 +100,28 @@ def launcher_asks(variable: str) -> bool:
     return os.environ.get(variable, "false").lower() == "true"
 
 
+def sharded_launch() -> str | None:
+    """The engine of a launch that shards the weights (FSDP, DeepSpeed ZeRO-3), from accelerate launch's
+    environment; None for DDP and ZeRO-1/2, which keep the whole weights on every rank."""
+    if launcher_asks("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # set by accelerate launch from the config
+    if launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage not in ("0", "1", "2"):
+        return "DEEPSPEED"
+    return None
+
+
 def check_sharded(cfg: Config) -> None:
     """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs in lock-step on every rank
-    (dist.sharded), one generate call per micro-batch, so what would make ranks call generate a different number of
-    times is refused: multi-turn rollouts (each completion's turns) and grpo.generation_batch_size. Said before any
-    rank loads anything, rather than hang or fail at the end. Nor is a model built sharded (ZeRO-3's
-    zero3_init_flag)."""
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # set by accelerate launch from the config
-    whole = launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage in ("0", "1", "2")
+    (dist.sharded), built for FSDP2; what would make ranks call generate a different number of times is the task's
+    own preflight's to refuse (grpo's multi-turn rollouts). Said before any rank loads anything, rather than hang or
+    fail at the end. Nor is a model built sharded (ZeRO-3's zero3_init_flag)."""
     generates = tasks.info(cfg.task).generating(cfg)
-    g = cfg.grpo
     if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
             generates or cfg.eval.generate):
         key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
         raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
                           "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
-    for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
-        for key, on, why in (
-                ("grpo.tools or grpo.environment", generates and bool(g.tools or g.environment) and not whole,
-                 "sharded parameters: each completion's turns would make the ranks generate a different number of "
-                 "times"),
-                (f"grpo.generation_batch_size={g.generation_batch_size}",
-                 generates and g.generation_batch_size is not None and not whole,
-                 "sharded parameters: generation runs in lock-step, one call per micro-batch")):
-            if on and launcher_asks(variable):
-                raise ConfigError(f"{key} is not supported under {kind} ({why}); use DDP (configs/accelerate/2gpu.yaml) "
-                                  "or DeepSpeed ZeRO-2 or turn it off")
     if launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
         # transformers would build the model sharded (deepspeed.zero.Init), where the forwards before prepare fail
         raise ConfigError("zero3_init_flag: true is not supported: the model is built whole on each process and "

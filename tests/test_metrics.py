@@ -116,16 +116,18 @@ BEST = ["save.final=best", "checkpoint.keep_best=true", "eval.metric_for_best=lo
 @pytest.mark.parametrize("variable, kind", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")])
 def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch, variable, kind):
     monkeypatch.setenv("FSDP_VERSION", "2")  # as configs/accelerate/fsdp2.yaml launches it (FSDP1: the next test)
+    from accel_train import tasks
+
     key = "grpo.generation_batch_size=2"
     cfg = load_config(None, ["task=grpo", key])
-    check_sharded(cfg)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
+    tasks.info("grpo").check(cfg)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
     monkeypatch.setenv(variable, "true")
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} \(sharded parameters"):
-        check_sharded(cfg)
+        tasks.info("grpo").check(cfg)  # grpo's own preflight
     check_sharded(load_config(None, BEST))  # the best checkpoint's sharded files are read back (recipe.run)
     if variable == "ACCELERATE_USE_DEEPSPEED":  # ZeRO-2 keeps the whole weights on every rank: it may generate
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        check_sharded(cfg)
+        tasks.info("grpo").check(cfg)
         check_sharded(load_config(None, ["task=grpo"]))
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
         check_sharded(load_config(None, ["task=grpo"]))  # generation in lock-step (dist.sharded)

@@ -218,8 +218,6 @@ class Rewards:
 def check_rewards(cfg: Config) -> None:
     """preflight: the names resolve (a user's module is imported), the weights and keys they need are given, and
     each function accepts TRL's keyword arguments."""
-    if cfg.task != "grpo":
-        return
     g = cfg.grpo
     if "regex_match" in g.rewards:
         if not g.regex:

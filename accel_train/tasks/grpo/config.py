@@ -169,9 +169,20 @@ def results(cfg) -> list[str]:
 
 def preflight(cfg) -> None:
     """The reward functions (rewards.check_rewards: names resolved, arguments accepted), then the tools or the
-    environment (tools.check_static)."""
+    environment (tools.check_static); under sharded weights, where every rank generates in lock-step, nothing that
+    makes ranks call generate a different number of times."""
     from accel_train.components.rewards import check_rewards
     from accel_train.components.tools import check_static
+    from accel_train.preflight import sharded_launch
 
+    kind, g = sharded_launch(), cfg.grpo
+    for key, on, why in (
+            ("grpo.tools or grpo.environment", bool(g.tools or g.environment),
+             "each completion's turns would make the ranks generate a different number of times"),
+            (f"grpo.generation_batch_size={g.generation_batch_size}", g.generation_batch_size is not None,
+             "generation runs in lock-step, one call per micro-batch")):
+        if kind and on:
+            raise ConfigError(f"{key} is not supported under {kind} (sharded parameters: {why}); use DDP "
+                              "(configs/accelerate/2gpu.yaml) or DeepSpeed ZeRO-2 or turn it off")
     check_rewards(cfg)
     check_static(cfg)
