@@ -142,60 +142,6 @@ def check_launch(accelerator: Accelerator, world: int) -> None:
                               f"{accelerator.distributed_type.value} on {accelerator.device}")
 
 
-def zero3(accelerator: Accelerator) -> bool:
-    """Whether DeepSpeed shards the weights themselves (ZeRO-3)."""
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin is not None and plugin.zero_stage == 3
-
-
-@contextmanager
-def generating(model):
-    """Around generate() on a prepared model. Under FSDP2 each shard group's parameters are gathered by its own
-    forward's hooks, and generate() calls the inner model's forward, not the root's (the prepared model, a
-    PeftModel): the root's own parameters are gathered here (FSDPModule.unshard, a collective, on every rank; the
-    others' by their hooks) and sharded again after. Elsewhere, nothing."""
-    from torch.distributed.fsdp import FSDPModule
-
-    root = model if isinstance(model, FSDPModule) else None
-    if root is not None:
-        # FSDP2 makes the first module to run forward the root: generation before any training forward would make
-        # the embeddings' module one, and the root's later forward fail. Initialized from the root, as its own
-        # forward would (torch 2.13 has no public call for it).
-        root._get_fsdp_state()._lazy_init()
-        root.unshard()
-    try:
-        yield
-    finally:
-        if root is not None:
-            root.reshard()
-
-
-def sharded(accelerator: Accelerator) -> bool:
-    """Whether the weights are sharded over the ranks (FSDP, DeepSpeed ZeRO-3): every forward is then a collective,
-    so each rank generates in lock-step with the others (generate's synced_gpus: a rank whose rows are done keeps
-    running forwards until every rank's are), the same number of generate calls on every rank."""
-    return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
-
-
-@contextmanager
-def whole_model(accelerator: Accelerator):
-    """Inside, transformers builds models whole, as on one process, even under a ZeRO-3 launch without
-    zero3_init_flag: accelerate 1.15 registers the DeepSpeed config with transformers whatever the flag says, and
-    transformers then builds every model sharded (deepspeed.zero.Init), where the forwards run before
-    accelerator.prepare (model.check_packing, loss.loss_head) fail ("'weight' must be 2-D"). prepare shards it."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero3_init_flag:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
-
-
 # Setup phases in which ranks wait for one another's work last as long as the data make them: tokenizing a large set
 # on the main process, the reference log-probs of every pair. train.dist_timeout_s (600 s by default) is sized for
 # the training collectives, where ranks arrive within a step of each other; a realistic preference set outlasted it.

@@ -46,7 +46,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import utils as generation_utils
 
 from accel_train.config import Config, ConfigError
-from accel_train.dist import generating, sharded
+from accel_train.sharding import generating, sharded
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.metrics import compute_metrics, load_metrics
 

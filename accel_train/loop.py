@@ -59,6 +59,8 @@ class TrainingJob:
     total_steps: int
     run_log: RunLog
     preemption: Preemption
+    setup_memory_mb: tuple[float, ...] = ()
+    """Each process's peak host (CPU) or device (GPU) memory from its start to its first step, in rank order."""
 
 
 def window_stats(window: list[dict], task: Task, device) -> torch.Tensor:

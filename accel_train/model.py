@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from contextlib import nullcontext
 
 import peft
 import torch
+from accelerate import init_empty_weights
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 from transformers.utils import GENERATION_CONFIG_NAME
@@ -66,20 +68,27 @@ def attn_implementation(cfg: Config) -> dict:
 
 
 def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights_from=None,
-                device: torch.device | None = None) -> torch.nn.Module:
+                device: torch.device | None = None, empty: bool = False) -> torch.nn.Module:
     """The base model: from `weights_from` when given (a run's saved random base), else as model.* says:
     pretrained weights (quantized on `device` with model.quantization), or random ones built from the config
-    (model.random_init). `head_kwargs`: the task's (tasks.Task.model_kwargs: a classifier's labels)."""
+    (model.random_init). `head_kwargs`: the task's (tasks.Task.model_kwargs: a classifier's labels). `empty`: its
+    parameters' shapes only, on the meta device, no weights read (sharding.building: another process's are broadcast into it)."""
     m = cfg.model
     auto = AUTO_CLASS[head_of(cfg)]
     extra = {**(head_kwargs or {}), **attn_implementation(cfg)}
     dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
     if weights_from is not None:
         model = auto.from_pretrained(weights_from, dtype=dtype, **extra)
-    elif m.random_init:
+    elif m.random_init or empty:
         config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
                                             **extra)
-        model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+        if dtype == "auto":  # as from_pretrained reads it: the config's, else fp32
+            saved = getattr(config.get_text_config(), "dtype", None) or torch.float32
+            dtype = getattr(torch, saved) if isinstance(saved, str) else saved
+        with init_empty_weights() if empty else nullcontext():  # parameters on meta, buffers computed
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+        if empty:
+            model.tie_weights()  # on meta, transformers 5.24 leaves tie_word_embeddings' head untied
     else:
         # A pretrained classifier with another number of classes, or a causal LM, gets a new head: said in one line,
         # not transformers' LOAD REPORT table (held back when the head is all it lacks)
@@ -194,9 +203,10 @@ def matmul_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def check_packing(model: torch.nn.Module) -> None:
+def check_packing(model: torch.nn.Module, low_precision: bool = False) -> None:
     """Refuse data.packing for a model whose attention lets packed sequences see each other: the logits of two
-    short sequences packed in one row (position_ids restarting) must equal their logits alone."""
+    short sequences packed in one row (position_ids restarting) must equal their logits alone (`low_precision`: the
+    prepared model computes in bf16/fp16 whatever its weights' dtype)."""
     was_training, model_dtype = model.training, next(model.parameters()).dtype
     model.eval()
     g = torch.Generator().manual_seed(0)
@@ -206,7 +216,7 @@ def check_packing(model: torch.nn.Module) -> None:
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
     packed = model(input_ids=torch.cat([a, b], dim=1), position_ids=positions, use_cache=False).logits.float()
     model.train(was_training)
-    tolerance = (1e-4 if model_dtype == torch.float32 else 2e-2) * (1 + alone.abs().max())
+    tolerance = (1e-4 if model_dtype == torch.float32 and not low_precision else 2e-2) * (1 + alone.abs().max())
     if not torch.allclose(alone, packed, rtol=0, atol=float(tolerance)):
         raise ConfigError(f"data.packing: {type(model).__name__} lets packed sequences attend to each other "
                           f"(its attention ignores position_ids restarts; max logit difference "

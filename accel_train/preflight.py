@@ -111,22 +111,28 @@ def sharded_launch() -> str | None:
     return None
 
 
+def built_sharded_launch() -> str | None:
+    """The accelerate config's key under which a launch builds the model sharded (sharding.built_sharded, from
+    accelerate launch's environment), or None."""
+    if sharded_launch() == "DEEPSPEED" and launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        return "zero3_init_flag"
+    if (sharded_launch() == "FSDP" and os.environ.get("FSDP_VERSION", "1") == "2"
+            and launcher_asks("FSDP_CPU_RAM_EFFICIENT_LOADING")):
+        return "fsdp_cpu_ram_efficient_loading"
+    return None
+
+
 def check_sharded(cfg: Config) -> None:
     """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs in lock-step on every rank
-    (dist.sharded), built for FSDP2; what would make ranks call generate a different number of times is the task's
-    own preflight's to refuse (grpo's multi-turn rollouts). Said before any rank loads anything, rather than hang or
-    fail at the end. Nor is a model built sharded (ZeRO-3's zero3_init_flag)."""
+    (sharding.sharded), built for FSDP2; what would make ranks call generate a different number of times is the
+    task's own preflight's to refuse (grpo's multi-turn rollouts). Said before any rank loads anything, rather than
+    hang or fail at the end."""
     generates = tasks.info(cfg.task).generating(cfg)
     if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
             generates or cfg.eval.generate):
         key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
         raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
                           "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
-    if launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
-        # transformers would build the model sharded (deepspeed.zero.Init), where the forwards before prepare fail
-        raise ConfigError("zero3_init_flag: true is not supported: the model is built whole on each process and "
-                          "sharded by accelerator.prepare, after forwards of the whole model (model.check_packing, "
-                          "loss.loss_head); set zero3_init_flag: false in the accelerate config")
 
 
 def check_model_source(cfg: Config) -> None:

@@ -29,16 +29,16 @@ from accel_train.checkpoint import (StopTogether, TrainState, checkpoints_dir, l
                                     plain_name, register_hooks, save_checkpoint, set_aside_later, trainable_state)
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model, save_config
 from accel_train.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
-                              make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main,
-                              whole_model)
+                              make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main)
 from accel_train.export import merge_adapter
 from accel_train.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.loop import TrainingJob, final_evaluation, fit
 from accel_train.model import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                check_packing, count_parameters, matmul_parameters, model_width, quantization)
+from accel_train.sharding import building, built_sharded
 from accel_train.preflight import BASE_MODEL, launched_world_size, make_output_dir, saved_random_base
 from accel_train.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
-                                  reset_peak_memory, truncate_log, write_summary)
+                                  peak_memory_mb, reset_peak_memory, truncate_log, write_summary)
 
 
 def run(cfg: Config, resume: Path | None) -> dict:
@@ -75,6 +75,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
             results.update(job.run_log.timing())
             train_seconds = time.perf_counter() - t0
             results.update(task.summary(accelerator, train_seconds))  # a collective, on every rank
+            results["memory_mb"] = {"setup": list(job.setup_memory_mb), "training": gather_setup(  # every rank's
+                accelerator, round(peak_memory_mb(accelerator.device), 1))}
             # The last weights are written before the final evaluation: nothing that fails after training loses them.
             target = save_model(cfg, accelerator, task, job.model, tokenizer)
             try:
@@ -167,14 +169,26 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
     base = Path(cfg.output_dir) / BASE_MODEL
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
-    with whole_model(accelerator):  # ZeRO-3 shards it in accelerator.prepare
+    # whole, or sharded as the accelerate config says (sharding.py); a random base is saved whole (below)
+    random_base = cfg.lora.enabled and cfg.model.random_init and not resume
+    if random_base and built_sharded(accelerator) == "zero3_init_flag":
+        main_logger().info("model: built whole on each process despite zero3_init_flag: true (model.random_init "
+                           "under LoRA saves its random base, output_dir/base_model); accelerator.prepare shards it")
+    with building(accelerator, whole=random_base) as empty:
+        empty = empty and not cfg.model.quantization  # accelerate broadcasts no quantized weights: every rank reads
         model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
-                            device=accelerator.device)
+                            device=accelerator.device, empty=empty)
+    if built_sharded(accelerator) == "fsdp_cpu_ram_efficient_loading":  # the broadcast's tensors, alike on every rank
+        built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
+        if any(b != built[0] for b in built):
+            raise ConfigError("fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has other "
+                              "parameters (names, dtypes or shapes) than the one the main process read; set "
+                              "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
-    random_base = copy.deepcopy(model) if cfg.lora.enabled and cfg.model.random_init and not resume else None
+    random_base = copy.deepcopy(model) if random_base else None
     model = apply_lora(cfg, model, task.frozen_reference_adapter())
-    if cfg.data.packing and task.packs:
-        check_packing(model)  # before any expensive work: one forward of 8 tokens
+    if cfg.data.packing and task.packs and not built_sharded(accelerator):
+        check_packing(model)  # before any expensive work: one forward of 8 tokens (built sharded: after prepare)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if accelerator.is_main_process:
@@ -229,6 +243,9 @@ def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_d
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
+    if cfg.data.packing and task.packs and built_sharded(accelerator):  # its weights are whole only now
+        check_packing(accelerator.unwrap_model(model, keep_torch_compile=False),  # a collective: every rank
+                      low_precision=accelerator.mixed_precision != "no")
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
     state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
     accelerator.register_for_checkpointing(state)
@@ -250,11 +267,13 @@ def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_d
     # memory then starts over, so that the probe's matrices are not counted in it.
     wait_for_main(accelerator)
     dims = matmul_dims([tuple(getattr(p, "ds_shape", p.shape)) for p in unwrapped.parameters()])
-    peaks = gather_setup(accelerator, measure_peak_flops(accelerator.device, dtype, inner_dims=dims))
+    setup_memory = round(peak_memory_mb(accelerator.device), 1)  # building and sharding the model, before the probe
+    peaks, setup_memory = zip(*gather_setup(accelerator, (
+        measure_peak_flops(accelerator.device, dtype, inner_dims=dims), setup_memory)))
     reset_peak_memory(accelerator.device)
-    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, peaks, task.progress)
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, list(peaks), task.progress)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, task, state, total_steps,
-                       run_log, Preemption())
+                       run_log, Preemption(), setup_memory)
 
 
 def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:

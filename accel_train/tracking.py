@@ -386,6 +386,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
         "padding_efficiency": results.get("padding_efficiency"),
         "peak_flops": results.get("peak_flops"),  # per process, measured at start: MFU's denominator is their sum
         "peak_memory_mb": round(peak_memory_mb(device), 1),
+        # each process's peak (host memory on a CPU), in rank order: building the model to the first step, training
+        "memory_mb_per_process": results.get("memory_mb"),
         "saved": str(target), "plot": str(out / "loss.png"), "metrics": str(out / "metrics.jsonl"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -247,8 +247,22 @@ def fresh_accelerator(**kwargs):
 
 
 # What a stand-in accelerator of one process (a SimpleNamespace) answers for accel_train's engine checks
-# (dist.sharded: no FSDP, no DeepSpeed)
+# (sharding.sharded: no FSDP, no DeepSpeed)
 ONE_PROCESS = {"distributed_type": "NO", "state": SimpleNamespace(deepspeed_plugin=None)}
+
+
+def save_tiny_model(folder: Path, seed: int = 0, **config) -> Path:
+    """The embedded tiny Llama with random weights of `seed` (its config changed by `config`), saved with its tokenizer
+    as a pretrained model is: read by from_pretrained, not built from its config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from accel_train.config import TINY_MODEL
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL, **config)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
+    return folder
 
 
 def said(text: str) -> list[str]:

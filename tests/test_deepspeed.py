@@ -111,18 +111,21 @@ def test_zero3_resumes_exactly_after_a_crash_mid_window(tmp_path, ds_runs, ddp_r
     assert all((mine[key] == ref[key]).all() for key in ref)
 
 
-def test_zero3_init_flag_under_accel_train_launch_is_one_line(tmp_path):
-    """What a user sees for the refused zero3_init_flag (tests/test_deepspeed_config.py: the check) on 2 CPU
-    processes: the start line, the error once, exit 2; not DeepSpeed's "Setting accelerator to CPU" warning, which
-    the launcher's import of deepspeed printed first."""
+def test_a_refusal_under_zero3_init_flag_is_one_line(tmp_path):
+    """What a user sees for a setting the launch rules out (dpo.precompute_ref where zero3_init_flag: true builds the
+    model partitioned: test_deepspeed_config.py has the check) on 2 CPU processes under accel-train launch: the start
+    line, the error once, exit 2; not DeepSpeed's "Setting accelerator to CPU" warning, which the launcher's import of
+    deepspeed printed first."""
     config = tmp_path / "zero3_init.yaml"
     config.write_text((ACCEL_CONFIGS / STAGES["zero3"]).read_text().replace("zero3_init_flag: false",
                                                                             "zero3_init_flag: true"))
-    proc = accel_train_launch(config, f"output_dir={tmp_path / 'run'}", timeout=120)
+    proc = accel_train_launch(config, "task=dpo", "data.path=builtin:reverse_pref", "dpo.precompute_ref=true",
+                              f"output_dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == 2
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]  # DeepSpeed's: stdout
     assert len(lines) == 2 and lines[0].startswith("accel_train: starting "), lines
-    assert said(proc.stderr) == ["accel_train: error: zero3_init_flag: true is not supported: the model is built "
-                                 "whole on each process and sharded by accelerator.prepare, after forwards of the "
-                                 "whole model (model.check_packing, loss.loss_head); set zero3_init_flag: false in "
-                                 "the accelerate config"]
+    assert said(proc.stderr) == ["accel_train: error: dpo.precompute_ref=true runs the whole model over the training "
+                                 "pairs before accelerator.prepare, but the accelerate config's zero3_init_flag: true "
+                                 "builds it sharded; set dpo.precompute_ref=false (the reference is then computed at "
+                                 "each step), or zero3_init_flag: false"]
+    assert not (tmp_path / "run").exists()

@@ -50,7 +50,7 @@ def test_deepspeed_config_gives_the_plugin_our_run_needs(name):
     assert ds["gradient_clipping"] == Config().train.max_grad_norm
     # train.save calls accelerator.get_state_dict, which refuses under ZeRO-3 unless the weights are gathered
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is (STAGES[name] == 3)
-    assert plugin.zero3_init_flag is False
+    assert plugin.zero3_init_flag is (name == "deepspeed_zero3.yaml")  # GPUs: built partitioned
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))
@@ -77,20 +77,22 @@ def test_deepspeed_gets_our_batch_accumulation_and_clipping(name):
                                   "one to the other, or gradient_clipping to auto")
 
 
-def test_zero3_init_flag_is_refused_in_one_line(tmp_path):
-    """zero3_init_flag: true would build the model sharded, before the forwards of the whole model that precede
-    accelerator.prepare: refused before any rank loads anything, with what to set instead."""
-    from accel_train.config import ConfigError
-    from accel_train.preflight import check_sharded
+def test_dpo_precompute_ref_is_refused_where_the_model_is_built_sharded():
+    """dpo.precompute_ref runs the model over the data before accelerator.prepare: where the launch builds it
+    sharded (zero3_init_flag: true, as deepspeed_zero3.yaml ships; fsdp_cpu_ram_efficient_loading: true, as
+    fsdp2.yaml) it is refused by dpo's own preflight, before any rank loads anything, naming both ways out."""
+    from conftest import launch_environment as launched
 
-    path = tmp_path / "zero3_init.yaml"
-    path.write_text((ACCEL_CONFIGS / "deepspeed_zero3.yaml").read_text().replace("zero3_init_flag: false",
-                                                                                 "zero3_init_flag: true"))
-    env = launch_environment(path)
-    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
-    with patch_environment(**env), pytest.raises(ConfigError) as refused:
-        check_sharded(Config())
-    assert str(refused.value).startswith("zero3_init_flag: true is not supported: the model is built whole")
-    assert str(refused.value).endswith("set zero3_init_flag: false in the accelerate config")
-    with patch_environment(**launch_environment(ACCEL_CONFIGS / "deepspeed_zero3.yaml")):
-        check_sharded(Config())  # the shipped config: the flag off
+    from accel_train import tasks
+    from accel_train.config import ConfigError
+
+    cfg = load_config(None, ["task=dpo", "dpo.precompute_ref=true"])
+    for config, key in (("deepspeed_zero3.yaml", "zero3_init_flag"), ("fsdp2.yaml", "fsdp_cpu_ram_efficient_loading")):
+        with patch_environment(**launched(config)[0]), pytest.raises(ConfigError) as refused:
+            tasks.info("dpo").check(cfg)
+        assert str(refused.value) == (
+            "dpo.precompute_ref=true runs the whole model over the training pairs before accelerator.prepare, but the "
+            f"accelerate config's {key}: true builds it sharded; set dpo.precompute_ref=false (the reference is then "
+            f"computed at each step), or {key}: false")
+    with patch_environment(**launched("cpu_deepspeed_zero3.yaml")[0]):
+        tasks.info("dpo").check(cfg)  # built whole, then sharded: the reference log-probs precomputed first

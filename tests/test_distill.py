@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import fresh_accelerator, python_m, read_metrics, said
+from conftest import fresh_accelerator, python_m, read_metrics, said, save_tiny_model
 from tensors import LargestTensors
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -36,11 +36,7 @@ ROWS = [{"prompt": "reverse abc", "response": "cba"}, {"prompt": "reverse hello 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """A teacher folder: the tiny model's config with random weights of its own seed, and its tokenizer."""
-    folder = tmp_path_factory.mktemp("distill") / "teacher"
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("distill") / "teacher", seed=7)
 
 
 def formula(student_logits, teacher_logits, labels, beta: float, temperature: float) -> torch.Tensor:

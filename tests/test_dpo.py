@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import forked_launch, python_m, read_metrics
+from conftest import ONE_PROCESS, forked_launch, python_m, read_metrics
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -256,7 +256,7 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
     tokenizer = build_tokenizer(cfg)
     torch.manual_seed(0)
     model = build_model(cfg, tokenizer)
-    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu")))
+    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), **ONE_PROCESS))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -309,7 +309,7 @@ def free_run(overrides: list[str]):
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
     task = tasks.make(cfg)
-    accelerator = SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), num_processes=1)
+    accelerator = SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), num_processes=1, **ONE_PROCESS)
     task.setup(accelerator, model, tokenizer, None, None)
     batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(FREE_ROWS)])
     return cfg, tokenizer, model, task, batch, forwards
@@ -501,7 +501,7 @@ def test_orpo_is_finite_on_answers_the_model_is_certain_of():
     rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abcdef"}]
     batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
     batch["nll_scale"] = 1.0
-    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu")))
+    loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), **ONE_PROCESS))
     total, _ = loss(model, batch)
     total.backward()
     assert float(total) == pytest.approx(BETA * math.log(2), rel=1e-6)

@@ -65,7 +65,7 @@ class CompletionSampler:
 
     def __init__(self, cfg: Config, model, tokenizer, device, synced: bool = False):
         """`model`: the unwrapped model, whose generation_config.json is read (and overridden: generation.py);
-        `synced`: its weights are sharded (dist.sharded): every rank generates in lock-step, one generate call per
+        `synced`: its weights are sharded (sharding.sharded): every rank generates in lock-step, one generate call per
         micro-batch."""
         self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))

@@ -1,25 +1,26 @@
 """The reference model of the objectives that compare the policy with where it started (tasks dpo, kto, grpo with
 grpo.beta > 0): under LoRA the policy itself with its adapter disabled (peft's `disable_adapter`: no second model),
 or switched to a frozen copy of the adapter it continues (model.adapter_from: model.REFERENCE_ADAPTER, TRL's
-ref_adapter_name); under full fine-tuning a frozen copy of the initial weights.
+ref_adapter_name); under full fine-tuning a frozen copy of the initial weights, placed as the policy is (sharded
+like it under FSDP2 and ZeRO-3: sharding.frozen_copy).
 """
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from accel_train.config import Config
 from accel_train.model import REFERENCE_ADAPTER
+from accel_train.sharding import frozen_copy, inner_module
 
 
 def reference_model(cfg: Config, model: torch.nn.Module, accelerator) -> torch.nn.Module:
     """The reference of the policy `model` (before accelerate wraps it): under LoRA the model itself (reference_mode
     disables its adapter, or switches to the frozen one), under full fine-tuning a frozen copy of its initial
-    weights."""
-    return model if cfg.lora.enabled else copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
+    weights (sharded as the policy will be)."""
+    return model if cfg.lora.enabled else frozen_copy(accelerator, model)
 
 
 @contextmanager
@@ -27,8 +28,9 @@ def reference_mode(model, lora: bool):
     """The reference: no gradient, evaluation mode (no dropout: the same numbers online and precomputed), and
     under LoRA the adapter disabled. `model` is the unwrapped module, so DDP's forward (and its gradient
     bookkeeping) is not involved."""
-    was_training = model.training
-    model.eval()
+    module = inner_module(model)  # a DeepSpeed engine (sharding.prepare_frozen): its module's mode
+    was_training = module.training
+    module.eval()
     if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):  # model.adapter_from, dpo.reference=start
         context = adapter(model, REFERENCE_ADAPTER)
     else:
@@ -37,7 +39,7 @@ def reference_mode(model, lora: bool):
         with torch.no_grad(), context:
             yield
     finally:
-        model.train(was_training)
+        module.train(was_training)
 
 
 @contextmanager

@@ -51,9 +51,11 @@ def reward_model(path: str, dtype: str) -> RewardModel:
     from transformers import AutoModelForSequenceClassification
 
     from accel_train.model import load_trained
+    from accel_train.sharding import whole
 
-    model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
-                                    dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    with whole():  # on every rank, whatever the launch shards
+        model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
+                                        dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it

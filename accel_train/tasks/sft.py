@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from accel_train import data as data_lib
 from accel_train.components import responses
 from accel_train.config import Config
-from accel_train.dist import zero3
+from accel_train.sharding import built_sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.loss import loss_head
 from accel_train.metrics import compute_metrics, load_metrics
@@ -39,7 +39,7 @@ def forward(model, batch: dict) -> torch.Tensor:
     return model(**data_lib.model_inputs(batch), use_cache=False).logits
 
 
-def choose_loss_head(model, sharded: bool):
+def choose_loss_head(model, sharded: bool, low_precision: bool = False):
     """The causal-LM loss in chunks from the hidden states (loss.loss_head), or None: full logits. Under ZeRO-3
     (`sharded`) the chunks are recomputed in the head's backward (loss.HeadLoss), which gives no gradient to the
     head's own weights: a trained head (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits."""
@@ -48,7 +48,7 @@ def choose_loss_head(model, sharded: bool):
         main_logger().info("ZeRO-3 with a trained output head: the loss is computed from full logits (batch x "
                            "length x vocabulary); the chunked loss needs a frozen head under ZeRO-3")
         return None
-    return loss_head(model, sharded=sharded)
+    return loss_head(model, sharded=sharded, low_precision=low_precision)
 
 
 def batch_loss(model, batch: dict, head) -> torch.Tensor:
@@ -88,12 +88,16 @@ class SFT(Task):
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
         # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
-        self.head = choose_loss_head(model, zero3(accelerator))
+        if not built_sharded(accelerator):
+            self.head = choose_loss_head(model, zero3(accelerator))
         return train_ds, eval_ds
 
     def start(self, job, tokenizer, eval_ds) -> None:
         from accel_train.generation import setup_generation
 
+        if built_sharded(job.accelerator):  # whole only now: checked on every rank at once (a collective forward)
+            self.head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
+                                         zero3(job.accelerator), job.accelerator.mixed_precision != "no")
         cfg = self.cfg  # tried on token ids, as the run gives them
         self.metrics = load_metrics(cfg.eval.metrics, cfg.eval.metric_kwargs, [0, 1, 2], [1, 2, 0], "eval.metrics")
         if cfg.eval.generate and job.eval_dl is not None:

@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 from accel_train import data as data_lib
 from accel_train.components import responses
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
-from accel_train.dist import generating, sharded, zero3
+from accel_train.sharding import built_sharded, generating, sharded, whole, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                     until_stop)
@@ -208,16 +208,16 @@ def load_teacher(cfg: Config, tokenizer, device) -> torch.nn.Module:
     as_model = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, name_or_path=teacher, revision=None, random_init=is_embedded_tiny_model(teacher),
         quantization=None, adapter_from=None))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), whole():  # whole on every rank, whatever the launch shards
         torch.manual_seed(cfg.seed + 1)
         model = build_model(as_model, tokenizer)
     return model.requires_grad_(False).eval().to(device)
 
 
-def checked_head(model: torch.nn.Module, key: str) -> torch.nn.Module:
+def checked_head(model: torch.nn.Module, key: str, low_precision: bool = False) -> torch.nn.Module:
     """The model's output head, where its logits are that head's output of the final hidden states (loss.loss_head's
     check: one forward of 8 tokens); ConfigError otherwise."""
-    found = loss_head(model)
+    found = loss_head(model, low_precision=low_precision)
     if found is None:
         raise ConfigError(f"task distill: the logits of {key} are more than its output head's output (soft-capping, "
                           "a logit scale): the divergence is computed from the heads, chunk by chunk; use another model")
@@ -254,7 +254,7 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
                      synced: bool = False) -> list[list[int]]:
     """The student's response to each prompt, sampled with its own noise (generation.SeededSampler), up to and with
     its stop token. `model`: unwrapped (no collective: each rank samples its own; `synced`, under sharded weights:
-    in lock-step with the other ranks, dist.sharded)."""
+    in lock-step with the other ranks, sharding.sharded)."""
     d, device = cfg.distill, next(model.parameters()).device
     config = generation_config(model, tokenizer, d.max_new_tokens)  # greedy: the sampler picks the token
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
@@ -289,6 +289,7 @@ class Distill(Task):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.distillation: Distillation | None = None
+        self.teacher: torch.nn.Module | None = None  # loaded in setup, whole on each rank
         self.job, self.tokenizer, self.step = None, None, 0
 
     def columns(self, columns: list[str], source: str) -> str:
@@ -317,14 +318,21 @@ class Distill(Task):
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
         if zero3(accelerator):  # refused by preflight already (config.preflight): a launch that bypassed it
             raise ConfigError(ZERO3_REFUSAL)
-        head = checked_head(model, f"model.name_or_path={self.cfg.model.name_or_path}")
-        teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
-        checked_head(teacher, f"distill.teacher={self.cfg.distill.teacher}")
-        self.distillation = Distillation(self.cfg, head, teacher, accelerator.autocast)
+        self.teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
+        checked_head(self.teacher, f"distill.teacher={self.cfg.distill.teacher}")
+        if not built_sharded(accelerator):  # checked before wrapping (one forward); the wrappers keep the head
+            self.start_distillation(model, accelerator)
         return train_ds, eval_ds
+
+    def start_distillation(self, student, accelerator, low_precision: bool = False) -> None:
+        head = checked_head(student, f"model.name_or_path={self.cfg.model.name_or_path}", low_precision)
+        self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast)
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.job, self.tokenizer = job, tokenizer
+        if built_sharded(job.accelerator):  # whole only now: checked on every rank at once (a collective forward)
+            self.start_distillation(job.accelerator.unwrap_model(job.model, keep_torch_compile=False), job.accelerator,
+                                    job.accelerator.mixed_precision != "no")
         if self.cfg.distill.on_policy > 0:  # a setting of the model's generation_config.json it cannot switch off:
             generation_config(job.accelerator.unwrap_model(job.model), tokenizer, 1)  # refused now, on every rank
 

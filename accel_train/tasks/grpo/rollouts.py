@@ -26,7 +26,7 @@ from accel_train.components.completions import CompletionSampler, Completions
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.rewards import RewardError, Rewards
 from accel_train.config import Config, ConfigError
-from accel_train.dist import generating, sharded, zero3
+from accel_train.sharding import generating, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import left_padded, merged_adapter, position_ids
 from accel_train.tracking import get_logger

@@ -40,7 +40,7 @@ every mu steps); checkpoints are written between batches of rollouts only (check
 Sampling reads the model's logits as they are (generation.generation_config): no setting of the base's
 generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
 actually sampled. Under FSDP2 and DeepSpeed ZeRO-3 (sharded weights) every rank generates in lock-step
-(components/completions.py, dist.sharded); multi-turn rollouts are refused there.
+(components/completions.py, sharding.sharded); multi-turn rollouts are refused there.
 
 Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
 several reward functions), frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length,
@@ -53,7 +53,6 @@ generated and the seconds spent generating and training.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -62,11 +61,11 @@ from datasets import Dataset, IterableDataset
 from accel_train.components import tools as tools_lib
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.prompts import PromptBudget, PromptCollator, prompt_column, tokenize_prompts
-from accel_train.components.reference import reference_mode
+from accel_train.components.reference import reference_mode, reference_model
 from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test
 from accel_train.config import Config, ConfigError
 from accel_train.data import columns as data_columns
-from accel_train.dist import generating, sharded, zero3
+from accel_train.sharding import generating, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import merged_adapter
 from accel_train.tasks import Task
@@ -129,7 +128,7 @@ class PolicyLoss:
             if model is None:
                 raise ValueError("grpo.PolicyLoss: with grpo.beta > 0 under full fine-tuning it needs the model "
                                  "before accelerator.prepare, for its frozen reference")
-            self.reference = copy.deepcopy(model).requires_grad_(False).to(accelerator.device)
+            self.reference = reference_model(cfg, model, accelerator)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -1,0 +1,170 @@
+"""Models where the weights are sharded over the ranks (FSDP2, DeepSpeed ZeRO-3): how they are built before
+`accelerator.prepare`, how a frozen model (a full fine-tuning's reference) is placed beside the policy, and how a
+prepared model generates. Every forward of a sharded model is a collective: the loop's padded window (loop.fit) gives
+every rank the same ones, and generation runs in lock-step (`sharded`).
+
+Built whole or sharded, by the accelerate config:
+    built whole (the default)            every process builds the whole model, `prepare` shards it: host memory of
+                                         one whole model per process until then
+    zero3_init_flag: true                each rank builds only its partition (deepspeed.zero.Init)
+    fsdp_cpu_ram_efficient_loading: true the main process reads the weights, the others build an empty model (on the
+                                         meta device) that `prepare` fills from the main process's (a broadcast)
+A model built sharded has no whole weights before `prepare`: the checks that run a forward of the model
+(model.check_packing, loss.loss_head) run after it (recipe.prepare, Task.start), on every rank at once.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+
+def zero3(accelerator: Accelerator) -> bool:
+    """Whether DeepSpeed shards the weights themselves (ZeRO-3)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def sharded(accelerator: Accelerator) -> bool:
+    """Whether the weights are sharded over the ranks (FSDP, DeepSpeed ZeRO-3): every forward is then a collective,
+    so each rank generates in lock-step with the others (generate's synced_gpus: a rank whose rows are done keeps
+    running forwards until every rank's are), the same number of generate calls on every rank."""
+    return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
+
+
+def built_sharded(accelerator: Accelerator) -> str | None:
+    """The accelerate config's key under which models are built sharded (module docstring), or None: whole."""
+    if zero3(accelerator) and accelerator.state.deepspeed_plugin.zero3_init_flag:
+        return "zero3_init_flag"
+    if getattr(accelerator, "is_fsdp2", False) and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+        return "fsdp_cpu_ram_efficient_loading"
+    return None
+
+
+@contextmanager
+def building(accelerator: Accelerator, whole: bool = False):
+    """Around building a model before prepare; yields whether this rank builds it empty (on the meta device: FSDP2's
+    cpu_ram_efficient_loading, but on the main process). Under ZeRO-3 without zero3_init_flag (or with `whole`: a
+    random base that is saved whole), transformers builds it whole: accelerate registers the DeepSpeed config with
+    transformers whatever the flag says, and transformers would then build it partitioned (deepspeed.zero.Init)."""
+    plugin, how = accelerator.state.deepspeed_plugin, built_sharded(accelerator)
+    if plugin is None or (how is not None and not (whole and how == "zero3_init_flag")):
+        yield how == "fsdp_cpu_ram_efficient_loading" and not accelerator.is_main_process
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield False
+    finally:
+        plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
+
+
+@contextmanager
+def whole():
+    """Inside, transformers builds a model whole on this process whatever the launch says: not partitioned
+    (accelerate registers a ZeRO-3 DeepSpeed config with transformers, which then builds under deepspeed.zero.Init,
+    with no engine to gather the weights), nor with weights left on the meta device where it is not the machine's
+    first process (FSDP's cpu_ram_efficient_loading). For the models each rank holds whole: distill's teacher, a grpo
+    reward model."""
+    import os
+
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered, loading = hf_deepspeed._hf_deepspeed_config_weak_ref, os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+        if loading is None:
+            os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+        else:
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = loading
+
+
+def frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of `model` (not yet prepared: its initial weights), placed as the policy is (`prepare_frozen`):
+    sharded like it under FSDP2 and ZeRO-3, whole on each rank otherwise. A model ZeRO-3 built partitioned cannot be
+    deep-copied (its parameters' gather functions name the originals): the copy is built partitioned too, and each
+    rank copies its own partitions."""
+    if built_sharded(accelerator) == "zero3_init_flag":
+        # the copy's random init (on the main process, its device's generator too) is overwritten: the run's RNG is
+        # left as it was
+        devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            copy_ = type(model)._from_config(copy.deepcopy(model.config), dtype=next(model.parameters()).dtype)
+        with torch.no_grad():
+            for mine, theirs in zip(copy_.parameters(), model.parameters(), strict=True):
+                mine.ds_tensor.copy_(theirs.ds_tensor)
+    else:
+        copy_ = copy.deepcopy(model)
+    return prepare_frozen(accelerator, copy_)
+
+
+def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen model in evaluation mode, placed beside the policy: under FSDP2 sharded by accelerate's own
+    fsdp2_prepare_model (the policy's shard groups; with fsdp_cpu_ram_efficient_loading the main process's weights
+    broadcast), under ZeRO-3 a DeepSpeed engine without an optimizer (TRL's prepare_deepspeed), elsewhere whole on
+    this rank's device."""
+    model.requires_grad_(False).eval()
+    if getattr(accelerator, "is_fsdp2", False):  # FSDP1: whole on each rank
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model = fsdp2_prepare_model(accelerator, model)
+        # accelerate keeps the output head's group (and the root's) gathered between forward and backward; a frozen
+        # model has no backward to free them: every group is freed after its forward
+        model.set_reshard_after_forward(True, recurse=True)
+        return model.eval()
+    if zero3(accelerator):
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        if config.get("train_batch_size", "auto") == "auto":  # filled by accelerator.prepare, which may come later
+            config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"]
+                                          * config["gradient_accumulation_steps"] * accelerator.num_processes)
+        width = getattr(model.config.get_text_config(), "hidden_size", None)
+        zero = config.setdefault("zero_optimization", {})
+        for key, value in (("reduce_bucket_size", 1.0), ("stage3_prefetch_bucket_size", 0.9),
+                           ("stage3_param_persistence_threshold", None)):  # "auto", as accelerate fills them
+            if zero.get(key) == "auto" and width:
+                zero[key] = int(value * width * width) if value else 10 * width
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval returns None, and sets its module's mode only (inner_module)
+        return engine
+    return model.to(accelerator.device)
+
+
+def inner_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a DeepSpeed engine runs (whose `training` is the mode: the engine's own stays unset), else
+    `model`."""
+    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
+
+
+@contextmanager
+def generating(model):
+    """Around generate() on a prepared model. Under FSDP2 each shard group's parameters are gathered by its own
+    forward's hooks, and generate() calls the inner model's forward, not the root's (the prepared model, a
+    PeftModel): the root's own parameters are gathered here (FSDPModule.unshard, a collective, on every rank; the
+    others' by their hooks) and sharded again after. Elsewhere, nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = model if isinstance(model, FSDPModule) else None
+    if root is not None:
+        # FSDP2 makes the first module to run forward the root: generation before any training forward would make
+        # the embeddings' module one, and the root's later forward fail. Initialized from the root, as its own
+        # forward would (torch 2.13 has no public call for it).
+        root._get_fsdp_state()._lazy_init()
+        root.unshard()
+    try:
+        yield
+    finally:
+        if root is not None:
+            root.reshard()

@@ -1,0 +1,124 @@
+"""Models built sharded (accel_train/sharding.py): with FSDP2's fsdp_cpu_ram_efficient_loading (configs/accelerate/
+fsdp2.yaml) only the main process reads the weights and the others build an empty model that accelerator.prepare
+fills; with ZeRO-3's zero3_init_flag each rank builds its own partition. Either way the run trains as one process
+does, step for step, with the checks that run a forward of the model (model.check_packing, the loss head) after
+prepare, and a full fine-tuning's frozen reference sharded like the policy. The conformance suite
+(test_conformance.py) runs every task under fsdp2.yaml; here, pretrained weights (a saved model, read by
+from_pretrained) and the reference of full fine-tuning, under each way of building.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ACCEL_CONFIGS, forked_launch, python_m, save_tiny_model
+from safetensors.torch import load_file
+
+from accel_train.config import load_config
+
+SMALL = ["data.builtin_size=12", "data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
+         "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2", "train.mixed_precision=no",
+         "track.log_with=[]", "checkpoint.save_every=null", "train.dist_timeout_s=60",
+         "train.per_device_batch_size=2"]
+# full fine-tuning against a frozen copy of the initial weights (components/reference.py); LoRA SFT with packing
+# (model.check_packing) and the chunked loss head (loss.loss_head)
+JOBS = {"dpo_full": ["task=dpo", "data.path=builtin:reverse_pref", "dpo.reference=start", "lora.enabled=false"],
+        "sft_packed": ["data.path=builtin:reverse", "data.packing=true"]}
+TIMING = {"tokens_per_sec", "mfu", "memory_mb"}
+
+
+def variant(tmp_path_factory, name: str, source: str, old: str, new: str) -> str:
+    path = tmp_path_factory.mktemp("configs") / name
+    text = (ACCEL_CONFIGS / source).read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """The tiny Llama with weights, saved as a pretrained model is (read by from_pretrained, not built from config)."""
+    return save_tiny_model(tmp_path_factory.mktemp("pretrained") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """accelerate configs by how they build the model: fsdp2.yaml as shipped (cpu_ram_efficient_loading), FSDP2 built
+    whole, ZeRO-3 with zero3_init_flag."""
+    return {"fsdp2_ram_efficient": "fsdp2.yaml",
+            "fsdp2_whole": variant(tmp_path_factory, "fsdp2_whole.yaml", "fsdp2.yaml",
+                                   "fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false"),
+            "zero3_init": variant(tmp_path_factory, "zero3_init.yaml", "cpu_deepspeed_zero3.yaml",
+                                  "zero3_init_flag: false", "zero3_init_flag: true")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, pretrained):
+    """Each job on 1 process x 2 micro-batches of 2: the effective batch of 2 processes x 1."""
+    made = {}
+    for job, extra in JOBS.items():
+        out = tmp_path_factory.mktemp("one") / job
+        proc = python_m(*extra, *SMALL, f"model.name_or_path={pretrained}", "train.grad_accum_steps=2",
+                        f"output_dir={out}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        made[job] = out
+    return made
+
+
+def records(out) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(out) -> dict:
+    folder = out / "adapter" if (out / "adapter").is_dir() else out / "model"
+    return load_file(next(folder.glob("*.safetensors")))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("job,engine", [("dpo_full", "fsdp2_ram_efficient"), ("dpo_full", "fsdp2_whole"),
+                                        ("dpo_full", "zero3_init"), ("sft_packed", "zero3_init")])
+def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engines, one_process, job, engine):
+    """2 processes log 1 process's numbers at every step and evaluation (to 1e-4: test_conformance.SHARDED_REL) and
+    save its weights, consolidated on the main process: to 0.5% of each tensor's largest entry, as Adam turns a
+    gradient entry at the level of fp32 noise (LoRA's A while B is near 0) into a step of about lr in either
+    direction; a step more or less (about lr, 2.5e-3 at step 4, on every entry) or a missing shard differ more."""
+    out = tmp_path / "run"
+    proc = forked_launch(engines[engine], *JOBS[job], *SMALL, f"model.name_or_path={pretrained}",
+                         "train.grad_accum_steps=1", f"output_dir={out}", timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got, want = records(out), records(one_process[job])
+    assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) == 6  # 4 steps, 2 evaluations
+    for mine, theirs in zip(got, want):
+        assert mine.keys() == theirs.keys()
+        for key in theirs:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), (mine["step"], key)
+    mine, theirs = weights(out), weights(one_process[job])
+    assert mine.keys() == theirs.keys()
+    for key in theirs:
+        scale = float(theirs[key].abs().max())
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=5e-3 * scale, msg=key)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["memory_mb_per_process"]["setup"]) == len(summary["memory_mb_per_process"]["training"]) == 2
+
+
+def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretrained, tmp_path):
+    """build_model(empty=True) (sharding.building, on every process but the main one under
+    fsdp_cpu_ram_efficient_loading): every parameter on the meta device, no storage; the buffers computed (rotary
+    frequencies: accelerate re-registers the non-persistent ones from this process's model); the same parameters,
+    dtypes and shapes as the main process's model (accelerate broadcasts into them), tied embeddings included."""
+    from accel_train.model import build_model, build_tokenizer
+
+    # the head is the input embeddings (Qwen2.5-0.5B, SmolLM2, the bench's large-vocab)
+    tied = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    for path, dtype in ((pretrained, "float32"), (pretrained, "auto"), (tied, "float32")):
+        # auto: the dtype from_pretrained reads from the config, as the main process does
+        cfg = load_config(None, [f"model.name_or_path={path}", "lora.enabled=false", f"model.dtype={dtype}"])
+        model = build_model(cfg, build_tokenizer(cfg), empty=True)
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        assert all(b.device.type == "cpu" for b in model.buffers())
+        whole = build_model(cfg, build_tokenizer(cfg))
+        shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]
+        assert shapes == [(n, p.shape, p.dtype) for n, p in whole.named_parameters()], (path, dtype)
