@@ -12,8 +12,8 @@ Each task's runs, made once (fixture `once`) and shared by its checks:
                epoch's end and the next epoch's order again (where the rows end an epoch in 4 steps)
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
-    sharded    `two`'s settings, no signal, under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES): every step and
-               evaluation the reference's
+    sharded    `two`'s (rank 1 signalled during step 3) under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES), then
+               resumed from step 3's checkpoint under the same engine: every step and evaluation the reference's
 Bad inputs and inspect start a process each that stops before training.
 """
 
@@ -119,10 +119,18 @@ def two(name, root, once):
 
 @pytest.fixture
 def sharded(name, root, once):
-    """The `two` run's settings (no signal) under each engine of ENGINES."""
+    """The `two` run under each engine of ENGINES (rank 1 signalled during step 3: every rank checkpoints it), then
+    resumed from that checkpoint under the same engine: {engine: (stopped, resumed or None, output_dir)}."""
     def make():
-        return {engine: (forked_launch(config, *args(name, root / engine, *TWO), timeout=240), root / engine)
-                for engine, config in ENGINES.items()}
+        made = {}
+        for engine, config in ENGINES.items():
+            out = root / engine
+            stopped = forked_launch(config, *args(name, out, *TWO), timeout=240,
+                                    env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"})
+            resumed = (forked_launch(config, *args(name, out, *TWO, "resume_from=latest"), timeout=240)
+                       if stopped.first == 128 + 15 else None)
+            made[engine] = stopped, resumed, out
+        return made
 
     return once(("sharded", name), make)
 
@@ -173,15 +181,20 @@ def test_sharded_engines_train_as_one_process(name, reference, sharded):
     (the epoch ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same
     forwards, the task's own included: Task.prepare) and at every evaluation; a task that samples from the model
     (grpo, distill on-policy) generates what 1 process samples (in lock-step on every rank under sharded weights:
-    dist.sharded)."""
-    for engine, (proc, out) in sharded.items():
-        text = proc.stdout + proc.stderr
+    sharding.sharded). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
+    job stops with 128+15; resumed from it under the same engine, step 4 and the last evaluation are the
+    reference's."""
+    for engine, (stopped, resumed, out) in sharded.items():
+        text = stopped.stdout + stopped.stderr
         refusal = refused_under(name, ENGINES[engine])
         if refusal:  # the task's own preflight says it cannot run there: said in one line before any model loads
-            assert proc.first == 2 and set(said(text)) == {f"accel_train: error: {refusal}"}, text[-3000:]
+            assert stopped.first == 2 and set(said(text)) == {f"accel_train: error: {refusal}"}, text[-3000:]
             assert not (out / "metrics.jsonl").exists()
             continue
-        assert proc.returncode == 0, f"{engine}: {text[-3000:]}"
+        assert stopped.first == 128 + 15 and set(stopped.codes) <= {128 + 15, -15}, f"{engine}: {text[-3000:]}"
+        assert (out / "checkpoints" / f"step-{SIGTERM_STEP}" / "COMPLETE").is_file(), engine
+        assert resumed.returncode == 0, f"{engine}: {(resumed.stdout + resumed.stderr)[-3000:]}"
+        assert f"step-{SIGTERM_STEP}" in resumed.stdout + resumed.stderr, engine  # "resumed from ..."
         train, evals = read_metrics(out)
         want_train, want_evals = read_metrics(reference)
         assert [r["step"] for r in train] == [1, 2, 3, 4], engine
