@@ -75,10 +75,11 @@ def run(cfg: Config, resume: Path | None) -> dict:
             results.update(job.run_log.timing())
             train_seconds = time.perf_counter() - t0
             results.update(task.summary(accelerator, train_seconds))  # a collective, on every rank
-            results["memory_mb"] = {"setup": list(job.setup_memory_mb), "training": gather_setup(  # every rank's
-                accelerator, round(peak_memory_mb(accelerator.device), 1))}
+            training_memory = round(peak_memory_mb(accelerator.device), 1)
             # The last weights are written before the final evaluation: nothing that fails after training loses them.
             target = save_model(cfg, accelerator, task, job.model, tokenizer)
+            results["memory_mb"] = {"setup": list(job.setup_memory_mb),  # every rank's, gathered once the weights are
+                                    "training": gather_setup(accelerator, training_memory)}  # saved
             try:
                 results = final_evaluation(cfg, job, results)
             except Exception:
