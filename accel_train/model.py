@@ -89,6 +89,10 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
             model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
         if empty:
             model.tie_weights()  # on meta, transformers 5.24 leaves tie_word_embeddings' head untied
+            try:  # generate()'s defaults and stop ids as from_pretrained reads them on the main process
+                model.generation_config = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
+            except OSError:
+                pass  # none saved: from_config's, as from_pretrained's
     else:
         # A pretrained classifier with another number of classes, or a causal LM, gets a new head: said in one line,
         # not transformers' LOAD REPORT table (held back when the head is all it lacks)

@@ -109,10 +109,14 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
     fsdp_cpu_ram_efficient_loading): every parameter on the meta device, no storage; the buffers computed (rotary
     frequencies: accelerate re-registers the non-persistent ones from this process's model); the same parameters,
     dtypes and shapes as the main process's model (accelerate broadcasts into them), tied embeddings included."""
+    from transformers import GenerationConfig
+
     from accel_train.model import build_model, build_tokenizer
 
-    # the head is the input embeddings (Qwen2.5-0.5B, SmolLM2, the bench's large-vocab)
+    # the head is the input embeddings (Qwen2.5-0.5B, SmolLM2, the bench's large-vocab); its generation_config.json
+    # sets its own sampling and a second stop id (as Qwen2.5-Instruct's): every rank's generate() must read it
     tied = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    GenerationConfig(eos_token_id=[2, 5], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(tied)
     for path, dtype in ((pretrained, "float32"), (pretrained, "auto"), (tied, "float32")):
         # auto: the dtype from_pretrained reads from the config, as the main process does
         cfg = load_config(None, [f"model.name_or_path={path}", "lora.enabled=false", f"model.dtype={dtype}"])
@@ -122,3 +126,4 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
         whole = build_model(cfg, build_tokenizer(cfg))
         shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]
         assert shapes == [(n, p.shape, p.dtype) for n, p in whole.named_parameters()], (path, dtype)
+        assert model.generation_config.to_dict() == whole.generation_config.to_dict(), path

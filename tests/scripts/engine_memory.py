@@ -9,7 +9,7 @@ sharded like the policy (sharding.frozen_copy).
 Each run is `accelerate launch --config_file configs/accelerate/<config> accel_train/train.py ...` on 2 processes
 (fp32); its summary.json gives each process's peak resident set (tracking.peak_memory_mb): from its start to its
 first step (reading, building and sharding the model) and during training. Prints a markdown table and writes
-DIR/engine_memory.json. About 5 minutes on 2 CPU cores.
+DIR/engine_memory.json. About 10 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
