@@ -46,12 +46,14 @@ def pretrained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """accelerate configs by how they build the model: fsdp2.yaml as shipped (cpu_ram_efficient_loading), FSDP2 built
-    whole, ZeRO-3 with zero3_init_flag."""
+    whole, ZeRO-3 with zero3_init_flag, ZeRO-3 built whole (cpu_deepspeed_zero3.yaml: the reference a deep copy, then
+    an engine)."""
     return {"fsdp2_ram_efficient": "fsdp2.yaml",
             "fsdp2_whole": variant(tmp_path_factory, "fsdp2_whole.yaml", "fsdp2.yaml",
                                    "fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false"),
             "zero3_init": variant(tmp_path_factory, "zero3_init.yaml", "cpu_deepspeed_zero3.yaml",
-                                  "zero3_init_flag: false", "zero3_init_flag: true")}
+                                  "zero3_init_flag: false", "zero3_init_flag: true"),
+            "zero3_whole": "cpu_deepspeed_zero3.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,8 @@ def weights(out) -> dict:
 
 @pytest.mark.long
 @pytest.mark.parametrize("job,engine", [("dpo_full", "fsdp2_ram_efficient"), ("dpo_full", "fsdp2_whole"),
-                                        ("dpo_full", "zero3_init"), ("sft_packed", "zero3_init")])
+                                        ("dpo_full", "zero3_init"), ("dpo_full", "zero3_whole"),
+                                        ("sft_packed", "zero3_init")])
 def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engines, one_process, job, engine):
     """2 processes log 1 process's numbers at every step and evaluation (to 1e-4: test_conformance.SHARDED_REL) and
     save its weights, consolidated on the main process: to 0.5% of each tensor's largest entry, as Adam turns a
@@ -127,3 +130,20 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
         shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]
         assert shapes == [(n, p.shape, p.dtype) for n, p in whole.named_parameters()], (path, dtype)
         assert model.generation_config.to_dict() == whole.generation_config.to_dict(), path
+
+
+def test_only_the_processes_that_are_not_the_main_one_build_empty_under_ram_efficient_loading():
+    """sharding.building under FSDP2: with fsdp_cpu_ram_efficient_loading every process but the main one builds the
+    model empty (the main one reads the weights), without it every process builds it whole."""
+    from types import SimpleNamespace
+
+    from accel_train.sharding import building
+
+    def fsdp2(main: bool, ram_efficient: bool):
+        plugin = SimpleNamespace(cpu_ram_efficient_loading=ram_efficient)
+        return SimpleNamespace(is_fsdp2=True, is_main_process=main, distributed_type="FSDP",
+                               state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=plugin))
+
+    for main, ram_efficient, empty in ((False, True, True), (True, True, False), (False, False, False)):
+        with building(fsdp2(main, ram_efficient)) as built_empty:
+            assert built_empty is empty, (main, ram_efficient)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from accel_train import data as data_lib
 from accel_train.components import responses
 from accel_train.config import Config
+from accel_train.dist import gather_setup
 from accel_train.sharding import built_sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.loss import loss_head
@@ -96,8 +97,10 @@ class SFT(Task):
         from accel_train.generation import setup_generation
 
         if built_sharded(job.accelerator):  # whole only now: checked on every rank at once (a collective forward)
-            self.head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
-                                         zero3(job.accelerator), job.accelerator.mixed_precision != "no")
+            head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
+                                    zero3(job.accelerator), job.accelerator.mixed_precision != "no")
+            # one choice for all ranks (under ZeRO-3 the chunked loss gathers the head again in the backward)
+            self.head = head if all(gather_setup(job.accelerator, head is not None)) else None
         cfg = self.cfg  # tried on token ids, as the run gives them
         self.metrics = load_metrics(cfg.eval.metrics, cfg.eval.metric_kwargs, [0, 1, 2], [1, 2, 0], "eval.metrics")
         if cfg.eval.generate and job.eval_dl is not None:
