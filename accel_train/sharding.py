@@ -55,17 +55,12 @@ def building(accelerator: Accelerator, whole: bool = False):
     if plugin is None or (how is not None and not (whole and how == "zero3_init_flag")):
         yield how == "fsdp_cpu_ram_efficient_loading" and not accelerator.is_main_process
         return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
+    with whole_model():
         yield False
-    finally:
-        plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
 
 
 @contextmanager
-def whole():
+def whole_model():
     """Inside, transformers builds a model whole on this process whatever the launch says: not partitioned
     (accelerate registers a ZeRO-3 DeepSpeed config with transformers, which then builds under deepspeed.zero.Init,
     with no engine to gather the weights), nor with weights left on the meta device where it is not the machine's

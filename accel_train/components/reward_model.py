@@ -51,9 +51,9 @@ def reward_model(path: str, dtype: str) -> RewardModel:
     from transformers import AutoModelForSequenceClassification
 
     from accel_train.model import load_trained
-    from accel_train.sharding import whole
+    from accel_train.sharding import whole_model
 
-    with whole():  # on every rank, whatever the launch shards
+    with whole_model():  # on every rank, whatever the launch shards
         model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
                                         dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     if hasattr(model, "merge_and_unload"):

@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 from accel_train import data as data_lib
 from accel_train.components import responses
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
-from accel_train.sharding import built_sharded, generating, sharded, whole, zero3
+from accel_train.sharding import built_sharded, generating, sharded, whole_model, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                     until_stop)
@@ -208,7 +208,7 @@ def load_teacher(cfg: Config, tokenizer, device) -> torch.nn.Module:
     as_model = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, name_or_path=teacher, revision=None, random_init=is_embedded_tiny_model(teacher),
         quantization=None, adapter_from=None))
-    with torch.random.fork_rng(devices=[]), whole():  # whole on every rank, whatever the launch shards
+    with torch.random.fork_rng(devices=[]), whole_model():  # whole on every rank, whatever the launch shards
         torch.manual_seed(cfg.seed + 1)
         model = build_model(as_model, tokenizer)
     return model.requires_grad_(False).eval().to(device)
