@@ -248,6 +248,14 @@ class TrainConfig:
     """With skip: stop (checkpoint of the last good state, message naming the step) after this many in a row."""
     dist_timeout_s: int = 600
     """Timeout of the process group's collectives, in seconds (torchrun's default is ten minutes)."""
+    gather_for_generation: Optional[bool] = None
+    """Under sharded weights (FSDP2, DeepSpeed ZeRO-3), how the model generates (grpo's rollouts, distill's on-policy
+    samples, eval.generate). true (None: the default): the weights are gathered whole on every rank for the
+    generation phase (one all-gather), then each rank generates alone (TRL's ds3_gather_for_generation): the whole
+    model's weights once per device meanwhile. false: in lock-step on the sharded weights, every token's forward
+    gathering each layer again (transformers' synced_gpus): slower, for a model too large to hold whole on one
+    device; there grpo's tools and environments, which make ranks generate a different number of times, are
+    refused. Elsewhere the weights are whole already: a value given is said to do nothing."""
     debug_collectives: bool = False
     """Check that all ranks issue matching collectives (ACCELERATE_DEBUG_MODE, TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
     early_stopping_patience: Optional[int] = None

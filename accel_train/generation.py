@@ -46,7 +46,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import utils as generation_utils
 
 from accel_train.config import Config, ConfigError
-from accel_train.sharding import generating, sharded
+from accel_train.sharding import gathers, generating, lockstep
 from accel_train.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.metrics import compute_metrics, load_metrics
 
@@ -251,11 +251,12 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
     indices, tokens = [], []
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # Sampling draws from its own generator state: the training's random streams (dropout) are left as they were.
-    with torch.random.fork_rng(devices=devices), generating(unwrapped), accelerator.autocast():
+    with torch.random.fork_rng(devices=devices), generating(model, gathers(cfg, accelerator)), \
+            accelerator.autocast():
         torch.manual_seed(cfg.seed + accelerator.process_index)
         for batch in gen.loader:
             out = unwrapped.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     generation_config=config, synced_gpus=sharded(accelerator))
+                                     generation_config=config, synced_gpus=lockstep(cfg, accelerator))
             new = out[:, batch["input_ids"].shape[1]:]  # the answer, without the prompt
             # Answers end at different lengths on different ranks: one width before gathering.
             new = accelerator.pad_across_processes(new, dim=1, pad_index=gen.tokenizer.pad_token_id)

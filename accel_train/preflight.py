@@ -123,11 +123,15 @@ def built_sharded_launch() -> str | None:
 
 
 def check_sharded(cfg: Config) -> None:
-    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs in lock-step on every rank
-    (sharding.sharded), built for FSDP2; what would make ranks call generate a different number of times is the
-    task's own preflight's to refuse (grpo's multi-turn rollouts). Said before any rank loads anything, rather than
-    hang or fail at the end."""
+    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs on the weights gathered for it, or
+    in lock-step on every rank (train.gather_for_generation=false, sharding.lockstep), built for FSDP2; what would
+    make ranks call generate a different number of times in lock-step is the task's own preflight's to refuse
+    (grpo's multi-turn rollouts). Said before any rank loads anything, rather than hang or fail at the end."""
     generates = tasks.info(cfg.task).generating(cfg)
+    if cfg.train.gather_for_generation is not None and not sharded_launch() and is_local_main():
+        logging.getLogger(__name__).info(
+            f"train.gather_for_generation={str(cfg.train.gather_for_generation).lower()} does nothing under this "
+            "launch: the weights are whole on every rank (it applies to FSDP2 and DeepSpeed ZeRO-3)")
     if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
             generates or cfg.eval.generate):
         key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from datasets import Dataset, IterableDataset
+from datasets import IterableDataset
 from transformers import get_scheduler
 
 from accel_train import data as data_lib

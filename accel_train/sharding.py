@@ -143,23 +143,84 @@ def inner_module(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
+def gathers(cfg, accelerator: Accelerator) -> bool:
+    """Whether generation runs on weights gathered whole for it (train.gather_for_generation, the default under
+    sharded weights): each rank then generates alone."""
+    return sharded(accelerator) and cfg.train.gather_for_generation is not False
+
+
+def lockstep(cfg, accelerator: Accelerator) -> bool:
+    """Whether generation runs in lock-step on sharded weights (train.gather_for_generation=false): every forward a
+    collective, so each rank keeps running forwards until every rank's rows are done (generate's synced_gpus), and
+    the ranks make the same number of generate calls."""
+    return sharded(accelerator) and cfg.train.gather_for_generation is False
+
+
 @contextmanager
-def generating(model):
-    """Around generate() on a prepared model. Under FSDP2 each shard group's parameters are gathered by its own
-    forward's hooks, and generate() calls the inner model's forward, not the root's (the prepared model, a
-    PeftModel): the root's own parameters are gathered here (FSDPModule.unshard, a collective, on every rank; the
-    others' by their hooks) and sharded again after. Elsewhere, nothing."""
+def generating(model, gather: bool = False):
+    """Around generate() on the unwrapped model of a prepared `model` (a DeepSpeed engine, an FSDP2 module, or
+    whole weights: nothing to do). A collective under sharded weights: every rank enters it together.
+
+    `gather` (sharding.gathers): the weights are gathered whole for the block and sharded again after; generation
+    then issues no collective, and each rank generates alone. FSDP2: every shard group unsharded, none resharded
+    after its forward meanwhile; ZeRO-3: deepspeed.zero.GatheredParameters over all the parameters, with the
+    engine's hooks (which gather and release each module's around its forward) removed meanwhile, as TRL's
+    unwrap_model_for_generation. Changes made to the gathered weights are not kept (the shards are).
+
+    Else (lock-step) under FSDP2: each shard group's parameters are gathered by its own forward's hooks, and
+    generate() calls the inner model's forward, not the root's (the prepared model, a PeftModel): the root's own
+    parameters are gathered here and sharded again after."""
     from torch.distributed.fsdp import FSDPModule
 
+    if type(model).__name__ == "DeepSpeedEngine" and gather and zero3_engine(model):
+        with _gathered_zero3(model):
+            yield
+        return
     root = model if isinstance(model, FSDPModule) else None
-    if root is not None:
-        # FSDP2 makes the first module to run forward the root: generation before any training forward would make
-        # the embeddings' module one, and the root's later forward fail. Initialized from the root, as its own
-        # forward would (torch 2.13 has no public call for it).
-        root._get_fsdp_state()._lazy_init()
-        root.unshard()
+    if root is None:
+        yield
+        return
+    # FSDP2 makes the first module to run forward the root: generation before any training forward would make the
+    # embeddings' module one, and the root's later forward fail. Initialized from the root, as its own forward would
+    # (torch 2.13 has no public call for it).
+    root._get_fsdp_state()._lazy_init()
+    groups = [m for m in root.modules() if isinstance(m, FSDPModule)] if gather else [root]
+    # torch 2.13's set_reshard_after_forward cannot restore the root's own setting (none: it keeps its weights
+    # through the forward): each group's is kept and put back as it was
+    kept = [(g, g.post_forward_mesh_info) for m in groups if gather
+            for g in m._get_fsdp_state()._fsdp_param_groups]
+    for group, _ in kept:
+        group.post_forward_mesh_info = None
+    for module in groups:  # the same modules in the same order on every rank: all-gathers in step
+        module.unshard()
     try:
         yield
     finally:
-        if root is not None:
-            root.reshard()
+        for group, info in kept:
+            group.post_forward_mesh_info = info
+        for module in groups:
+            module.reshard()
+
+
+def zero3_engine(engine) -> bool:
+    """Whether a DeepSpeed engine partitions its parameters (ZeRO-3)."""
+    return engine.zero_optimization_partition_weights()
+
+
+@contextmanager
+def _gathered_zero3(engine):
+    """A ZeRO-3 engine's parameters whole on every rank, its modules' gathering hooks off (sharding.generating)."""
+    import deepspeed
+
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for p in params:
+            p.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver as forkserver
 import os
 import signal
 import socket
@@ -101,9 +102,22 @@ def _forkserver():
     """multiprocessing's fork server, started once per test session with the training code imported."""
     if not _SERVER:
         ctx = multiprocessing.get_context("forkserver")
-        # and what a run imports later: metrics (evaluate), the tensorboard tracker, the loss plot (matplotlib)
-        ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe", "evaluate", "torch.utils.tensorboard",
-                                    "matplotlib.pyplot"])
+        # and what a run imports later: metrics (evaluate; scikit-learn's, which the bundled accuracy imports: 1.2 s
+        # a run), the tensorboard tracker, the loss plot (matplotlib), deepspeed (transformers' save_pretrained
+        # imports it wherever it is installed: 0.5 s a process). Nothing that prints when imported: a child's output
+        # is what a real launch prints (DeepSpeed's accelerator probe is told what it would find, as dist.py does).
+        import torch
+
+        ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe", "evaluate", "sklearn.metrics",
+                                    "torch.utils.tensorboard", "matplotlib.pyplot", "deepspeed"])
+        probe = not torch.accelerator.is_available() and "DS_ACCELERATOR" not in os.environ
+        if probe:  # the server's environment only: the children get their own (forked_cli.child)
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if probe:
+                del os.environ["DS_ACCELERATOR"]
         _SERVER.append(ctx)
     return _SERVER[0]
 

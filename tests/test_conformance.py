@@ -12,7 +12,8 @@ Each task's runs, made once (fixture `once`) and shared by its checks:
                epoch's end and the next epoch's order again (where the rows end an epoch in 4 steps)
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
-    sharded    `two`'s (rank 1 signalled during step 3) under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES), then
+    sharded    `two`'s (rank 1 signalled during step 3) under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES; the two
+               that shard the weights generate each way: FSDP2 in lock-step, ZeRO-3 on gathered weights), then
                resumed from step 3's checkpoint under the same engine: every step and evaluation the reference's
 Bad inputs and inspect start a process each that stops before training.
 """
@@ -45,8 +46,11 @@ REL = 1e-5
 SIGTERM_STEP = 3
 CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=3,micro=0,rank=0"}  # the last checkpoint: step 2
 # The engines users scale with beyond DDP: FSDP2 and ZeRO-3 shard the weights (every forward a collective; generation
-# in lock-step), ZeRO-2 the gradients and optimizer state (whole weights on each rank: each generates alone)
-ENGINES = {"fsdp2": "fsdp2.yaml", "zero2": "cpu_deepspeed_zero2.yaml", "zero3": "cpu_deepspeed_zero3.yaml"}
+# on the weights gathered whole for it, or in lock-step), ZeRO-2 the gradients and optimizer state (whole weights on
+# each rank: each generates alone). Each way of generating on sharded weights under one engine here (the other two
+# pairs: test_generation.py's eval.generate): {engine: (accelerate config, overrides)}
+ENGINES = {"fsdp2": ("fsdp2.yaml", ["train.gather_for_generation=false"]), "zero2": ("cpu_deepspeed_zero2.yaml", []),
+           "zero3": ("cpu_deepspeed_zero3.yaml", [])}
 # FSDP2 reduce-scatters the gradients (another order of the fp32 sums than 1 process's) and steps the optimizer on
 # shards: after 4 steps at lr 1e-2, up to 2e-5 relative (kto's kl, reward's eval_margin): 1e-4
 SHARDED_REL = 1e-4
@@ -123,11 +127,11 @@ def sharded(name, root, once):
     resumed from that checkpoint under the same engine: {engine: (stopped, resumed or None, output_dir)}."""
     def make():
         made = {}
-        for engine, config in ENGINES.items():
+        for engine, (config, extra) in ENGINES.items():
             out = root / engine
-            stopped = forked_launch(config, *args(name, out, *TWO), timeout=240,
+            stopped = forked_launch(config, *args(name, out, *TWO, *extra), timeout=240,
                                     env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"})
-            resumed = (forked_launch(config, *args(name, out, *TWO, "resume_from=latest"), timeout=240)
+            resumed = (forked_launch(config, *args(name, out, *TWO, *extra, "resume_from=latest"), timeout=240)
                        if stopped.first == 128 + 15 else None)
             made[engine] = stopped, resumed, out
         return made
@@ -135,14 +139,14 @@ def sharded(name, root, once):
     return once(("sharded", name), make)
 
 
-def refused_under(name: str, config: str) -> str | None:
-    """What the task's own cheap checks (TaskInfo.preflight) say of its example under an accelerate config's
-    launch environment; None: nothing."""
+def refused_under(name: str, config: str, extra: list[str]) -> str | None:
+    """What the task's own cheap checks (TaskInfo.preflight) say of its example (with `extra` overrides) under an
+    accelerate config's launch environment; None: nothing."""
     from unittest import mock
 
     with mock.patch.dict(os.environ, launch_environment(config)[0]):
         try:
-            tasks.info(name).check(example_cfg(name))
+            tasks.info(name).check(example_cfg(name, *extra))
         except ConfigError as e:
             return str(e)
     return None
@@ -180,13 +184,13 @@ def test_sharded_engines_train_as_one_process(name, reference, sharded):
     """Under FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, 2 processes x batch 2 log the reference's numbers at every step
     (the epoch ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same
     forwards, the task's own included: Task.prepare) and at every evaluation; a task that samples from the model
-    (grpo, distill on-policy) generates what 1 process samples (in lock-step on every rank under sharded weights:
-    sharding.sharded). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
+    (grpo, distill on-policy) generates what 1 process samples (under sharded weights on the weights gathered for
+    it, or in lock-step on every rank: sharding.generating). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
     job stops with 128+15; resumed from it under the same engine, step 4 and the last evaluation are the
     reference's."""
     for engine, (stopped, resumed, out) in sharded.items():
         text = stopped.stdout + stopped.stderr
-        refusal = refused_under(name, ENGINES[engine])
+        refusal = refused_under(name, *ENGINES[engine])
         if refusal:  # the task's own preflight says it cannot run there: said in one line before any model loads
             assert stopped.first == 2 and set(said(text)) == {f"accel_train: error: {refusal}"}, text[-3000:]
             assert not (out / "metrics.jsonl").exists()

@@ -148,18 +148,23 @@ def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
 
 
 @pytest.mark.long
-def test_generation_under_fsdp_answers_as_ddp(tmp_path):
-    """Sharded parameters (FSDP2): every rank generates in lock-step (generate's synced_gpus: a rank whose answers
-    are done keeps running forwards until the other's are); the eval answers and their scores are DDP's."""
+def test_generation_under_sharded_weights_answers_as_ddp(tmp_path):
+    """Sharded parameters (FSDP2, ZeRO-3), each the other way of generating than test_conformance.py's: under FSDP2
+    on the weights gathered whole for it (train.gather_for_generation, the default: each rank generates alone),
+    under ZeRO-3 in lock-step (=false: generate's synced_gpus, a rank whose answers are done keeps running forwards
+    until the other's are); the eval answers and their scores are DDP's."""
     answers = {}
-    for config in ("cpu_2proc.yaml", "fsdp2.yaml"):
+    for config, extra in (("cpu_2proc.yaml", []), ("fsdp2.yaml", []),
+                          ("cpu_deepspeed_zero3.yaml", ["train.gather_for_generation=false"])):
         out = tmp_path / config
         proc = forked_launch(config, "eval.generate=true", "eval.max_new_tokens=8", "data.builtin_size=80",
-                             "train.max_steps=2", "train.mixed_precision=no", "track.log_with=[]",
+                             "train.max_steps=2", "train.mixed_precision=no", "track.log_with=[]", *extra,
                              f"output_dir={out}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         answers[config] = [(r["step"], r["index"], r["generation"]) for r in predictions(out)]
-    assert len(answers["fsdp2.yaml"]) == 8 and answers["fsdp2.yaml"] == answers["cpu_2proc.yaml"]
+    assert len(answers["cpu_2proc.yaml"]) == 8
+    assert answers["fsdp2.yaml"] == answers["cpu_2proc.yaml"]
+    assert answers["cpu_deepspeed_zero3.yaml"] == answers["cpu_2proc.yaml"]
 
 
 def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):

@@ -119,19 +119,38 @@ def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch,
     from accel_train import tasks
 
     key = "grpo.generation_batch_size=2"
-    cfg = load_config(None, ["task=grpo", key])
-    tasks.info("grpo").check(cfg)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
+    lockstep = load_config(None, ["task=grpo", key, "train.gather_for_generation=false"])
+    tasks.info("grpo").check(lockstep)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
     monkeypatch.setenv(variable, "true")
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} \(sharded parameters"):
-        tasks.info("grpo").check(cfg)  # grpo's own preflight
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} with "
+                                          r"train.gather_for_generation=false \(generation in lock-step"):
+        tasks.info("grpo").check(lockstep)  # grpo's own preflight
+    # the weights gathered for generation (the default): each rank generates alone, as many calls as it needs
+    tasks.info("grpo").check(load_config(None, ["task=grpo", key]))
     check_sharded(load_config(None, BEST))  # the best checkpoint's sharded files are read back (recipe.run)
     if variable == "ACCELERATE_USE_DEEPSPEED":  # ZeRO-2 keeps the whole weights on every rank: it may generate
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        tasks.info("grpo").check(cfg)
+        tasks.info("grpo").check(lockstep)
         check_sharded(load_config(None, ["task=grpo"]))
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
         check_sharded(load_config(None, ["task=grpo"]))  # generation in lock-step (sharding.sharded)
         check_sharded(load_config(None, ["eval.generate=true"]))
+
+
+def test_gather_for_generation_given_where_the_weights_are_whole_says_it_does_nothing(monkeypatch, caplog):
+    """A key given and ignored is said: under DDP (or ZeRO-2) the weights are whole on every rank already."""
+    caplog.set_level("INFO")
+    check_sharded(load_config(None, ["task=grpo"]))  # left at its default: nothing said
+    assert "gather_for_generation" not in caplog.text
+    check_sharded(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))
+    assert [r.getMessage() for r in caplog.records if "gather_for_generation" in r.getMessage()] == [
+        "train.gather_for_generation=false does nothing under this launch: the weights are whole on every rank (it "
+        "applies to FSDP2 and DeepSpeed ZeRO-3)"]
+    caplog.clear()
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    check_sharded(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))
+    assert "gather_for_generation" not in caplog.text
 
 
 def test_metric_kwargs_are_typed():

@@ -6,7 +6,7 @@ max_new_tokens, temperature, top_p, generation_batch_size, tools, environment, m
 
 A row's token at completion position k (observations counted) takes the k-th draw of its noise, whatever the turn:
 trajectories are the same on any number of processes and after a resume. The prompts' KV cache is computed once
-for all the rows that continue them (generation.shared_prompt_cache), but under sharded weights (`synced`).
+for all the rows that continue them (generation.shared_prompt_cache), but in lock-step (`synced`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class CompletionSampler:
 
     def __init__(self, cfg: Config, model, tokenizer, device, synced: bool = False):
         """`model`: the unwrapped model, whose generation_config.json is read (and overridden: generation.py);
-        `synced`: its weights are sharded (sharding.sharded): every rank generates in lock-step, one generate call per
-        micro-batch."""
+        `synced`: its weights are sharded and not gathered for generation (sharding.lockstep): every rank generates
+        in lock-step, one generate call per micro-batch."""
         self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
@@ -79,7 +79,7 @@ class CompletionSampler:
         """Each prompt batch's completions, generated grpo.generation_batch_size prompts at a time: by default all of
         a step's prompts on this process in one generate call where memory allows (`prompts_per_call`), whose
         decoding reads the weights once a token for all their rows (SmolLM2 on a CPU: 127 tokens/s with 16 rows, 156
-        with 32, 184 with 64); under sharded weights one call per micro-batch. A row's tokens do not depend on the
+        with 32, 184 with 64); in lock-step one call per micro-batch. A row's tokens do not depend on the
         rows beside it (SeededSampler; in fp32; in bf16 a wider padded batch may change the logits' last bits)."""
         G, n = self.g.num_generations, sum(len(b["prompt_ids"]) for b in batches)
         if not n:  # the end of an epoch: no prompt left for this window

@@ -47,8 +47,8 @@ class TaskInfo:
     generation: bool = False
     """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
     generates: bool | str = False
-    """Whether training samples from the model (under sharded parameters, FSDP2 and ZeRO-3, in lock-step on every
-    rank: preflight.check_sharded); or "module:function" of a torch-free function cfg -> that (when only some
+    """Whether training samples from the model (under sharded parameters, FSDP2 and ZeRO-3, on weights gathered
+    for it or in lock-step on every rank: preflight.check_sharded, sharding.generating); or "module:function" of a torch-free function cfg -> that (when only some
     settings sample)."""
     example: tuple[str, ...] = ()
     """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on

@@ -2,7 +2,9 @@
 Qwen's 152k-token vocabulary, tied, on a 2-layer 512-wide Llama; 84M parameters, 0.34 GB in fp32), full fine-tuning
 (where the engines differ most: Adam's two states and the gradients are sharded under ZeRO-2/3 and FSDP2, the
 weights under ZeRO-3 and FSDP2). GRPO with grpo.beta=0.04: its frozen reference, a copy of the initial weights, is
-sharded like the policy (sharding.frozen_copy).
+sharded like the policy (sharding.frozen_copy). Under FSDP2 and ZeRO-3 GRPO generates on the weights gathered whole
+for its rollouts (train.gather_for_generation, the default: task "grpo") or in lock-step on the sharded weights
+("grpo-lockstep"): each row gives the seconds spent generating and the tokens generated.
 
     python tests/scripts/engine_memory.py [--out DIR] [--steps 3] [--engines ddp zero2 ...] [--tasks sft grpo]
 
@@ -40,6 +42,7 @@ TASKS = {
     "grpo": ["task=grpo", "data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=16",
              "grpo.rewards=[length_penalty]", "grpo.beta=0.04"],
 }
+TASKS["grpo-lockstep"] = [*TASKS["grpo"], "train.gather_for_generation=false"]
 COMMON = ["lora.enabled=false", "train.mixed_precision=no", "train.per_device_batch_size=4", "train.grad_accum_steps=1",
           "data.builtin_size=64", "train.eval_every=null", "checkpoint.save_every=null", "track.log_with=[]",
           "train.warmup_steps=0", "train.log_every=1", "overwrite=true"]
@@ -83,8 +86,11 @@ def run(engine: str, task: str, model: Path, tmp: Path, steps: int) -> dict:
         return {"engine": engine, "task": task, "error": (proc.stdout + proc.stderr)[-2000:]}
     summary = json.loads((out / "summary.json").read_text())
     memory = summary["memory_mb_per_process"]
+    rollouts = summary.get("rollouts", {})
     return {"engine": engine, "task": task, "setup_mb": memory["setup"], "training_mb": memory["training"],
-            "wall_s": round(time.perf_counter() - t0, 1), "final_loss": summary["final"].get("loss")}
+            "wall_s": round(time.perf_counter() - t0, 1), "final_loss": summary["final"].get("loss"),
+            **({"generation_s": rollouts["generation_s"], "generated_tokens": rollouts["generated_tokens"]}
+               if rollouts else {})}
 
 
 def main() -> None:
@@ -100,19 +106,23 @@ def main() -> None:
         rows = []
         for task in args.tasks:
             for engine in args.engines:
+                if task == "grpo-lockstep" and engine.split()[0] in ("ddp", "zero2"):
+                    continue  # whole weights: nothing to gather, no lock-step
                 rows.append(run(engine, task, tmp / "model", tmp, args.steps))
                 print(json.dumps(rows[-1]) if "error" not in rows[-1] else f"{engine} {task}: FAILED", flush=True)
     out = args.out or Path(tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_memory.json").write_text(json.dumps(rows, indent=1))
-    print("\n| task | engine | peak MB, start to first step (rank 0 / rank 1) | peak MB, training (rank 0 / rank 1) |")
-    print("|---|---|---|---|")
+    print("\n| task | engine | peak MB, start to first step (rank 0 / rank 1) | peak MB, training (rank 0 / rank 1) | "
+          "generating |")
+    print("|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['task']} | {r['engine']} | failed | |")
             continue
         print(f"| {r['task']} | {r['engine']} | {' / '.join(f'{m:.0f}' for m in r['setup_mb'])} | "
-              f"{' / '.join(f'{m:.0f}' for m in r['training_mb'])} |")
+              f"{' / '.join(f'{m:.0f}' for m in r['training_mb'])} | "
+              + (f"{r['generated_tokens']} tokens in {r['generation_s']:.1f} s |" if "generation_s" in r else " |"))
     print(f"\nraw: {out / 'engine_memory.json'}")
 
 

@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 from accel_train import data as data_lib
 from accel_train.components import responses
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
-from accel_train.sharding import built_sharded, generating, sharded, whole_model, zero3
+from accel_train.sharding import built_sharded, gathers, generating, lockstep, whole_model, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                     until_stop)
@@ -251,10 +251,10 @@ def prompts_of(batch: dict) -> list[list[int]]:
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, step: int, autocast,
-                     synced: bool = False) -> list[list[int]]:
+                     prepared=None, synced: bool = False, gather: bool = False) -> list[list[int]]:
     """The student's response to each prompt, sampled with its own noise (generation.SeededSampler), up to and with
-    its stop token. `model`: unwrapped (no collective: each rank samples its own; `synced`, under sharded weights:
-    in lock-step with the other ranks, sharding.sharded)."""
+    its stop token. `model`: unwrapped; `prepared`, accelerate's (sharding.generating: under sharded weights, the
+    weights gathered for it where `gather`, else in lock-step with the other ranks where `synced`)."""
     d, device = cfg.distill, next(model.parameters()).device
     config = generation_config(model, tokenizer, d.max_new_tokens)  # greedy: the sampler picks the token
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
@@ -263,7 +263,7 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
     sampler = SeededSampler(noise, input_ids.shape[1], d.temperature, 1.0)
     was_training = model.training
     model.eval()
-    with generating(model), autocast():
+    with generating(prepared if prepared is not None else model, gather), autocast():
         new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                              logits_processor=LogitsProcessorList([sampler]), synced_gpus=synced)
     new = new[:, input_ids.shape[1]:].tolist()
@@ -352,7 +352,8 @@ class Distill(Task):
         for batch in window:
             prompts = prompts_of(batch)
             responses = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast,
-                                         sharded(accelerator))
+                                         self.job.model, lockstep(self.cfg, accelerator),
+                                         gathers(self.cfg, accelerator))
             out.append(on_policy_batch(prompts, responses, self.tokenizer.pad_token_id, accelerator.device))
         return out
 

@@ -77,12 +77,14 @@ class GrpoConfig:
     """Prompts per generate call of the rollouts (each sampled grpo.num_generations times); None: all of a step's
     prompts on a process in one call (the fastest) where the KV cache of all their completions takes at most a
     quarter of the device's memory, else a micro-batch's prompts a call (the memory of one micro-batch's cache;
-    components/completions.py). Under FSDP2 and ZeRO-3 one call per micro-batch (setting it is refused there)."""
+    components/completions.py). In lock-step on sharded weights (train.gather_for_generation=false) one call per
+    micro-batch (setting it is refused there)."""
     merge_adapter: Optional[bool] = None
     """Generate (rollouts, greedy evaluation) with the LoRA adapter merged into a copy of the weights it adapts, made
     for each generation and freed before the rewards run (generation.merged_adapter): faster, for the memory of that
     copy; false: run the adapter beside the weights. None: true under LoRA, but for a quantized model
-    (model.quantization). Off under FSDP2 and ZeRO-3 (sharded weights), said in one line."""
+    (model.quantization). Under FSDP2 and ZeRO-3 merged into the weights gathered for generation; off in lock-step
+    (train.gather_for_generation=false), said in one line."""
 
     def resolve(self, cfg) -> None:
         if cfg.task == "grpo":
@@ -169,8 +171,8 @@ def results(cfg) -> list[str]:
 
 def preflight(cfg) -> None:
     """The reward functions (rewards.check_rewards: names resolved, arguments accepted), then the tools or the
-    environment (tools.check_static); under sharded weights, where every rank generates in lock-step, nothing that
-    makes ranks call generate a different number of times."""
+    environment (tools.check_static); under sharded weights where every rank generates in lock-step
+    (train.gather_for_generation=false), nothing that makes ranks call generate a different number of times."""
     from accel_train.components.rewards import check_rewards
     from accel_train.components.tools import check_static
     from accel_train.preflight import sharded_launch
@@ -181,8 +183,9 @@ def preflight(cfg) -> None:
              "each completion's turns would make the ranks generate a different number of times"),
             (f"grpo.generation_batch_size={g.generation_batch_size}", g.generation_batch_size is not None,
              "generation runs in lock-step, one call per micro-batch")):
-        if kind and on:
-            raise ConfigError(f"{key} is not supported under {kind} (sharded parameters: {why}); use DDP "
-                              "(configs/accelerate/2gpu.yaml) or DeepSpeed ZeRO-2 or turn it off")
+        if kind and cfg.train.gather_for_generation is False and on:
+            raise ConfigError(f"{key} is not supported under {kind} with train.gather_for_generation=false "
+                              f"(generation in lock-step on sharded weights: {why}); gather the weights for "
+                              "generation (train.gather_for_generation=true, the default) or turn it off")
     check_rewards(cfg)
     check_static(cfg)

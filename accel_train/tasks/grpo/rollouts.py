@@ -26,7 +26,7 @@ from accel_train.components.completions import CompletionSampler, Completions
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.rewards import RewardError, Rewards
 from accel_train.config import Config, ConfigError
-from accel_train.sharding import generating, sharded, zero3
+from accel_train.sharding import gathers, generating, lockstep, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import left_padded, merged_adapter, position_ids
 from accel_train.tracking import get_logger
@@ -88,14 +88,16 @@ class Rollouts:
     def __init__(self, cfg: Config, accelerator, model, tokenizer):
         self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
         self.rewards = Rewards(cfg)
-        self.synced = sharded(accelerator)
+        # under sharded weights: gathered whole for the rollouts, or in lock-step (train.gather_for_generation)
+        self.synced, self.gather = lockstep(cfg, accelerator), gathers(cfg, accelerator)
         self.sampler = CompletionSampler(cfg, accelerator.unwrap_model(model), tokenizer, accelerator.device,
                                          self.synced)
-        # a LoRA adapter merged into weights that FSDP or ZeRO-3 shard is not built: rollouts run it beside them
+        # a LoRA adapter merged into weights that FSDP or ZeRO-3 shard is not built: in lock-step, rollouts run it
+        # beside them (gathered, it is merged into the gathered weights)
         self.merge = self.g.merge_adapter and not self.synced
         if self.g.merge_adapter and self.synced:
-            logger.info("grpo.merge_adapter: off under sharded weights (FSDP, ZeRO-3): rollouts run the adapter "
-                        "beside the weights", main_process_only=True)
+            logger.info("grpo.merge_adapter: off in lock-step on sharded weights (train.gather_for_generation=false):"
+                        " rollouts run the adapter beside the weights", main_process_only=True)
         self.current: list[dict] | None = None  # the last rollouts (grpo.num_iterations > 1 trains on them again)
         self.start, self.real = 0, 0  # the step they were sampled at; how many of them are this rank's own
         self.generated_tokens, self.generation_s = 0, 0.0
@@ -142,7 +144,7 @@ class Rollouts:
         out, records, failed = [], [], None
         try:
             # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
-            with merged_adapter(unwrapped, self.merge and bool(prompt_batches)), generating(unwrapped), \
+            with generating(self.model, self.gather), merged_adapter(unwrapped, self.merge and bool(prompt_batches)), \
                     self.accelerator.autocast():
                 # a replayed batch (weight 0: its tokens do not matter) runs no environment
                 generated = (self.sampler.generate_window(unwrapped, prompt_batches[:logged], step)
@@ -158,7 +160,8 @@ class Rollouts:
             unwrapped.train(was_training)
         stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
-            prompts_by = unwrapped if shares_prompts(self.cfg) and not self.synced else None  # as PolicyLoss runs them
+            # as PolicyLoss runs them
+            prompts_by = unwrapped if shares_prompts(self.cfg) and not sharded(self.accelerator) else None
             for micro in out:
                 with self.accelerator.autocast():
                     micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(

@@ -8,14 +8,16 @@ reward functions by name (e.g. `answer` for exact_match, grpo.answer_field).
 One optimizer step, on each rank, for each of its grad_accum_steps micro-batches of per_device_batch_size prompts:
 
     rollout   grpo.num_generations completions per prompt, sampled with the adapter on and the KV cache
-              (transformers' generate; the prompt's cache computed once for its group, then repeated, but under
-              sharded weights),
+              (transformers' generate; the prompt's cache computed once for its group, then repeated, but in
+              lock-step on sharded weights),
               ending at the template's end of turn, eos, or grpo.max_new_tokens.
               Each completion's sampling noise comes from its own generator, seeded by (seed, the step of the
               rollout, the prompt's row, the completion's number): 1 and 2 processes sample the same completions
               for the same prompts, and a resumed run samples what the uninterrupted one did (nothing to save).
-              Every rank generates its own prompts' completions: alone under DDP and ZeRO-1/2, in lock-step under
-              FSDP2 and ZeRO-3 (one generate call per micro-batch, the window padded alike on every rank).
+              Every rank generates its own prompts' completions: alone under DDP and ZeRO-1/2, and under FSDP2
+              and ZeRO-3 on the weights gathered whole for the rollouts (train.gather_for_generation, the
+              default); or in lock-step on the sharded weights (=false: one generate call per micro-batch, the
+              window padded alike on every rank).
     rewards   the reward functions' weighted sum, and each completion's advantage within its prompt's group
               (rollouts.py says how).
     loss      per completion token: -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta KL, with
@@ -39,8 +41,9 @@ every mu steps); checkpoints are written between batches of rollouts only (check
 
 Sampling reads the model's logits as they are (generation.generation_config): no setting of the base's
 generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
-actually sampled. Under FSDP2 and DeepSpeed ZeRO-3 (sharded weights) every rank generates in lock-step
-(components/completions.py, sharding.sharded); multi-turn rollouts are refused there.
+actually sampled. Under FSDP2 and DeepSpeed ZeRO-3 (sharded weights) every rank generates on the weights gathered
+whole for it, or in lock-step (train.gather_for_generation=false: components/completions.py, sharding.lockstep),
+where multi-turn rollouts are refused.
 
 Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
 several reward functions), frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length,
@@ -181,7 +184,7 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
             n_rows = len(batch["prompt_ids"])
             try:
                 # the adapted weights' copy while generating, freed before the rewards (a reward model) run
-                with merged_adapter(unwrapped, rollouts.merge), generating(unwrapped), accelerator.autocast():
+                with generating(model, rollouts.gather), merged_adapter(unwrapped, rollouts.merge), accelerator.autocast():
                     completions = rollouts.sampler.turns(unwrapped, batch, 1)
                 texts = rollouts.sampler.texts(completions)
                 values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions.ids,
