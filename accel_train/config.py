@@ -208,12 +208,13 @@ class TrainConfig:
     """Samples per micro-batch on each process."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step. Effective batch = per_device_batch_size x grad_accum_steps x processes."""
-    global_batch_size: Optional[int] = None
-    """Samples per optimizer step over all processes (in per_device_batch_size's unit: prompts for grpo). When set,
-    each process takes global_batch_size / processes of them, in micro-batches of at most per_device_batch_size
+    global_batch_size: Optional[int] = 16
+    """Samples per optimizer step over all processes (in per_device_batch_size's unit: prompts for grpo): each
+    process takes global_batch_size / processes of them, in micro-batches of at most per_device_batch_size
     (grad_accum_steps follows), so that 1, 2 or N processes run the same optimisation; refused when the processes
     do not divide it; a run's config.yaml, which records its split, is split again on another number of processes.
-    None: per_device_batch_size x grad_accum_steps x processes."""
+    None: per_device_batch_size x grad_accum_steps x processes (accelerate's arithmetic), which is also what a
+    config that sets per_device_batch_size or grad_accum_steps and not this key gets."""
     epochs: int = 10
     """Passes over the training data."""
     max_steps: Optional[int] = None
@@ -478,6 +479,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except yaml.YAMLError as e:  # e.g. a regular expression such as [a-j]+
             raise ConfigError(f"override {item!r}: {value!r} is not a valid YAML value "
                               f"({getattr(e, 'problem', None) or 'unreadable'}); quote it: {key}='{value}'") from None
+    train = raw.get("train")
+    if isinstance(train, dict) and "global_batch_size" not in train and (
+            "per_device_batch_size" in train or "grad_accum_steps" in train):
+        train["global_batch_size"] = None  # the batch they give, per process (TrainConfig.global_batch_size)
     return _build(Config, raw, prefix="", lines=lines)
 
 

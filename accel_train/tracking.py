@@ -120,6 +120,14 @@ def get_logger(name: str):
     return _adapter_class()(logging.getLogger(name), {})
 
 
+def loaded_line(model, device) -> str:
+    """What a model loaded beside the trained one (distill's teacher, a grpo reward model) holds: "N parameters,
+    DTYPE, on DEVICE, whole on every process"."""
+    params = list(model.parameters())
+    return (f"{sum(p.numel() for p in params):,} parameters, {str(params[0].dtype).removeprefix('torch.')}, on "
+            f"{device}, whole on every process")
+
+
 def main_logger():
     """The run's own lines (start, steps, evaluations, the end)."""
     return get_logger("accel_train")

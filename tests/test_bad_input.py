@@ -145,6 +145,9 @@ CASES = {
     "grpo environment without step": (grpo_environment("class Env:\n    def reset(self, row):\n        pass\n"),
                                       "must be a class with reset(row) and step(text) -> (observation, done); it "
                                       "lacks step"),
+    "grpo environment reset raises": (grpo_environment(ENV.replace("pass", "raise KeyError(row['answer'])")),
+                                      "env.py:Env.reset raised KeyError on the first training row, before training: "
+                                      "'answer'"),
     "grpo max_turns 1": (grpo_environment(ENV, "grpo.max_turns=1"),
                          "grpo.max_turns=1 leaves no turn after a tool's result or an observation"),
     "grpo tool without docstring": (lambda t: [*GRPO, f"grpo.tools=[{write_text(t / 'tools.py', UNDOCUMENTED)}:f]"],

@@ -266,3 +266,8 @@ def test_predict_with_a_classification_adapter(tmp_path):
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [r["label_id"] for r in rows] == [1, 0]
     assert all(abs(sum(r["probs"].values()) - 1) < 1e-3 for r in rows)
+    # answers to score are a reward model's (task reward): refused in one line before the model loads
+    proc = python_m(out, "--prompt", "rate it", "--response", texts[0], module="accel_train.predict")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"accel_train.predict: error: {out / 'adapter'} holds a classifier (task seq_cls): it classifies texts "
+        "(--text); --prompt, --response and --file score answers with a reward model (task reward)\n")

@@ -18,9 +18,29 @@ def test_every_train_config_loads(path):
     assert isinstance(cfg, Config)
 
 
-def test_default_yaml_is_the_embedded_default_with_a_global_batch():
-    """The built-in default on any number of processes: the default of one process, 16 samples a step."""
-    assert load_config(TRAIN_CONFIGS / "default.yaml") == load_config(None, ["train.global_batch_size=16"])
+def test_default_yaml_is_the_embedded_default_key_by_key():
+    """configs/train/default.yaml is what `python -m accel_train` runs with no --config: every key the file gives
+    is the package's default, and so is every other (16 samples a step on any number of processes)."""
+    from accel_train.config import to_dict
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
+    written = dict(flat(yaml.safe_load((TRAIN_CONFIGS / "default.yaml").read_text())))
+    embedded = dict(flat(to_dict(load_config(None, []))))
+    assert {k: v for k, v in written.items() if embedded.get(k, "missing") != v} == {}
+    assert dict(flat(to_dict(load_config(TRAIN_CONFIGS / "default.yaml")))) == embedded
+    assert embedded["train.global_batch_size"] == 16
+
+
+def test_a_per_device_batch_given_without_a_global_one_is_accelerates_arithmetic():
+    """train.global_batch_size defaults to 16 samples a step; a config that sets the per-device batch or the
+    accumulation, and not the global batch, means per_device x accumulation x processes."""
+    assert load_config(None, []).train.global_batch_size == 16
+    for given in ("train.per_device_batch_size=4", "train.grad_accum_steps=2"):
+        assert load_config(None, [given]).train.global_batch_size is None
+        assert load_config(None, [given, "train.global_batch_size=32"]).train.global_batch_size == 32
 
 
 @pytest.mark.parametrize("path", sorted(ACCEL_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

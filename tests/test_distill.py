@@ -89,6 +89,10 @@ def test_step_one_loss_and_gradient_are_the_formula(teacher, padded_teacher, tmp
                     "train.max_steps=1", "train.per_device_batch_size=4", "train.lr=1e-12", "train.warmup_steps=0",
                     "train.mixed_precision=no", "track.log_with=[]", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher).parameters())
+    loaded = [line.split(" ", 1)[1] for line in proc.stderr.splitlines() if "distill.teacher:" in line]
+    assert loaded == [  # which teacher, how big, where: once
+        f"distill.teacher: {teacher} loaded, {n:,} parameters, float32, on cpu, whole on every process"]
     step1 = read_metrics(out)[0][0]
 
     cfg = load_config(out / "config.yaml")

@@ -167,6 +167,7 @@ def test_builtin_recipe_learns_the_preference(sft):
     proc = python_m(*dpo_args(sft, out, reference="start"), "data.builtin_size=2400", "train.max_steps=120",
                     "train.per_device_batch_size=16", "train.lr=1e-3", "train.warmup_steps=5", "train.log_every=20")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data: task dpo: pairs from column(s) prompt, chosen, rejected\n" in proc.stderr  # the format it read
     train, evals = read_metrics(out)
     accuracy = [r["rewards/accuracy"] for r in train]
     print("rewards/accuracy every 20 steps:", accuracy, "eval:", evals[-1]["eval_rewards/accuracy"])

@@ -846,9 +846,50 @@ def test_multi_turn_trajectories_and_losses_are_the_same_on_1_and_2_processes(mu
     for a, b in zip(multi_turn["A"]["train"], multi_turn["C"]["train"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
         assert b["completions/mean_length"] == a["completions/mean_length"]
+        assert b["turns/mean"] == a["turns/mean"]
+    # turns/mean: the assistant turns per completion of each step's rollouts (no tools: no tools/* keys)
+    for record in multi_turn["A"]["train"]:
+        rows = [r for r in one.values() if r["step"] == record["step"]]
+        assert record["turns/mean"] == pytest.approx(
+            sum(sum(t["role"] == "assistant" for t in r["turns"]) for r in rows) / len(rows))
+        assert not any(k.startswith("tools/") for k in record) and "tool_calls" not in rows[0]
 
 
 @pytest.mark.long  # with the module's multi-turn runs (4 launches)
+def test_an_environment_failing_mid_rollout_names_the_generation_phase(sft, tmp_path):
+    """An environment whose step raises during a rollout (reset passed the check before training): one line naming
+    the method and the phase it failed in (generating, not scoring), the last checkpoint kept."""
+    env = tmp_path / "broken.py"
+    env.write_text(AGAIN_PY.replace("class Again:", "class Broken:").replace(
+        "        self.turns += 1\n", "        self.turns += 1\n        raise ValueError('tool down')\n"))
+    out = tmp_path / "run"
+    proc = python_m(*grpo_args(sft, out, f"grpo.environment={env}:Broken", *MULTI_TURN, "train.per_device_batch_size=2"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert said(proc.stderr) == [
+        f"accel_train: error: grpo.environment: {env}:Broken.step raised ValueError: tool down (generating the "
+        f"completions of step 1); stopped. Checkpoint saved: {out}/checkpoints/step-0 (fix the function, then "
+        "continue with resume_from=latest)"], proc.stderr[-3000:]
+
+
+@pytest.mark.long
+def test_multi_turn_under_fsdp2_with_weights_gathered_samples_as_ddp(multi_turn, sft, tmp_path):
+    """FSDP2 shards the weights; gathered for the rollouts (train.gather_for_generation, the default) each rank
+    generates alone, as many turns as its completions take, with the adapter merged into the gathered weights
+    (grpo.merge_adapter): the trajectories and losses of DDP's 2 processes (run C)."""
+    out = tmp_path / "fsdp2"
+    env = sft.parent / "again.py"
+    proc = forked_launch("fsdp2.yaml", *grpo_args(sft, out, f"grpo.environment={env}:Again", *MULTI_TURN,
+                                                  *TOPOLOGIES["C"][1], f"grpo.rewards=[exact_match,{env}:turns]"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "merge_adapter: off" not in proc.stderr
+    got, want = by_completion(read_run(out)["rollouts"]), by_completion(multi_turn["C"]["rollouts"])
+    assert got.keys() == want.keys()
+    assert all((got[k]["completion_ids"], got[k]["turns"]) == (want[k]["completion_ids"], want[k]["turns"])
+               for k in want)
+    for a, b in zip(multi_turn["C"]["train"], read_run(out)["train"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+
+
 def test_multi_turn_resume_samples_the_same_trajectories(multi_turn, sft, tmp_path):
     out = tmp_path / "run"
     env = sft.parent / "again.py"
@@ -971,6 +1012,30 @@ def slow(x: str) -> str:
 '''
 
 
+def test_the_shipped_tools_recipe_shows_its_tools_to_qwen_and_runs_their_calls():
+    """configs/train/grpo_tools.yaml (not trained here: its model comes from the hub) with Qwen2.5's template
+    (vendored): its tool file's schemas are read, the template shows them and TRL parses their calls; a call runs."""
+    from accel_train.components import tools as tools_lib
+    from accel_train.formats import stop_token_ids
+
+    cfg = load_config("configs/train/grpo_tools.yaml")
+    tools_lib.check_static(cfg)
+    tokenizer = ct.tokenizer_for("qwen2.5")
+    tools_lib.check_multi_turn(cfg, tokenizer)
+    schemas = tools_lib.schemas(tuple(cfg.grpo.tools))
+    assert [s["function"]["name"] for s in schemas] == ["add", "multiply"]
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False, tools=schemas)
+    whole = tokenizer.apply_chat_template(user + [turn], tokenize=False, tools=schemas)
+    ids = tokenizer(whole[len(prompt):], add_special_tokens=False)["input_ids"]
+    stop = next(i for i, t in enumerate(ids) if t in stop_token_ids(tokenizer, None))
+    env = tools_lib.environment_factory(cfg, tokenizer)()
+    observation, done = env.step("", ids[:stop + 1], tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert not done and observation == [{"role": "tool", "name": "add", "content": "5"}]
+
+
 @pytest.mark.parametrize("template", ["qwen2.5", "llama3.1", "llama3.2"])
 def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_path):
     """An assistant turn as the real template renders its tool calls (vendored templates, a local tokenizer): each
@@ -1001,6 +1066,7 @@ def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_pat
         assert not done and [m["name"] for m in observation] == [name]
         results.append(observation[0]["content"])
     assert results == ["5", "error: ValueError: no service today", "error: slow timed out after 0.5 s"]
+    assert (env.calls, env.failures, env.timeouts) == (3, 2, 1)  # what rollouts.jsonl and tools/* count
     # a turn without a call ends the completion
     plain = tokenizer("The answer is 5." + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     assert env.step("The answer is 5.", plain, prefix) == (None, True)
@@ -1046,3 +1112,21 @@ def test_a_steps_prompts_share_a_call_only_where_their_cache_fits(monkeypatch):
     assert cache > 80 * 2**30 / 4 and sampler.prompts_per_call(big, batches) == 8
     small = model(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     assert sampler.prompts_per_call(small, batches) == 64
+
+
+def test_a_run_whose_groups_never_differ_in_reward_says_it_learned_nothing(tmp_path):
+    """Every completion scored alike (a reward that ignores them): no advantage, grad_norm 0 throughout; the run ends
+    as asked (exit 0, weights saved) with one warning saying so. A reward with spread says nothing."""
+    (tmp_path / "flat.py").write_text("def same(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    common = ["task=grpo", "data.path=builtin:reverse", "data.builtin_size=40", "grpo.num_generations=4",
+              "grpo.max_new_tokens=6", "train.max_steps=2", "train.log_every=1", "train.mixed_precision=no",
+              "track.log_with=[]"]
+    flat = python_m(*common, f"grpo.rewards=[{tmp_path / 'flat.py'}:same]", f"output_dir={tmp_path / 'flat'}")
+    assert flat.returncode == 0, flat.stderr[-3000:]
+    warned = [line for line in flat.stderr.splitlines() if "nothing learned" in line]
+    assert len(warned) == 1 and "(frac_reward_zero_std 1)" in warned[0], flat.stderr[-3000:]
+    assert (tmp_path / "flat" / "adapter" / "adapter_config.json").is_file()
+    spread = python_m(*common, "grpo.rewards=[length_penalty]", f"output_dir={tmp_path / 'spread'}")
+    assert spread.returncode == 0, spread.stderr[-3000:]
+    assert [r["frac_reward_zero_std"] for r in read_run(tmp_path / "spread")["train"]] != [1.0, 1.0]
+    assert "nothing learned" not in spread.stderr

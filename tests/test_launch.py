@@ -129,14 +129,15 @@ def test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe(
 @pytest.mark.long
 def test_torchrun(tmp_out):
     """`torchrun -m accel_train` (the script, accel_train/train.py, is what every accelerate launch here runs)."""
-    # two epochs of a third of the builtin data: 900 train samples, 29 steps of 2 x 16 an epoch (the last short)
+    # two epochs of a third of the builtin data: 900 train samples, 57 steps of 2 x 8 an epoch (the default's 16 a
+    # step on any number of processes; the last short)
     proc = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "accel_train",
                 f"output_dir={tmp_out}", "train.epochs=2", "data.builtin_size=1000"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
     train, evals = read_metrics(tmp_out)
-    assert train[-1]["step"] == 58 and evals[-1]["eval_samples"] == 100
+    assert train[-1]["step"] == 114 and evals[-1]["eval_samples"] == 100
 
 
 def test_missing_tracker_package_is_named(tmp_out):

@@ -166,6 +166,8 @@ def test_sft_then_reward_model_then_grpo_raises_the_models_score(sft, rm):
                  ["train.max_steps=1", "train.lr=1e-12", f"output_dir={before}"]):
         proc = python_m(*grpo, *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        loaded = [line for line in proc.stderr.splitlines() if " loaded, " in line]  # once, which one, how big
+        assert len(loaded) == 1 and f"grpo.rewards: model:{rm} loaded, " in loaded[0], proc.stderr[-3000:]
     key = "rewards/model:rm/mean"  # the only reward function: its training mean is logged as `reward`
     (_, (start,)), (train, (end,)) = grpo_metrics(before), grpo_metrics(out)
     assert end["eval_reward"] == end[f"eval_{key}"] > start["eval_reward"] + 0.1, (start, end)
@@ -213,3 +215,51 @@ def test_margins_are_read_from_their_column_and_checked():
     bad = Dataset.from_list([{**PAIRS[0], "margin": "wide"}])
     with pytest.raises(ConfigError, match="row 0: margin is 'wide'; a margin is a finite number"):
         tokenized(bad, tokenizer, cfg)
+
+
+def test_predict_scores_and_ranks_answers_with_a_reward_model(rm, tmp_path):
+    """`accel_train.predict RUN` on a reward run: each answer's score after its prompt (not the softmax of one logit:
+    1.0 for anything), computed here from the saved adapter on its merged base through the chat template; answers
+    to one prompt ranked (best-of-n); a text alone, and a file of prompt/response and messages rows. A classifier
+    given answers to score, or a reward model given nothing, is one line, exit 2."""
+    import peft
+
+    base = AutoModelForSequenceClassification.from_pretrained(rm.parent / "sft" / "merged", num_labels=1)
+    model = peft.PeftModel.from_pretrained(base, rm / "adapter").merge_and_unload().eval()
+    tokenizer = AutoTokenizer.from_pretrained(rm / "adapter")
+
+    def expected(messages):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+
+    answers = ["dcba", "dcb", "abcd"]
+    proc = python_m(rm, "--prompt", "reverse abcd", *[a for r in answers for a in ("--response", r)],
+                    "--text", "dcba", module="accel_train.predict")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    alone, *scored = rows  # --text rows come first: the text as an answer with no prompt
+    assert alone["prompt"] is None and alone["score"] == pytest.approx(
+        expected([{"role": "assistant", "content": "dcba"}]), abs=1e-4) and "rank" not in alone
+    want = [expected([{"role": "user", "content": "reverse abcd"}, {"role": "assistant", "content": a}])
+            for a in answers]
+    assert [r["response"] for r in scored] == answers
+    assert [r["score"] for r in scored] == pytest.approx(want, abs=1e-4)
+    assert len(set(want)) == 3 and [r["rank"] for r in scored] == [sorted(want, reverse=True).index(w) + 1
+                                                                    for w in want]
+
+    file = tmp_path / "rows.jsonl"
+    file.write_text(json.dumps({"prompt": "reverse hgf", "completion": "fgh"}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "reverse hgf"}, {"role": "assistant", "content": "fgha"}]}) + "\n")
+    proc = python_m(rm, "--file", file, module="accel_train.predict")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["score"] for r in rows] == pytest.approx(
+        [expected([{"role": "user", "content": "reverse hgf"}, {"role": "assistant", "content": a}])
+         for a in ("fgh", "fgha")], abs=1e-4)
+    assert sorted(r["rank"] for r in rows) == [1, 2]  # the same prompt, given as a text and as turns
+
+    proc = python_m(rm, module="accel_train.predict")
+    assert proc.returncode == 2 and said(proc.stderr) == [
+        f"accel_train.predict: error: {rm / 'adapter'} holds a reward model: give --prompt and --response "
+        "(repeatable), --text, or --file"]

@@ -32,11 +32,15 @@ from accel_train.generation import (CACHE_ARG, SeededSampler, generation_config,
 @dataclasses.dataclass
 class Completions:
     """A batch's completions: each one's tokens after its prompt; with multi-turn rollouts also which of them the
-    model wrote (1) or an observation (0), and its turns as messages (assistant, tool or user, ...)."""
+    model wrote (1) or an observation (0), and its turns as messages (assistant, tool or user, ...); with grpo.tools
+    each one's tool calls: (parsed, failed, timed out; a time-out is a failure too)."""
 
     ids: list[list[int]]
     masks: list[list[int]] | None = None
     turns: list[list[dict]] | None = None
+    calls: list[tuple[int, int, int]] | None = None
+
+    FIELDS = ("ids", "masks", "turns", "calls")
 
     def written(self) -> list[int]:
         """Each completion's tokens the model wrote (an observation's not counted)."""
@@ -50,13 +54,13 @@ class Completions:
     def joined(cls, parts: list[Completions]) -> Completions:
         """The parts' completions one after the other."""
         fields = [[row for part in parts for row in getattr(part, f)] if getattr(parts[0], f) is not None else None
-                  for f in ("ids", "masks", "turns")]
+                  for f in cls.FIELDS]
         return cls(*fields)
 
     def split(self, sizes: list[int]) -> list[Completions]:
         """Consecutive parts of these sizes."""
         ends = list(itertools.accumulate(sizes))
-        return [Completions(*(None if v is None else v[end - n:end] for v in (self.ids, self.masks, self.turns)))
+        return [Completions(*(None if v is None else v[end - n:end] for v in (getattr(self, f) for f in self.FIELDS)))
                 for n, end in zip(sizes, ends)]
 
 
@@ -173,6 +177,8 @@ class CompletionSampler:
             new = self.complete(model, [prompts[k // repeats] + out.ids[k] for k in active],
                                 sampler and sampler(torch.tensor(active), offsets),
                                 max_new_tokens=budget - int(offsets.min()))
+        if self.g.tools:
+            out.calls = [(env.calls, env.failures, env.timeouts) for env in envs]
         return out
 
     @contextmanager

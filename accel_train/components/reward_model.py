@@ -22,10 +22,11 @@ class RewardModel:
         self.render = renderer(tokenizer)
 
     def ids(self, prompt, completion: str, row: int, max_length: int) -> list[int]:
-        """The prompt (a text: one user turn; or chat turns) and the completion as the assistant's answer, rendered
-        as a pair's side is (through the chat template, as the reward run's tokenizer holds it), its last
-        `max_length` tokens."""
-        messages = as_turns(prompt, row, "user") + [{"role": "assistant", "content": completion}]
+        """The prompt (a text: one user turn; or chat turns; None: none) and the completion as the assistant's
+        answer, rendered as a pair's side is (through the chat template, as the reward run's tokenizer holds it),
+        its last `max_length` tokens."""
+        turns = [] if prompt is None else as_turns(prompt, row, "user")
+        messages = turns + [{"role": "assistant", "content": completion}]
         ids = self.render(messages, self.tokenizer, "all")[0]  # "all": the ids alone, no answer to find
         return ids[-max_length:]
 
@@ -52,6 +53,7 @@ def reward_model(path: str, dtype: str) -> RewardModel:
 
     from accel_train.model import load_trained
     from accel_train.sharding import whole_model
+    from accel_train.tracking import get_logger, loaded_line
 
     with whole_model():  # on every rank, whatever the launch shards
         model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
@@ -60,4 +62,6 @@ def reward_model(path: str, dtype: str) -> RewardModel:
         model = model.merge_and_unload()
     model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it
     model.requires_grad_(False).eval().to(PartialState().device)
+    get_logger(__name__).info(f"grpo.rewards: model:{path} loaded, {loaded_line(model, PartialState().device)}",
+                              main_process_only=True)
     return RewardModel(model, tokenizer)

@@ -84,7 +84,7 @@ class ToolEnvironment:
     def __init__(self, functions: list, tokenizer, timeout_s: float):
         self.functions = {fn.__name__: fn for fn in functions}
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
-        self.calls = self.failures = 0
+        self.calls = self.failures = self.timeouts = 0  # parsed calls; those whose result is an error; timed out
 
     def reset(self, row: dict) -> None:
         pass
@@ -134,6 +134,7 @@ class ToolEnvironment:
         thread.join(self.timeout_s)
         if thread.is_alive():
             self.failures += 1
+            self.timeouts += 1
             return f"error: {name} timed out after {self.timeout_s:g} s"
         if "error" in outcome:
             self.failures += 1
@@ -217,6 +218,20 @@ def check_static(cfg: Config) -> None:
     if (g.tools or g.environment) and max_turns(cfg) < 2:
         raise ConfigError(f"grpo.max_turns={max_turns(cfg)} leaves no turn after a tool's result or an observation; "
                           "set it to 2 or more, or remove grpo.tools / grpo.environment")
+
+
+def check_environment(cfg: Config, row: dict) -> None:
+    """Before any model is built: one grpo.environment made and reset on `row` (the first training row, as a
+    rollout gives it); what it raises stops the run now, naming the method, rather than at the first rollout."""
+    name, method = cfg.grpo.environment, "__init__"
+    cls = load_function(name, key="grpo.environment")
+    try:
+        env = cls()
+        method = "reset"
+        env.reset(row)
+    except Exception as e:  # noqa: BLE001 (a user's class: whatever it raises)
+        raise ConfigError(f"grpo.environment: {name}.{method} raised {type(e).__name__} on the first training row, "
+                          f"before training: {' '.join(str(e).split())[:200]}") from None
 
 
 def check_multi_turn(cfg: Config, tokenizer) -> None:

@@ -55,7 +55,7 @@ from accel_train.generation import (SeededSampler, generation_config, left_padde
 from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
 from accel_train.model import build_model
 from accel_train.model_sources import one_line
-from accel_train.tracking import get_logger
+from accel_train.tracking import get_logger, loaded_line
 from accel_train.tasks import Task
 from accel_train.tasks.distill.config import ZERO3_REFUSAL
 
@@ -211,7 +211,9 @@ def load_teacher(cfg: Config, tokenizer, device) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]), whole_model():  # whole on every rank, whatever the launch shards
         torch.manual_seed(cfg.seed + 1)
         model = build_model(as_model, tokenizer)
-    return model.requires_grad_(False).eval().to(device)
+    model = model.requires_grad_(False).eval().to(device)
+    logger.info(f"distill.teacher: {teacher} loaded, {loaded_line(model, device)}", main_process_only=True)
+    return model
 
 
 def checked_head(model: torch.nn.Module, key: str, low_precision: bool = False) -> torch.nn.Module:

@@ -237,8 +237,12 @@ class DPO(Task):
         self.preference: PreferenceLoss | None = None
         self.accelerator = None  # setup's: orpo's and cpo's windows count their tokens over the ranks
 
-    def columns(self, columns: list[str], source: str) -> None:
+    def columns(self, columns: list[str], source: str) -> str:
         pair_columns(self.cfg, columns, source)
+        d, prompt = self.cfg.dpo, self.cfg.data.prompt_field
+        read = [c for c in (prompt, d.chosen_field, d.rejected_field) if c in columns]
+        return (f"task {self.cfg.task}: pairs from column(s) {', '.join(read)}"
+                + ("" if prompt in columns else f" (no {prompt} column: the conversations carry the prompt)"))
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize_pairs(ds, tokenizer, self.cfg, data_columns(ds))

@@ -71,15 +71,15 @@ class RewardStop(ConfigError, StopTogether):
         return stopped
 
 
-def stop_together(accelerator, failed: str | None, where: str) -> None:
+def stop_together(accelerator, failed: str | None, where: str | None = None) -> None:
     """Raise RewardStop on every rank if a reward function failed on any (`failed`: its message on this rank), naming
-    the first rank's failure. A collective: every rank calls it at the same point (one all-reduce; and a gather on a
-    failure)."""
+    the first rank's failure (and `where`, when the message does not). A collective: every rank calls it at the same
+    point (one all-reduce; and a gather on a failure)."""
     if accelerator.num_processes > 1:
         if accelerator.reduce(torch.tensor([float(failed is not None)], device=accelerator.device), "sum").item():
             failed = next(m for m in gather_object([failed]) if m)
     if failed:
-        raise RewardStop(f"{failed} ({where})")
+        raise RewardStop(f"{failed} ({where})" if where else failed)
 
 
 class Rollouts:
@@ -101,11 +101,16 @@ class Rollouts:
         self.current: list[dict] | None = None  # the last rollouts (grpo.num_iterations > 1 trains on them again)
         self.start, self.real = 0, 0  # the step they were sampled at; how many of them are this rank's own
         self.generated_tokens, self.generation_s = 0, 0.0
+        self.groups, self.flat_groups = 0, 0  # this rank's since the start: prompts' groups, those with no spread
         n = len(self.rewards.names)
         # since the last log, this rank's: reward, reward^2 and scored completions, each function's reward, reward^2
         # and completions it applied to (not None), groups with no spread, completion tokens, completions cut at
         # max_new_tokens, completions, groups; and the longest
         self.sums = torch.zeros(3 * n + 8, dtype=torch.float64)
+        # multi-turn rollouts, since the last log: the completions' assistant turns, tool calls parsed, failed (an
+        # error as result) and timed out
+        self.multi = torch.zeros(4, dtype=torch.float64)
+        self.calls = 0  # this rank's tool calls since the start
         self.longest = torch.zeros(1)
         self.path = Path(cfg.output_dir) / ROLLOUTS_FILE
         self.phase = lambda name: None  # the progress bar's phase (tracking.RunLog.phase), once training starts
@@ -142,6 +147,7 @@ class Rollouts:
         was_training = unwrapped.training
         unwrapped.eval()
         out, records, failed = [], [], None
+        where = f"generating the completions of step {step + 1}"  # an environment's or a tool parser's error
         try:
             # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
             with generating(self.model, self.gather), merged_adapter(unwrapped, self.merge and bool(prompt_batches)), \
@@ -150,15 +156,16 @@ class Rollouts:
                 generated = (self.sampler.generate_window(unwrapped, prompt_batches[:logged], step)
                              + self.sampler.generate_window(unwrapped, prompt_batches[logged:], step, multi=False))
             self.phase("scoring")
+            where = f"scoring the completions of step {step + 1}"
             for i, (batch, completions) in enumerate(zip(prompt_batches, generated)):
                 micro, rows = self.score(batch, completions, step, i < logged)
                 out.append(micro)
                 records += rows
-        except RewardError as e:  # a reward function's, or an environment's
-            failed = str(e)
+        except RewardError as e:  # a reward function's, or an environment's: named with its rank's phase
+            failed = f"{e} ({where})"
         finally:
             unwrapped.train(was_training)
-        stop_together(self.accelerator, failed, f"scoring the completions of step {step + 1}")
+        stop_together(self.accelerator, failed)
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
             # as PolicyLoss runs them
             prompts_by = unwrapped if shares_prompts(self.cfg) and not sharded(self.accelerator) else None
@@ -189,6 +196,7 @@ class Rollouts:
             flat, scored = values.reshape(len(per_function), -1), ~total.isnan()
             # a group with no spread: its scored rewards all equal (exactly; any group of one)
             no_spread = total.nan_to_num(math.inf).amin(1) == total.nan_to_num(-math.inf).amax(1)
+            self.groups, self.flat_groups = self.groups + n_prompts, self.flat_groups + int(no_spread.sum())
             self.sums += torch.cat([torch.stack([total.nansum(), (total ** 2).nansum(), scored.sum()]),
                                     flat.nansum(1), (flat ** 2).nansum(1), (~flat.isnan()).sum(1),
                                     torch.tensor([float(no_spread.sum()), sum(lengths),
@@ -197,6 +205,11 @@ class Rollouts:
                                                       for c in completions),
                                                   len(lengths), n_prompts], dtype=torch.float64)])
             self.longest = torch.maximum(self.longest, torch.tensor([float(max(lengths))]))
+            if trajectories.turns is not None:
+                calls = [sum(c) for c in zip(*trajectories.calls)] if trajectories.calls else [0, 0, 0]
+                self.multi += torch.tensor([sum(m["role"] == "assistant" for t in trajectories.turns for m in t), *calls],
+                                           dtype=torch.float64)
+                self.calls += calls[0]
         micro = self.training_batch(batch["prompt_ids"], completions, advantages, trajectories.masks)
         number = lambda v: None if math.isnan(v) else v  # noqa: E731 (None: not applicable, or unscored)
         rows = [{"step": step + 1, "index": int(batch["index"][k // G]), "generation": k % G,
@@ -206,7 +219,9 @@ class Rollouts:
                  "reward": number(float(total.reshape(-1)[k])), "advantage": float(advantages[k]),
                  "columns": {c: v[k // G] for c, v in batch["columns"].items()},  # what the rewards read
                  **({"turns": trajectories.turns[k], "loss_mask": trajectories.masks[k]}
-                    if trajectories.turns is not None else {})}
+                    if trajectories.turns is not None else {}),
+                 **({"tool_calls": dict(zip(("parsed", "failed", "timed_out"), trajectories.calls[k]))}
+                    if trajectories.calls is not None else {})}
                 for k in range(len(completions))] if log and self.g.log_completions else []
         return micro, rows
 
@@ -243,9 +258,12 @@ class Rollouts:
 
     def means(self, accelerator) -> dict:
         """The rollouts' statistics since the last log, over all ranks (two collectives, on every rank)."""
-        sums = accelerator.reduce(self.sums.to(accelerator.device, torch.float32), reduction="sum").double().tolist()
+        both = accelerator.reduce(torch.cat([self.sums, self.multi]).to(accelerator.device, torch.float32),
+                                  reduction="sum").double().tolist()
+        sums, (turns, calls, failed, timed_out) = both[:len(self.sums)], both[len(self.sums):]
         longest = accelerator.reduce(self.longest.to(accelerator.device), reduction="max").item()
         self.sums.zero_()
+        self.multi.zero_()
         self.longest.zero_()
         n = len(self.rewards.names)
         completions, groups = sums[-2], sums[-1]
@@ -263,13 +281,31 @@ class Rollouts:
         for f, name in enumerate(self.rewards.labels if n > 1 else ()):  # one function: its reward is `reward`
             record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean_std(*sums[3 + f: 3 + 3 * n: n])
         zero_std, tokens, clipped = sums[3 + 3 * n: 6 + 3 * n]
+        if self.g.tools or self.g.environment:  # per completion; a failed call's share of the calls (0: none made)
+            record["turns/mean"] = turns / completions
+        if self.g.tools:
+            record.update({"tools/call_frequency": calls / completions,
+                           "tools/failure_frequency": failed / calls if calls else 0.0,
+                           "tools/timeout_frequency": timed_out / calls if calls else 0.0})
         return {**record, "frac_reward_zero_std": zero_std / groups, "completions/mean_length": tokens / completions,
                 "completions/max_length": longest, "completions/clipped_ratio": clipped / completions}
 
     def summary(self, accelerator, fit_seconds: float) -> dict:
-        """Rollout tokens/s and the time split, for summary.json (a collective: every rank calls it)."""
-        tokens = int(accelerator.reduce(torch.tensor([float(self.generated_tokens)], device=accelerator.device),
-                                        reduction="sum").item())
+        """Rollout tokens/s and the time split, for summary.json (a collective: every rank calls it). A run where
+        every group's completions got the same reward at every step learned nothing from its rewards (no advantage:
+        frac_reward_zero_std 1 throughout): said in a warning, not left to the log's columns."""
+        tokens, groups, flat, calls = (int(v) for v in accelerator.reduce(torch.tensor(
+            [float(self.generated_tokens), float(self.groups), float(self.flat_groups), float(self.calls)],
+            device=accelerator.device), reduction="sum").tolist())
+        if self.g.tools and groups and not calls:
+            logger.warning(f"grpo.tools: no completion called a tool ({groups * self.g.num_generations} completions): "
+                           "the model never wrote a tool call its chat template's format parses; train it on "
+                           "tool-call transcripts first (SFT), or use a model that calls tools", main_process_only=True)
+        if groups and flat == groups:
+            logger.warning(f"grpo: all {groups} groups of completions got the same reward within their group at every "
+                           "step (frac_reward_zero_std 1): no advantage, nothing learned from the rewards; check "
+                           "the reward functions (grpo.rewards) against the completions"
+                           + (f" ({self.path.name})" if self.g.log_completions else ""), main_process_only=True)
         return {"generated_tokens": tokens, "generation_s": round(self.generation_s, 2),
                 "training_s": round(fit_seconds - self.generation_s, 2),
                 "generated_tokens_per_s": round(tokens / self.generation_s, 1) if self.generation_s else None}

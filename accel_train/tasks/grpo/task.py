@@ -47,9 +47,13 @@ where multi-turn rollouts are refused.
 
 Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
 several reward functions), frac_reward_zero_std (groups that teach nothing), completions/mean_length, /max_length,
-/clipped_ratio (cut at max_new_tokens), clip_ratio, entropy, kl (beta > 0). Evaluation answers the eval prompts greedily: eval_reward,
+/clipped_ratio (cut at max_new_tokens), clip_ratio, entropy, kl (beta > 0); multi-turn: turns/mean (assistant
+turns per completion), with grpo.tools tools/call_frequency (calls per completion), tools/failure_frequency and
+tools/timeout_frequency (of the calls). Evaluation answers the eval prompts greedily: eval_reward,
 eval_rewards/NAME/mean, eval_completions/mean_length. output_dir/rollouts.jsonl holds every completion with its
-prompt, token ids, rewards, advantage and the columns the rewards read (grpo.log_completions); the progress bar
+prompt, token ids, rewards, advantage, the columns the rewards read, its turns and tool calls (parsed, failed,
+timed out) (grpo.log_completions); a run whose groups never differ in reward, or whose completions never call a
+tool, ends with a warning saying so; the progress bar
 shows the reward, and "generating" while the step's completions are sampled; summary.json's "rollouts" the tokens
 generated and the seconds spent generating and training.
 """
@@ -102,9 +106,13 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, report: dict
 
 
 def check_rewards_on(cfg: Config, ds: Dataset | IterableDataset) -> None:
-    """Before any model is built: every reward function called once on the first row (two empty completions)."""
+    """Before any model is built: grpo.environment made and reset on the first row, as a rollout resets one per
+    completion; every reward function called once on it (two empty completions)."""
     example = next(iter(ds)) if isinstance(ds, IterableDataset) else ds[0]
     column = prompt_column(cfg, list(example))
+    if cfg.grpo.environment:
+        tools_lib.check_environment(cfg, {"prompt": example[column], **{k: v for k, v in example.items()
+                                                                         if k != column}})
     smoke_test(Rewards(cfg), example, example[column], [k for k in example if k != column],
                turns=bool(cfg.grpo.tools or cfg.grpo.environment))
 
