@@ -170,3 +170,20 @@ def check_data_files(cfg: Config, local: Path) -> None:
     for pattern in patterns:
         if "://" not in pattern and not glob.glob(str(base / Path(pattern).expanduser()), recursive=True):
             raise ConfigError(f"data.data_files: no file matches {pattern!r} (relative to {base})")
+
+
+def jsonl_rows(path: Path, flag: str) -> list[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a .jsonl file a tool reads (`flag`: its option, for the
+    one-line error naming a line that is not a JSON object)."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {path}, line {number}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{flag} {path}, line {number}: not a JSON object")
+        rows.append((number, row))
+    return rows

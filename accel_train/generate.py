@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from accel_train.config import ConfigError
+from accel_train.data_sources import jsonl_rows
 from accel_train.model_sources import PATH_HELP, check_task, trained_folder
 from accel_train.preflight import saved_random_base
 
@@ -38,15 +39,8 @@ def read_prompts(path: str | Path) -> list[dict]:
     if path.suffix != ".jsonl":
         return [{"prompt": line} for line in lines if line.strip()]
     rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--prompts-file {path}, line {number}: not JSON ({e.msg})") from None
-        if not (isinstance(row, dict) and (isinstance(row.get("prompt"), (str, list))
-                                           or isinstance(row.get("messages"), list))):
+    for number, row in jsonl_rows(path, "--prompts-file"):
+        if not (isinstance(row.get("prompt"), (str, list)) or isinstance(row.get("messages"), list)):
             raise ConfigError(f"--prompts-file {path}, line {number}: needs a \"prompt\" string or a \"messages\" list")
         if not conversation(row, None):
             raise ConfigError(f"--prompts-file {path}, line {number}: the conversation has no turn before its "

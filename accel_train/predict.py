@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from accel_train.config import ConfigError
+from accel_train.data_sources import jsonl_rows
 from accel_train.model_sources import PATH_HELP, check_task, trained_folder
 
 MAX_LENGTH, BATCH = 1024, 16  # a reward model's tokens kept and sequences a forward, where no run config says
@@ -57,24 +58,18 @@ def reward_rows(texts: list[str], prompt: str | None, responses: list[str], file
         path = Path(file).expanduser()
         if not path.is_file():
             raise ConfigError(f"--file: {file} is not a file (rows of prompt and response, or of messages)")
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--file: {file} line {number} is not JSON: {e}") from None
+        for number, row in jsonl_rows(path, "--file"):
             answer = next((row[k] for k in ("response", "completion") if k in row), None)
             if isinstance(row.get("messages"), list) and row["messages"] and answer is None:
                 *turns, last = row["messages"]
                 if not isinstance(last, dict) or last.get("role") != "assistant":
-                    raise ConfigError(f"--file: {file} line {number}: the last message is not the assistant's "
+                    raise ConfigError(f"--file {file}, line {number}: the last message is not the assistant's "
                                       "answer to score")
                 rows.append({"prompt": turns or None, "response": last.get("content", "")})
             elif isinstance(answer, str):
                 rows.append({"prompt": row.get("prompt"), "response": answer})
             else:
-                raise ConfigError(f"--file: {file} line {number} has no response (or completion) text, nor "
+                raise ConfigError(f"--file {file}, line {number}: no response (or completion) text, nor "
                                   f"messages; keys found: {', '.join(row) or 'none'}")
     return rows
 

@@ -9,7 +9,6 @@ test_conformance.py (the registry's example)."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from contextlib import nullcontext
 from types import SimpleNamespace

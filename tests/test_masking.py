@@ -12,7 +12,6 @@ import pytest
 from datasets import Dataset
 
 import chat_templates as ct
-from accel_train import data as data_lib
 from accel_train import formats
 from conftest import check_columns, tokenized
 from accel_train.config import ConfigError, load_config
