@@ -140,19 +140,39 @@ def columns(ds: Dataset | IterableDataset) -> list[str]:
     return ds.column_names or list(next(iter(ds)).keys())
 
 
+def file_rows(ds) -> list[int] | None:
+    """The row of the loaded data (file order, from 0; several files one after the other) that each row of `ds` is,
+    where the split was carved out or shuffled at load (load_splits: eval_fraction, max_samples); None where they
+    are the same. What a message names: the file's row, not the shuffled split's."""
+    indices = getattr(ds, "_indices", None) if isinstance(ds, Dataset) else None  # datasets' indices mapping
+    return None if indices is None else indices.column(0).to_pylist()
+
+
+def at_file_rows(example, index, *, row_fn, rows: list[int] | None, **kwargs):
+    """`row_fn(example, index, **kwargs)` for a map with_indices, `index` (a row's, or a batch's list) the file's
+    row numbers (`rows`: file_rows of the mapped split)."""
+    if rows is not None:
+        index = rows[index] if isinstance(index, int) else [rows[i] for i in index]
+    return row_fn(example, index, **kwargs)
+
+
 def map_rows(ds: Dataset | IterableDataset, fn, desc: str, **kwargs) -> Dataset | IterableDataset:
     """`ds.map(fn, **kwargs)`: in memory with a progress description (and datasets' cache on disk, keyed by a hash
     of `fn` and its arguments: pass in `fn_kwargs` only what tokenizing reads, so that other runs reuse it), a
-    stream lazily, as it is read."""
+    stream lazily, as it is read. With `with_indices`, `fn` gets the file's row numbers (at_file_rows)."""
+    if kwargs.get("with_indices"):
+        kwargs["fn_kwargs"] = {"row_fn": fn, "rows": file_rows(ds), **kwargs.get("fn_kwargs", {})}
+        fn = at_file_rows
     return ds.map(fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(fn, **kwargs, desc=desc)
 
 
-def filter_statuses(ds: Dataset | IterableDataset, cfg: Config, split: str, found: dict) -> Dataset | IterableDataset:
+def filter_statuses(ds: Dataset | IterableDataset, cfg: Config, split: str, found: dict,
+                    rows: list[int] | None = None) -> Dataset | IterableDataset:
     """Drop the rows whose `status` (formats.tokenize_causal's) says dropped or refused, counted into `found` and
     logged (in memory; a stream is not read ahead); the column goes."""
     if not (isinstance(ds, IterableDataset) or "status" in ds.column_names):  # 0 rows: no column
         return ds
-    counts = row_counts(ds) if isinstance(ds, Dataset) else None
+    counts = row_counts(ds, rows) if isinstance(ds, Dataset) else None
     ds = ds.filter(lambda status: not status.startswith(("dropped", "refused")), input_columns="status")
     ds = ds.remove_columns("status")
     if counts is not None:
@@ -178,8 +198,9 @@ def unknown_tokens(ds: Dataset, raw: Dataset, tokenizer, cfg: Config, fmt: str |
     sample = int(np.searchsorted(np.cumsum(pc.list_value_length(ids).to_numpy()), first, side="right"))
     row = sample if fmt != "text" else next(  # a text splits into chunks: the first text with an unknown character
         i for i in range(sample + 1) if unk in tokenizer(str(raw[i][cfg.data.text_field]))["input_ids"])
-    text = formats.row_text(raw[row], tokenizer, cfg, fmt, row)
-    return {"tokens": len(flat), "unk": count, "first_unk": f"row {row}: {formats.mark_unknown(text, tokenizer)}"}
+    named = (file_rows(raw) or range(len(raw)))[row]  # the file's row
+    text = formats.row_text(raw[row], tokenizer, cfg, fmt, named)
+    return {"tokens": len(flat), "unk": count, "first_unk": f"row {named}: {formats.mark_unknown(text, tokenizer)}"}
 
 
 def untrained_samples(ds: Dataset) -> list[int]:
@@ -205,15 +226,18 @@ def log_unseen(found: dict, cfg: Config, split: str = "train") -> None:
                        f"{found['first_untrained']})")
 
 
-def row_counts(ds: Dataset) -> dict:
-    """What tokenizing did to the rows: how many were cut, dropped and refused, and the first reason of each."""
+def row_counts(ds: Dataset, rows: list[int] | None = None) -> dict:
+    """What tokenizing did to the rows: how many were cut, dropped and refused, and the first reason of each (first
+    in the file: `rows`, file_rows of the split tokenized, name them)."""
     statuses = ds["status"]
     counts = {"rows": len(statuses)}
+    named = rows or range(len(statuses))
     for kind in ("cut", "dropped", "refused"):
-        rows = [i for i, s in enumerate(statuses) if s.startswith(kind)]
-        counts[kind] = len(rows)
-        if rows and kind != "cut":
-            counts[f"first_{kind}"] = f"row {rows[0]}: {statuses[rows[0]].partition(': ')[2]}"
+        found = [i for i, s in enumerate(statuses) if s.startswith(kind)]
+        counts[kind] = len(found)
+        if found and kind != "cut":
+            first = min(found, key=named.__getitem__)
+            counts[f"first_{kind}"] = f"row {named[first]}: {statuses[first].partition(': ')[2]}"
     return counts
 
 

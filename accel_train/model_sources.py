@@ -8,7 +8,9 @@ No torch: preflight and every tool call this before their heavy imports.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
@@ -25,6 +27,70 @@ def looks_local(name: str) -> bool:
     """`name` is meant as a local path: it cannot be a hub id (./x, /x, ~/x, a/b/c), or its parent folder exists
     here (outputs/run1 where outputs/ does)."""
     return not is_repo_id(name) or ("/" in name and Path(name).expanduser().parent.is_dir())
+
+
+def cache_dir() -> Path:
+    """Where accel_train keeps what it makes once and reuses (a GGUF file's transformers folder): ACCEL_TRAIN_CACHE,
+    else ~/.cache/accel_train."""
+    return Path(os.environ.get("ACCEL_TRAIN_CACHE", "~/.cache/accel_train")).expanduser()
+
+
+def is_gguf(name: str) -> bool:
+    return name.lower().endswith(".gguf")
+
+
+def check_gguf(path: str) -> None:
+    """A GGUF file given as the model exists, and the package transformers reads it with is installed."""
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(f"model.name_or_path: no such GGUF file: {path}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"model.name_or_path: {path} is a GGUF file, which transformers reads with the gguf "
+                          "package: pip install gguf")
+
+
+def gguf_folder(path: str) -> Path:
+    """The transformers folder a local GGUF file (llama.cpp's format: a quantized model, its tokenizer and chat
+    template in one file) is read into, once (keyed by the file's path, size and time): transformers' GGUF loader
+    dequantizes it (to fp32), its tokenizer and chat template come with it, and both are saved there; a second run
+    reads the folder (the loader takes about 25 s for a 135M model on one CPU thread). Several processes starting
+    at once wait for the first (a lock beside the folder). Imports torch: called by preflight once the path is
+    known to be a file."""
+    import hashlib
+
+    check_gguf(path)
+    file = Path(path).expanduser().resolve()
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "gguf" / f"{file.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    import shutil
+
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if (folder / "config.json").is_file():  # another process converted it meanwhile
+            return folder
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        from accel_train.tracking import quiet_libraries
+
+        quiet_libraries()
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+            # dense weights (not left in GGUF blocks, where a matmul kernel is installed): trainable, and saved
+            model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,
+                                                         quantization_config=GgufConfig(dequantize=True))
+        except Exception as e:  # noqa: BLE001 (transformers' GGUF loader: an architecture it does not read, ...)
+            raise ConfigError(f"model.name_or_path: transformers cannot read {path}: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(folder)  # whole or not there: an interrupted conversion is redone
+    return folder
 
 
 def check_model(name: str, revision: str | None = None, key: str = "model.name_or_path") -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from accel_train.checkpoint import resolve_resume
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
-from accel_train.model_sources import check_model, check_weights, trained_task
+from accel_train.model_sources import check_gguf, check_model, check_weights, gguf_folder, is_gguf, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train import tasks
 from accel_train.tracking import check_trackers
@@ -36,11 +36,27 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
     check_trackers(cfg)
     check_metric_for_best(cfg)  # before check_metrics, which loads a metric that is not bundled
     check_metrics(cfg.eval.metrics)
-    check_sharded(cfg)
+    check_sharded(cfg, say=split)
     tasks.info(cfg.task).check(cfg)  # the task's own cheap checks
     if cfg.eval.generate:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
-    return resolve_resume(cfg)
+    resume = resolve_resume(cfg)
+    read_gguf(cfg, say=split)
+    return resume
+
+
+def read_gguf(cfg: Config, say: bool = True) -> None:
+    """model.name_or_path=FILE.gguf: the model becomes its transformers folder (model_sources.gguf_folder: converted
+    once, after every cheap check, then read from the cache), which config.yaml records; `say`: one line naming it
+    (the ranks', not accel-train launch's own process, which converts first)."""
+    path = cfg.model.name_or_path
+    if not is_gguf(path):
+        return
+    cfg.model.name_or_path = str(gguf_folder(path))
+    if say and first_process():
+        # before the run's logging is set up: said as preflight's other lines are (the last-resort handler)
+        logging.getLogger(__name__).warning(f"model.name_or_path: {path} read as a transformers model, dequantized "
+                                            f"to fp32 with its tokenizer and chat template: {cfg.model.name_or_path}")
 
 
 def split_global_batch(cfg: Config, processes: int) -> None:
@@ -90,6 +106,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def first_process() -> bool:
+    """Whether this is the launch's first process (rank 0 of all machines, or the only one)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def is_local_main() -> bool:
     """Whether this is the first process the launcher started on this machine (or the only one)."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
@@ -122,14 +143,16 @@ def built_sharded_launch() -> str | None:
     return None
 
 
-def check_sharded(cfg: Config) -> None:
+def check_sharded(cfg: Config, say: bool = True) -> None:
     """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs on the weights gathered for it, or
     in lock-step on every rank (train.gather_for_generation=false, sharding.lockstep), built for FSDP2; what would
     make ranks call generate a different number of times in lock-step is the task's own preflight's to refuse
     (grpo's multi-turn rollouts). Said before any rank loads anything, rather than hang or fail at the end."""
     generates = tasks.info(cfg.task).generating(cfg)
-    if cfg.train.gather_for_generation is not None and not sharded_launch() and is_local_main():
-        logging.getLogger(__name__).info(
+    # said by the first rank (`say`: not by accel-train launch's own process, whose ranks say it), before the run's
+    # logging is set up: as preflight's other lines (the last-resort handler)
+    if cfg.train.gather_for_generation is not None and not sharded_launch() and say and first_process():
+        logging.getLogger(__name__).warning(
             f"train.gather_for_generation={str(cfg.train.gather_for_generation).lower()} does nothing under this "
             "launch: the weights are whole on every rank (it applies to FSDP2 and DeepSpeed ZeRO-3)")
     if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
@@ -149,6 +172,9 @@ def check_model_source(cfg: Config) -> None:
     if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package (GPUs only): "
                           "pip install flash-attn, or use sdpa")
+    if is_gguf(path):  # read into a transformers folder at the end of preflight (read_gguf)
+        check_gguf(path)
+        return
     check_model(path, cfg.model.revision)  # after the checks that need no network
     check_weights(path, cfg.model.random_init, "model.name_or_path",
                   "pass model.random_init=true to train from random weights built from its config.json")

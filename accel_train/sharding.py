@@ -183,12 +183,17 @@ def generating(model, gather: bool = False):
     # FSDP2 makes the first module to run forward the root: generation before any training forward would make the
     # embeddings' module one, and the root's later forward fail. Initialized from the root, as its own forward would
     # (torch 2.13 has no public call for it).
-    root._get_fsdp_state()._lazy_init()
+    state = root._get_fsdp_state()
+    state._lazy_init()
+    every = [g for m in root.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    # FSDP2 records each forward (the order its next backward prefetches by) until a backward clears the record:
+    # the generation's forwards, as many as each rank's rows take, are taken out of it again after the block, or
+    # ranks that ran different numbers of them would prefetch different groups in the next backward (a hang)
+    recorded = len(state._comm_ctx.post_forward_order), [len(g._post_forward_indices) for g in every]
     groups = [m for m in root.modules() if isinstance(m, FSDPModule)] if gather else [root]
     # torch 2.13's set_reshard_after_forward cannot restore the root's own setting (none: it keeps its weights
     # through the forward): each group's is kept and put back as it was
-    kept = [(g, g.post_forward_mesh_info) for m in groups if gather
-            for g in m._get_fsdp_state()._fsdp_param_groups]
+    kept = [(g, g.post_forward_mesh_info) for g in every] if gather else []
     for group, _ in kept:
         group.post_forward_mesh_info = None
     for module in groups:  # the same modules in the same order on every rank: all-gathers in step
@@ -200,6 +205,9 @@ def generating(model, gather: bool = False):
             group.post_forward_mesh_info = info
         for module in groups:
             module.reshard()
+        del state._comm_ctx.post_forward_order[recorded[0]:]
+        for group, n in zip(every, recorded[1]):
+            del group._post_forward_indices[n:]
 
 
 def zero3_engine(engine) -> bool:
@@ -214,13 +222,19 @@ def _gathered_zero3(engine):
 
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
     params = list(engine.module.parameters())
+    # the root's start-of-forward hook too (TRL leaves it): its reset_step checks the coordinator's trace with
+    # broadcasts while the trace is not complete (as after the hooks are registered again), a collective in each of
+    # a rank's first forwards, whose number differs between ranks that generate alone (a hang)
+    pre_hooks, start = offload.module._forward_pre_hooks, offload.fwd_pre_hook.id
     with deepspeed.zero.GatheredParameters(params):
         for p in params:
             p.ds_active_sub_modules.clear()
         for hook in offload.forward_hooks + offload.backward_hooks:
             hook.remove()
         offload.forward_hooks, offload.backward_hooks = [], []
+        start_hook = pre_hooks.pop(start)
         try:
             yield
         finally:
+            pre_hooks[start] = start_hook  # first again, before the module hooks registered now
             offload._register_deepspeed_module(offload.module)

@@ -89,8 +89,13 @@ def quiet_libraries() -> None:
     """No progress bars from datasets and transformers ("Loading weights"), none of HARMLESS_WARNINGS: a run at
     log_level=info, and the tools (generate, predict, export), whose output is their answer."""
     import datasets
+    import torch
     import transformers
 
+    if not torch.accelerator.is_available():
+        # transformers imports deepspeed where installed (save_pretrained's unwrap): what DeepSpeed's accelerator
+        # probe would find, said without its "Setting accelerator to CPU" warning (as dist.make_accelerator does)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     for category, message in HARMLESS_WARNINGS:

@@ -87,6 +87,22 @@ def grpo_without_prompts(tmp):
     return [*GRPO, f"data.path={write(tmp / 'q.jsonl', rows)}"]
 
 
+def kto_rows_with_one_bad_label(tmp):
+    """30 rows in file order, row 17 (line 18) the only one whose label is not a boolean: the split is shuffled at
+    load (data.eval_fraction), and the message names the file's row."""
+    rows = [{"prompt": f"reverse {w}", "completion": w[::-1], "label": True} for w in ["abc", "bcd", "cde"] * 10]
+    rows[17]["label"] = "no"
+    return ["task=kto", f"data.path={write(tmp / 'kto.jsonl', rows)}"]
+
+
+def chats_with_one_unanswered(tmp):
+    """As above for SFT: row 23 of 30 conversations ends with the user's turn."""
+    rows = [{"messages": [{"role": "user", "content": f"reverse {w}"}, {"role": "assistant", "content": w[::-1]}]}
+            for w in ["abc", "bcd", "cde"] * 10]
+    rows[23]["messages"] = rows[23]["messages"][:1]
+    return [f"data.path={write(tmp / 'chats.jsonl', rows)}"]
+
+
 CASES = {
     "misspelt key": (lambda t: ["train.learning_rate=1e-4"], "unknown config key train.learning_rate; did you mean train.lr?"),
     "wrong type": (lambda t: ["train.per_device_batch_size=big"], "train.per_device_batch_size must be int, got 'big'"),
@@ -165,6 +181,9 @@ CASES = {
                             "data: no prompt of builtin:reverse (train) fits data.max_length=6 - grpo.max_new_tokens=4 "
                             "= 2 tokens (row 0: the template's start and generation prompt (1 + 1 tokens) leave no "
                             "room in 2); raise data.max_length or lower grpo.max_new_tokens"),
+    "a row named by its number in the file (kto)": (kto_rows_with_one_bad_label,
+                                                    "data: row 17: label must be true or false (1 or 0), got 'no'"),
+    "a row named by its number in the file (sft)": (chats_with_one_unanswered, "data: row 23 "),
     "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
                             "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                             "got 1"),

@@ -12,6 +12,7 @@ any two trainings do), so at steps 30 and 60 each generation and every metric mu
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -652,3 +653,16 @@ def test_seeded_sampler_takes_the_token_whose_interval_holds_the_draw():
     assert picked(SeededSampler(noise, 3, 1.0, 1.0))[2:] == [2, 3]
     # top_p 0.5 keeps token 2 alone: every draw, 0 included, takes it
     assert picked(SeededSampler(noise, 3, 1.0, 0.5)) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "cpu_deepspeed_zero3.yaml"])
+def test_gathered_generation_with_uneven_forwards_then_training_is_in_step(config):
+    """Each rank generates alone on gathered weights, as many forwards as its rows take: none of them may issue a
+    collective (ZeRO-3's start-of-forward hook checks its trace with broadcasts), nor leave a record that the next
+    backward prefetches by (FSDP2's forward order): ranks with 1 and 2 forwards, then 0 and 2, then two training
+    steps, the same loss on both ranks (tests/scripts/uneven_generation.py; ZeRO-3 with its start-of-forward hook
+    left on hangs until the 60 s timeout; FSDP2's record is cleared as a guard, not seen to hang here)."""
+    proc = forked_launch(config, script="tests/scripts/uneven_generation.py", timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    found = re.findall(r"rank (\d): ok, loss ([\d.]+), summed ([\d.]+)", proc.stdout)  # ranks share stdout
+    assert sorted(r for r, *_ in found) == ["0", "1"] and len({tuple(v) for _, *v in found}) == 1, proc.stdout

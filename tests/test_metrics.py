@@ -15,6 +15,7 @@ import evaluate
 import numpy as np
 import pytest
 import torch
+from conftest import python_m
 
 from accel_train.config import ConfigError, load_config
 from accel_train.metrics import BUNDLED, bundled, compute_metrics, greater_is_better, load_metric, scores
@@ -137,7 +138,8 @@ def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch,
         check_sharded(load_config(None, ["eval.generate=true"]))
 
 
-def test_gather_for_generation_given_where_the_weights_are_whole_says_it_does_nothing(monkeypatch, caplog):
+def test_gather_for_generation_given_where_the_weights_are_whole_says_it_does_nothing(monkeypatch, caplog,
+                                                                                       tmp_path):
     """A key given and ignored is said: under DDP (or ZeRO-2) the weights are whole on every rank already."""
     caplog.set_level("INFO")
     check_sharded(load_config(None, ["task=grpo"]))  # left at its default: nothing said
@@ -147,6 +149,9 @@ def test_gather_for_generation_given_where_the_weights_are_whole_says_it_does_no
         "train.gather_for_generation=false does nothing under this launch: the weights are whole on every rank (it "
         "applies to FSDP2 and DeepSpeed ZeRO-3)"]
     caplog.clear()
+    proc = python_m("train.gather_for_generation=true", "train.max_steps=1", "data.builtin_size=40",
+                    "track.log_with=[]", f"output_dir={tmp_path / 'run'}")  # as a user sees it: once, before the run
+    assert proc.returncode == 0 and proc.stderr.count("does nothing under this launch") == 1, proc.stderr[-2000:]
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     check_sharded(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))

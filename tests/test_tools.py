@@ -189,3 +189,15 @@ def test_the_load_report_of_a_head_the_adapter_supplies_is_hidden(tmp_path, head
         logger.removeHandler(handler)
     reports = [m for m in seen if "LOAD REPORT" in m]
     assert reports == [] if head_in_adapter else len(reports) == 1 and "score.weight" in reports[0]
+
+
+def test_export_in_a_fresh_interpreter_prints_its_answer_alone(tmp_path):
+    """`python -m accel_train.export RUN` started as users start it (a fresh interpreter: the fork server has
+    deepspeed imported already) prints one line: not DeepSpeed's "Setting accelerator to CPU" warning, which
+    transformers' import of deepspeed would print on a machine without a GPU."""
+    out = tmp_path / "run"
+    proc = python_m("train.max_steps=1", "data.builtin_size=40", "track.log_with=[]", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run([sys.executable, "-m", "accel_train.export", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).splitlines() == [f"merged model written to {out / 'merged'}"]

@@ -23,6 +23,7 @@ from datasets import Dataset, IterableDataset
 
 from accel_train import formats
 from accel_train.config import Config, ConfigError, DataConfig
+from accel_train.data import map_rows
 from accel_train.formats import IGNORE_INDEX
 from accel_train.tracking import get_logger
 
@@ -126,8 +127,7 @@ def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: 
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION,
                             "section": section},
               "remove_columns": cols, "with_indices": True}  # version: formats.TOKENIZE_VERSION, for the cache key
-    ds = ds.map(row_fn, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
-        row_fn, **kwargs, desc="tokenizing pairs")
+    ds = map_rows(ds, row_fn, "tokenizing pairs", **kwargs)  # rows named by the file's numbers
     n, truncated = (len(ds), sum(ds["truncated"])) if isinstance(ds, Dataset) else (None, 0)
     ds = ds.filter(lambda c, r: c != r, input_columns=["chosen_input_ids", "rejected_input_ids"])
     ds = ds.remove_columns("truncated")

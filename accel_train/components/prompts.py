@@ -15,7 +15,7 @@ from datasets import Dataset, IterableDataset
 
 from accel_train import formats
 from accel_train.config import Config, ConfigError
-from accel_train.data import row_counts
+from accel_train.data import file_rows, row_counts
 from accel_train.tracking import get_logger
 
 logger = get_logger(__name__)
@@ -58,16 +58,18 @@ def prompt_turns(value, row: int) -> list[dict]:
 
 
 def tokenize_prompt(example: dict, row: int, tokenizer, fields: tuple[str, str], size: int,
-                    version: int = formats.TOKENIZE_VERSION, tools: list[dict] | None = None) -> dict:
+                    version: int = formats.TOKENIZE_VERSION, tools: list[dict] | None = None,
+                    rows: list[int] | None = None) -> dict:
     """The prompt's token ids, as the model will continue them (the template's generation prompt at the end), cut
     to `size` tokens by `cut_prompt`; `fields`: the prompt's column names (data.prompt_field, data.messages_field,
-    the first found is read); `index`: the row (seeds its completions' sampling). `status`,
+    the first found is read); `index`: the row in the split (seeds its completions' sampling; `rows`: the file's
+    row numbers, data.file_rows, which messages name). `status`,
     as formats.tokenize_causal's: "" whole, "cut", "dropped: ..." (too long to cut) or "refused: ..." (the chat
     template raises on it, as Gemma 2's on a system turn): tokenize_prompts counts them and removes the last two."""
-    column = next((name for name in fields if name in example), None)
+    column, named = next((name for name in fields if name in example), None), rows[row] if rows else row
     if column is None:
-        raise ConfigError(f"data: row {row} has no {fields[0]!r} or {fields[1]!r} column of prompts")
-    turns = prompt_turns(example[column], row)
+        raise ConfigError(f"data: row {named} has no {fields[0]!r} or {fields[1]!r} column of prompts")
+    turns = prompt_turns(example[column], named)
     bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
         try:  # `tools`: the tools' schemas (in the cache key: an edited docstring tokenizes again)
@@ -128,14 +130,16 @@ def tokenize_prompts(ds: Dataset | IterableDataset, tokenizer, cfg: Config, budg
     last two removed. `tools`: the schemas the chat template shows the model (tools.schemas)."""
     d = cfg.data  # only what tokenizing reads goes into datasets' cache key
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "fields": (d.prompt_field, d.messages_field),
-                            "size": budget.tokens, "version": formats.TOKENIZE_VERSION, "tools": tools},
+                            "size": budget.tokens, "version": formats.TOKENIZE_VERSION, "tools": tools,
+                            "rows": file_rows(ds)},
               "with_indices": True}
+    rows = kwargs["fn_kwargs"]["rows"]
     ds = ds.map(tokenize_prompt, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
         tokenize_prompt, **kwargs, desc="tokenizing prompts")
     if isinstance(ds, Dataset) and "status" not in ds.column_names:  # 0 rows: no column
         return ds
     if isinstance(ds, Dataset):
-        counts = row_counts(ds)
+        counts = row_counts(ds, rows)
         log_prompt_counts(counts, cfg, budget, split)
         if report is not None:
             report.update(counts)

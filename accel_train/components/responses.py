@@ -56,7 +56,7 @@ def tokenize(ds, tokenizer, cfg: Config, report: dict | None = None, split: str 
                            remove_columns=cols, **extra)
     found = data_lib.unknown_tokens(ds, raw, tokenizer, key, fmt) if isinstance(ds, Dataset) else {}
     if fmt != "text":
-        ds = data_lib.filter_statuses(ds, cfg, split, found)
+        ds = data_lib.filter_statuses(ds, cfg, split, found, data_lib.file_rows(raw))
     # a sample with no target token (an empty answer) would teach nothing
     untrained = data_lib.untrained_samples(ds) if isinstance(ds, Dataset) and len(ds) else []
     if untrained:

@@ -47,6 +47,7 @@ from accel_train.components.pairs import (conversation, fit_prompt_first, pad_ro
 from accel_train.components.reference import reference_mode, reference_model
 from accel_train.config import Config, ConfigError, DataConfig
 from accel_train.data import columns as data_columns
+from accel_train.data import map_rows
 from accel_train.formats import IGNORE_INDEX
 from accel_train.tasks import Task
 from accel_train.tasks.kto.config import METRICS, KtoConfig
@@ -129,8 +130,7 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, report: dict
                  kto=KtoConfig(completion_field=k.completion_field, label_field=k.label_field))
     kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "cfg": key, "version": formats.TOKENIZE_VERSION},
               "remove_columns": data_columns(ds), "with_indices": True, "batched": True, "batch_size": MAP_BATCH}
-    ds = ds.map(tokenize_rows, **kwargs) if isinstance(ds, IterableDataset) else ds.map(
-        tokenize_rows, **kwargs, desc="tokenizing kto rows")
+    ds = map_rows(ds, tokenize_rows, "tokenizing kto rows", **kwargs)  # rows named by the file's numbers
     n, truncated = (len(ds), sum(ds["truncated"])) if isinstance(ds, Dataset) else (None, 0)
     ds = ds.filter(lambda labels: labels[-1] != IGNORE_INDEX, input_columns="labels").remove_columns("truncated")
     if n is not None:
