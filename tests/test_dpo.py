@@ -214,15 +214,17 @@ def empty_chosen(tmp):
 
 
 def different_prompts(tmp):
+    """Row 7 of 20 (in the file: the split is shuffled at load) pairs answers to different prompts."""
     rows = [{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-             "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "c"}]}] * 20
+             "rejected": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c"}]} for _ in range(20)]
+    rows[7]["rejected"][0]["content"] = "x"
     return [f"data.path={write(tmp / 'p.jsonl', rows)}"]
 
 
 BAD = {
     "missing column": (missing_rejected, "lacks column(s) rejected needed by task dpo; columns found: prompt, chosen"),
     "empty response": (empty_chosen, "the chosen response is empty; fill it or drop the row"),
-    "prompts differ": (different_prompts, "data: row 0: chosen and rejected do not share their prompt turns"),
+    "prompts differ": (different_prompts, "data: row 7: chosen and rejected do not share their prompt turns"),
     "adapter_from not an adapter": (lambda t: [f"model.adapter_from={t}"],
                                     "is not a LoRA adapter folder (no adapter_config.json)"),
     "a reference for orpo": (lambda t: ["dpo.loss_type=orpo", "dpo.reference=base"],
