@@ -15,7 +15,7 @@ import sys
 from accel_train.cli import parse_cli
 from accel_train.config import Config, ConfigError
 from accel_train.data_sources import check_data_source
-from accel_train.preflight import check_model_source, split_global_batch
+from accel_train.preflight import check_model_source, read_gguf, split_global_batch
 from accel_train.views import STREAM_ROWS
 
 
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         split_global_batch(cfg, 1)  # the batches of one process (batch_efficiency)
         check_data_source(cfg)
         check_model_source(cfg)  # its tokenizer: a missing folder or an unreachable hub in one line, at once
+        read_gguf(cfg, say=False)  # a GGUF file: its transformers folder (read once, then cached)
         inspect_data(cfg, args.samples)
     except ConfigError as e:
         print(f"accel_train.inspect: error: {e}", file=sys.stderr)

@@ -27,27 +27,31 @@ MAX_LENGTH, BATCH = 1024, 16  # a reward model's tokens kept and sequences a for
 def is_reward_model(folder: Path) -> bool:
     """Whether a trained sequence classifier gives one score (task reward) rather than classes: its run's
     config.yaml says task reward, or its config.json has one label. No weights read."""
-    run = folder.parent / "config.yaml"
-    if run.is_file():
-        import yaml
-
-        task = (yaml.safe_load(run.read_text()) or {}).get("task")
-        if task in ("reward", "seq_cls"):
-            return task == "reward"
+    task = run_config(folder).get("task")
+    if task in ("reward", "seq_cls"):
+        return task == "reward"
     config = folder / "config.json"
     return config.is_file() and len(json.loads(config.read_text()).get("id2label") or {}) == 1
 
 
-def run_settings(folder: Path) -> tuple[int, int]:
-    """(data.max_length, train.eval_batch_size) of the run that trained `folder`, or the defaults."""
-    run = folder.parent / "config.yaml"
-    if not run.is_file():
-        return MAX_LENGTH, BATCH
+def run_config(folder: Path) -> dict:
+    """The config.yaml of the run that trained `folder` (its parent's), or {} where there is none that reads as a
+    run's (a folder outside a run)."""
     import yaml
 
-    raw = yaml.safe_load(run.read_text()) or {}
-    return (raw.get("data") or {}).get("max_length") or MAX_LENGTH, (raw.get("train") or {}).get(
-        "eval_batch_size") or BATCH
+    run = folder.parent / "config.yaml"
+    try:
+        raw = yaml.safe_load(run.read_text()) if run.is_file() else {}
+    except yaml.YAMLError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def run_settings(folder: Path) -> tuple[int, int]:
+    """(data.max_length, train.eval_batch_size) of the run that trained `folder`, or the defaults."""
+    raw = run_config(folder)
+    section = lambda name: raw.get(name) if isinstance(raw.get(name), dict) else {}  # noqa: E731
+    return section("data").get("max_length") or MAX_LENGTH, section("train").get("eval_batch_size") or BATCH
 
 
 def reward_rows(texts: list[str], prompt: str | None, responses: list[str], file: str | None) -> list[dict]:
@@ -59,7 +63,9 @@ def reward_rows(texts: list[str], prompt: str | None, responses: list[str], file
         if not path.is_file():
             raise ConfigError(f"--file: {file} is not a file (rows of prompt and response, or of messages)")
         for number, row in jsonl_rows(path, "--file"):
-            answer = next((row[k] for k in ("response", "completion") if k in row), None)
+            answer = next((row[k] for k in ("response", "completion") if row.get(k) is not None), None)
+            if isinstance(answer, list) and answer and isinstance(answer[-1], dict):  # TRL's conversational form
+                answer = answer[-1].get("content") if answer[-1].get("role") == "assistant" else None
             if isinstance(row.get("messages"), list) and row["messages"] and answer is None:
                 *turns, last = row["messages"]
                 if not isinstance(last, dict) or last.get("role") != "assistant":

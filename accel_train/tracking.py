@@ -92,7 +92,11 @@ def quiet_libraries() -> None:
     import torch
     import transformers
 
-    if not torch.accelerator.is_available():
+    from accelerate.utils import patch_environment
+
+    with patch_environment(PYTORCH_NVML_BASED_CUDA_CHECK="1"):  # without initialising CUDA (a later fork would fail)
+        no_accelerator = not torch.accelerator.is_available()
+    if no_accelerator:
         # transformers imports deepspeed where installed (save_pretrained's unwrap): what DeepSpeed's accelerator
         # probe would find, said without its "Setting accelerator to CPU" warning (as dist.make_accelerator does)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -32,6 +32,8 @@ def test_default_yaml_is_the_embedded_default_key_by_key():
     assert {k: v for k, v in written.items() if embedded.get(k, "missing") != v} == {}
     assert dict(flat(to_dict(load_config(TRAIN_CONFIGS / "default.yaml")))) == embedded
     assert embedded["train.global_batch_size"] == 16
+    for overrides in (["train.per_device_batch_size=4"], ["train.grad_accum_steps=2"], ["train.global_batch_size=8"]):
+        assert load_config(TRAIN_CONFIGS / "default.yaml", overrides) == load_config(None, overrides), overrides
 
 
 def test_a_per_device_batch_given_without_a_global_one_is_accelerates_arithmetic():

@@ -659,9 +659,10 @@ def test_seeded_sampler_takes_the_token_whose_interval_holds_the_draw():
 def test_gathered_generation_with_uneven_forwards_then_training_is_in_step(config):
     """Each rank generates alone on gathered weights, as many forwards as its rows take: none of them may issue a
     collective (ZeRO-3's start-of-forward hook checks its trace with broadcasts), nor leave a record that the next
-    backward prefetches by (FSDP2's forward order): ranks with 1 and 2 forwards, then 0 and 2, then two training
+    backward prefetches by (FSDP2's forward order): ranks with 0 and 1 forwards, 1 and 2, 0 and 2, then two training
     steps, the same loss on both ranks (tests/scripts/uneven_generation.py; ZeRO-3 with its start-of-forward hook
-    left on hangs until the 60 s timeout; FSDP2's record is cleared as a guard, not seen to hang here)."""
+    left on hangs until the 60 s timeout; FSDP2's record is dropped as a guard: a hand-built FSDP2 model failed in
+    the backward's prefetch without it, this one does not)."""
     proc = forked_launch(config, script="tests/scripts/uneven_generation.py", timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     found = re.findall(r"rank (\d): ok, loss ([\d.]+), summed ([\d.]+)", proc.stdout)  # ranks share stdout

@@ -855,7 +855,6 @@ def test_multi_turn_trajectories_and_losses_are_the_same_on_1_and_2_processes(mu
         assert not any(k.startswith("tools/") for k in record) and "tool_calls" not in rows[0]
 
 
-@pytest.mark.long  # with the module's multi-turn runs (4 launches)
 def test_an_environment_failing_mid_rollout_names_the_generation_phase(sft, tmp_path):
     """An environment whose step raises during a rollout (reset passed the check before training): one line naming
     the method and the phase it failed in (generating, not scoring), the last checkpoint kept."""
@@ -890,6 +889,7 @@ def test_multi_turn_under_fsdp2_with_weights_gathered_samples_as_ddp(multi_turn,
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.long  # with the module's multi-turn runs (4 launches)
 def test_multi_turn_resume_samples_the_same_trajectories(multi_turn, sft, tmp_path):
     out = tmp_path / "run"
     env = sft.parent / "again.py"

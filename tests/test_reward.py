@@ -249,15 +249,16 @@ def test_predict_scores_and_ranks_answers_with_a_reward_model(rm, tmp_path):
                                                                     for w in want]
 
     file = tmp_path / "rows.jsonl"
-    file.write_text(json.dumps({"prompt": "reverse hgf", "completion": "fgh"}) + "\n" + json.dumps(
-        {"messages": [{"role": "user", "content": "reverse hgf"}, {"role": "assistant", "content": "fgha"}]}) + "\n")
+    user = [{"role": "user", "content": "reverse hgf"}]
+    file.write_text("".join(json.dumps(r) + "\n" for r in [  # a text, turns, and TRL's conversational form
+        {"prompt": "reverse hgf", "completion": "fgh"}, {"messages": [*user, {"role": "assistant", "content": "fgha"}]},
+        {"prompt": user, "completion": [{"role": "assistant", "content": "fg"}], "response": None}]))
     proc = python_m(rm, "--file", file, module="accel_train.predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["score"] for r in rows] == pytest.approx(
-        [expected([{"role": "user", "content": "reverse hgf"}, {"role": "assistant", "content": a}])
-         for a in ("fgh", "fgha")], abs=1e-4)
-    assert sorted(r["rank"] for r in rows) == [1, 2]  # the same prompt, given as a text and as turns
+        [expected([*user, {"role": "assistant", "content": a}]) for a in ("fgh", "fgha", "fg")], abs=1e-4)
+    assert sorted(r["rank"] for r in rows) == [1, 2, 3]  # the same prompt, given as a text and as turns
 
     proc = python_m(rm, module="accel_train.predict")
     assert proc.returncode == 2 and said(proc.stderr) == [

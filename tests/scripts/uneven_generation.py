@@ -1,9 +1,9 @@
 """Generation on gathered weights where the ranks run different numbers of forwards (sharding.generating with
 gather: each rank generates alone, as many forwards as its rows take), then training: under the accelerate config
 this is launched with (FSDP2, DeepSpeed ZeRO-3) no collective may come from those forwards, and the next training
-step must issue the same collectives on every rank. Two gathered blocks (the second starts right after the first,
-as an evaluation's batches or a rollout after an evaluation do), rank r running r + 1 forwards in the second and
-rank 0 none in the third, then two training steps and an all-reduce; prints "ok" and the loss on each rank.
+step must issue the same collectives on every rank. Three gathered blocks (each starts right after the one before,
+as an evaluation's batches or a rollout after an evaluation do), ranks 0 and 1 running 0 and 1, 1 and 2, 0 and 2
+forwards, then two training steps and an all-reduce; prints "ok" and the loss on each rank.
 
     accelerate launch --config_file configs/accelerate/fsdp2.yaml tests/scripts/uneven_generation.py
 """
@@ -28,11 +28,10 @@ def main() -> None:
     ids = torch.randint(3, 40, (2, 8), generator=torch.Generator().manual_seed(1)).to(accelerator.device)
     rank = accelerator.process_index
     inner = accelerator.unwrap_model(model)
-    for forwards in (1, rank + 1, 0 if rank == 0 else 2):
+    for forwards in (0 if rank == 0 else 1, rank + 1, 0 if rank == 0 else 2):
         with generating(model, True), torch.no_grad():
-            for _ in range(forwards):  # generate's calls: the model's (a root module) or, under peft, the one
-                inner(input_ids=ids)     # inside it (FSDP2 records each group's forwards)
-                inner.model(input_ids=ids)
+            for _ in range(forwards):  # FSDP2 records each group's forwards
+                inner(input_ids=ids)
     for _ in range(2):
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
