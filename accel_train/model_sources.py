@@ -98,6 +98,9 @@ def check_model(name: str, revision: str | None = None, key: str = "model.name_o
     if Path(name).expanduser().is_dir():
         return
     if looks_local(name):
+        if Path(name).expanduser().parent == cache_dir() / "gguf":  # a run's config.yaml after its GGUF's folder went
+            raise ConfigError(f"{key}: {name} was read from a GGUF file and is no longer in the cache: give "
+                              f"{key}=FILE.gguf again (it is read once more)")
         raise ConfigError(f"{key}: no such model folder: {name}")
     check_hub_model(name, revision, key)
 

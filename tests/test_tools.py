@@ -201,3 +201,16 @@ def test_export_in_a_fresh_interpreter_prints_its_answer_alone(tmp_path):
     proc = run([sys.executable, "-m", "accel_train.export", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).splitlines() == [f"merged model written to {out / 'merged'}"]
+
+
+def test_a_gguf_folder_gone_from_the_cache_says_to_give_the_gguf_again(tmp_path, monkeypatch):
+    """A run from a GGUF records the folder it was read into (config.yaml, the adapter's base): once the cache is
+    cleared, a rerun or a tool is told where that folder came from, in one line."""
+    from accel_train.config import ConfigError
+    from accel_train.model_sources import cache_dir, check_model
+
+    monkeypatch.setenv("ACCEL_TRAIN_CACHE", str(tmp_path))
+    gone = cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1-ac82a801af55"
+    with pytest.raises(ConfigError, match=r"was read from a GGUF file and is no longer in the cache: give "
+                                          r"model.name_or_path=FILE.gguf again"):
+        check_model(str(gone))
