@@ -20,6 +20,7 @@ backward, calling the head's own forward (no module call, no hooks). That needs 
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -29,6 +30,12 @@ from torch.utils.checkpoint import checkpoint
 from accel_train.formats import IGNORE_INDEX
 
 CHUNK_BYTES = 2**28  # fp32 logits of one chunk: at most 256 MiB (1,733 tokens of Llama 3's 128k vocabulary)
+
+
+def chunk_bytes() -> int:
+    """CHUNK_BYTES, or the tests' ACCEL_TRAIN_CHUNK_BYTES (a small model's batch fits in one chunk: a launched test of
+    the chunks' recomputation sets a few bytes), read when a loss is built."""
+    return int(os.environ.get("ACCEL_TRAIN_CHUNK_BYTES", CHUNK_BYTES))
 
 
 def _targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +118,7 @@ class LossHead:
 
     def __init__(self, head: torch.nn.Module, vocab_size: int, chunk: int | None = None, sharded: bool = False):
         self.head = head
-        self.chunk = chunk or max(1, CHUNK_BYTES // (4 * vocab_size))
+        self.chunk = chunk or max(1, chunk_bytes() // (4 * vocab_size))
         """Target tokens per chunk."""
         self.sharded = sharded
         """ZeRO-3 (a frozen head): the training loss is HeadLoss, recomputed in the head's backward."""

@@ -23,10 +23,17 @@ SMALL = ["data.builtin_size=12", "data.eval_fraction=0.125", "train.max_steps=4"
          "track.log_with=[]", "checkpoint.save_every=null", "train.dist_timeout_s=60",
          "train.per_device_batch_size=2"]
 # full fine-tuning against a frozen copy of the initial weights (components/reference.py); LoRA SFT with packing
-# (model.check_packing) and the chunked loss head (loss.loss_head)
+# (model.check_packing) and the chunked loss head (loss.loss_head); distillation of a fully fine-tuned student
 JOBS = {"dpo_full": ["task=dpo", "data.path=builtin:reverse_pref", "dpo.reference=start", "lora.enabled=false"],
-        "sft_packed": ["data.path=builtin:reverse", "data.packing=true"]}
+        "sft_packed": ["data.path=builtin:reverse", "data.packing=true"],
+        # the student's head trained under ZeRO-3 (whole only inside its module's calls: its logits not recomputed),
+        # a random teacher whole on each rank, half the steps sampled by the student on the gathered weights
+        "distill_full": ["task=distill", "data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
+                         "distill.on_policy=0.5", "distill.max_new_tokens=8", "lora.enabled=false"]}
 TIMING = {"tokens_per_sec", "mfu", "memory_mb"}
+# one target position per chunk (loss.CHUNK_BYTES): a recomputed chunk calls the head again (under ZeRO-3 outside the
+# module's hooks, on a released weight: "size of tensor a (0)")
+ENV = {"distill_full": {"ACCEL_TRAIN_CHUNK_BYTES": "1"}}
 
 
 def variant(tmp_path_factory, name: str, source: str, old: str, new: str) -> str:
@@ -63,7 +70,7 @@ def one_process(tmp_path_factory, pretrained):
     for job, extra in JOBS.items():
         out = tmp_path_factory.mktemp("one") / job
         proc = python_m(*extra, *SMALL, f"model.name_or_path={pretrained}", "train.grad_accum_steps=2",
-                        f"output_dir={out}")
+                        f"output_dir={out}", env=ENV.get(job))
         assert proc.returncode == 0, proc.stderr[-3000:]
         made[job] = out
     return made
@@ -82,7 +89,7 @@ def weights(out) -> dict:
 @pytest.mark.long
 @pytest.mark.parametrize("job,engine", [("dpo_full", "fsdp2_ram_efficient"), ("dpo_full", "fsdp2_whole"),
                                         ("dpo_full", "zero3_init"), ("dpo_full", "zero3_whole"),
-                                        ("sft_packed", "zero3_init")])
+                                        ("sft_packed", "zero3_init"), ("distill_full", "zero3_init")])
 def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engines, one_process, job, engine):
     """2 processes log 1 process's numbers at every step and evaluation (to 1e-4: test_conformance.SHARDED_REL) and
     save its weights, consolidated on the main process: to 0.5% of each tensor's largest entry, as Adam turns a
@@ -90,7 +97,7 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
     direction; a step more or less (about lr, 2.5e-3 at step 4, on every entry) or a missing shard differ more."""
     out = tmp_path / "run"
     proc = forked_launch(engines[engine], *JOBS[job], *SMALL, f"model.name_or_path={pretrained}",
-                         "train.grad_accum_steps=1", f"output_dir={out}", timeout=240)
+                         "train.grad_accum_steps=1", f"output_dir={out}", timeout=240, env=ENV.get(job))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     got, want = records(out), records(one_process[job])
     assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) == 6  # 4 steps, 2 evaluations

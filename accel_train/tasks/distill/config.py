@@ -51,22 +51,11 @@ def samples(cfg) -> bool:
     return cfg.distill.on_policy > 0
 
 
-ZERO3_REFUSAL = ("task distill is not supported under DeepSpeed ZeRO-3 (the student's output head is whole only "
-                 "inside its module's calls); use ZeRO-2, FSDP or DDP")
-
-
 def preflight(cfg) -> None:
-    """Not under DeepSpeed ZeRO-3 (said before any model loads); the teacher is a model folder with weights (or the
-    embedded tiny model, random), or a hub model this machine can load. Its tokenizer is compared with the
-    student's when the run starts (task.py)."""
-    import os
-
+    """The teacher is a model folder with weights (or the embedded tiny model, random), or a hub model this machine
+    can load. Its tokenizer is compared with the student's when the run starts (task.py)."""
     from accel_train.config import is_embedded_tiny_model
     from accel_train.model_sources import check_model, check_weights
-    from accel_train.preflight import launcher_asks
-
-    if launcher_asks("ACCELERATE_USE_DEEPSPEED") and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-        raise ConfigError(ZERO3_REFUSAL)
 
     teacher = cfg.distill.teacher
     if not teacher:

@@ -52,12 +52,11 @@ from accel_train.sharding import built_sharded, gathers, generating, lockstep, w
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                     until_stop)
-from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
+from accel_train.loss import chunk_bytes, loss_head, replaced_head
 from accel_train.model import build_model
 from accel_train.model_sources import one_line
 from accel_train.tracking import get_logger, loaded_line
 from accel_train.tasks import Task
-from accel_train.tasks.distill.config import ZERO3_REFUSAL
 
 logger = get_logger(__name__)
 
@@ -88,14 +87,19 @@ def _chunk_sum(student_head, teacher_head, rows, teacher_rows, beta: float, temp
 
 
 def summed_divergence(student_head, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, chunk: int,
-                      beta: float, temperature: float, vocab: int | None = None) -> torch.Tensor:
+                      beta: float, temperature: float, vocab: int | None = None,
+                      recompute: bool = True) -> torch.Tensor:
     """The divergence summed over target positions, from both models' hidden states there (N, H) and (N, H'):
     `chunk` positions at a time, each chunk but the last checkpointed (its logits freed, recomputed in backward), as
-    loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights)."""
+    loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights).
+    Without `recompute` (ZeRO-3: the student's head weight is whole only inside its module's forward and backward,
+    and a recomputation would call it again outside them) every chunk's graph is kept: the target positions' logits
+    of the whole batch are held until the backward pass, as a plain forward holds them."""
     total, n = 0, max(len(rows), 1)
     for i in range(0, n, chunk):
         args = (student_head, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk], beta, temperature, vocab)
-        total = total + (_chunk_sum(*args) if i + chunk >= n else checkpoint(_chunk_sum, *args, use_reentrant=False))
+        last = i + chunk >= n or not recompute
+        total = total + (_chunk_sum(*args) if last else checkpoint(_chunk_sum, *args, use_reentrant=False))
     return total
 
 
@@ -116,17 +120,19 @@ class Distillation:
     """The divergence between a student and its frozen teacher on a batch, from both models' hidden states."""
 
     def __init__(self, cfg: Config, student_head: torch.nn.Module, teacher: torch.nn.Module, autocast,
-                 chunk: int | None = None):
+                 chunk: int | None = None, recompute: bool = True):
         """`student_head`: the student's output head (the same module inside any wrapper); `autocast`: the run's
-        (accelerator.autocast), for the teacher's forward, which no wrapper runs."""
+        (accelerator.autocast), for the teacher's forward, which no wrapper runs; `recompute`: False under ZeRO-3
+        (summed_divergence)."""
         self.beta, self.temperature = cfg.distill.beta, cfg.distill.temperature
         self.student_head, self.teacher, self.autocast = student_head, teacher, autocast
+        self.recompute = recompute
         self.teacher_head = teacher.get_output_embeddings()
         rows = [getattr(h, "out_features", None) or h.weight.shape[0] for h in (student_head, self.teacher_head)]
         # a head padded past the shared tokenizer (Qwen2.5-7B's 152,064 rows, 0.5B's 151,936): the common tokens
         self.vocab = min(rows) if rows[0] != rows[1] else None
         vocab = max(rows)
-        self.chunk = chunk or max(1, CHUNK_BYTES // (8 * vocab))  # both models' fp32 logits: CHUNK_BYTES
+        self.chunk = chunk or max(1, chunk_bytes() // (8 * vocab))  # both models' fp32 logits: CHUNK_BYTES
         """Target positions per chunk."""
 
     @torch.no_grad()
@@ -146,7 +152,7 @@ class Distillation:
             rows = hidden[:, :-1][mask]
             if not evaluation:
                 return summed_divergence(call_head, self.teacher_head, rows, teacher_rows, self.chunk, self.beta,
-                                         self.temperature, self.vocab)
+                                         self.temperature, self.vocab, self.recompute)
             values = token_values(call_head, self.teacher_head, rows, teacher_rows, labels[:, 1:][mask], self.chunk,
                                   self.beta, self.temperature, self.vocab)
             out = values.new_zeros(*mask.shape, 2)
@@ -318,8 +324,6 @@ class Distill(Task):
         return responses.count_targets(batch)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
-        if zero3(accelerator):  # refused by preflight already (config.preflight): a launch that bypassed it
-            raise ConfigError(ZERO3_REFUSAL)
         self.teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
         checked_head(self.teacher, f"distill.teacher={self.cfg.distill.teacher}")
         if not built_sharded(accelerator):  # checked before wrapping (one forward); the wrappers keep the head
@@ -328,7 +332,12 @@ class Distill(Task):
 
     def start_distillation(self, student, accelerator, low_precision: bool = False) -> None:
         head = checked_head(student, f"model.name_or_path={self.cfg.model.name_or_path}", low_precision)
-        self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast)
+        self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast,
+                                         recompute=not zero3(accelerator))
+        if zero3(accelerator):
+            logger.info("distill under ZeRO-3: the student's logits at the target positions are held until the "
+                        "backward pass (not recomputed chunk by chunk: the head's weight is whole only inside its "
+                        "module's calls)", main_process_only=True)
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.job, self.tokenizer = job, tokenizer
