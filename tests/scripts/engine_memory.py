@@ -43,6 +43,9 @@ TASKS = {
              "grpo.rewards=[length_penalty]", "grpo.beta=0.04"],
 }
 TASKS["grpo-lockstep"] = [*TASKS["grpo"], "train.gather_for_generation=false"]
+# distillation from the same model as teacher (distill.teacher={model}: loaded whole on every rank, frozen),
+# off-policy
+TASKS["distill"] = ["task=distill", "data.path=builtin:reverse", "data.max_length=128", "distill.teacher={model}"]
 COMMON = ["lora.enabled=false", "train.mixed_precision=no", "train.per_device_batch_size=4", "train.grad_accum_steps=1",
           "data.builtin_size=64", "train.eval_every=null", "checkpoint.save_every=null", "track.log_with=[]",
           "train.warmup_steps=0", "train.log_every=1", "overwrite=true"]
@@ -78,7 +81,8 @@ def config_file(engine: str, tmp: Path) -> Path:
 def run(engine: str, task: str, model: Path, tmp: Path, steps: int) -> dict:
     out = tmp / "runs" / f"{task}-{engine.replace(' ', '_')}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file(engine, tmp)),
-           str(REPO / "accel_train" / "train.py"), *TASKS[task], *COMMON, f"train.max_steps={steps}",
+           str(REPO / "accel_train" / "train.py"), *(a.format(model=model) for a in TASKS[task]), *COMMON,
+           f"train.max_steps={steps}",
            f"model.name_or_path={model}", f"output_dir={out}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
