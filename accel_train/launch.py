@@ -1,6 +1,7 @@
 """`accel-train launch [accelerate launch options] [--config FILE] [key=value ...]` (also `python -m accel_train
 launch ...`): accelerate's own launcher, run in this process on accel_train/train.py, with accel_train's exit
-statuses and nothing else to read in the ordinary cases.
+statuses and nothing else to read in the ordinary cases. `accel-train launch [accelerate launch options] sample
+...` runs accel_train.sample on every process instead (each samples its share of the prompts).
 
 The ranks print their one line themselves (cli.say); what plain `accelerate launch` adds around it is its launcher's:
 torch elastic's warnings while it stops the ranks, then a ChildFailedError or SignalException traceback and status
@@ -27,6 +28,7 @@ from accel_train.config import ConfigError
 from accel_train.tracking import ANNOUNCED, announce
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
+TOOLS = {"sample": "accel_train.sample"}  # accel-train launch [options] TOOL ...: a tool on every process
 # accelerate launch's options that choose what it runs: here it runs accel_train (TRAIN_SCRIPT).
 SCRIPT_DESTS = {"module": "-m/--module", "no_python": "--no_python"}
 # The launcher's loggers whose records are held back: torch elastic's warnings while it stops the ranks, and
@@ -74,6 +76,10 @@ def main(argv: list[str], check) -> int:
     accel_train's arguments (cli.check): its --print-config and cheap checks answer here, before any process
     starts, and the start line follows (each rank runs the checks again, under the launcher's environment)."""
     checked = None
+    tool = next((a for a in argv if a in TOOLS), None)
+    if tool is not None:  # its own arguments after it, checked by the tool in each process
+        at = argv.index(tool)
+        return launch_tool(argv[:at], TOOLS[tool], argv[at + 1:])
     if not {"-h", "--help"} & set(argv):
         early = early_args(argv)
         try:
@@ -110,6 +116,19 @@ def main(argv: list[str], check) -> int:
         # sets the same in the ranks, under any launcher)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return run(launch_command, args)
+
+
+def launch_tool(options: list[str], module: str, args: list[str]) -> int:
+    """`python -m MODULE ARGS` on every process, with accelerate launch's `options`."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    parser = launch_command_parser()
+    theirs, ours = split_args(options, parser)
+    if ours:
+        sys.stderr.write(f"accel_train: error: {' '.join(ours)}: not an option of accelerate launch; the tool's "
+                         f"arguments go after its name\n")
+        return 2
+    return run(launch_command, parser.parse_args([*theirs, "--module", module, *args]))
 
 
 def run(launch_command, args) -> int:

@@ -27,6 +27,7 @@ from accel_train import data as data_lib
 from accel_train.config import ConfigError, load_config
 from accel_train.components import completions as completions_lib
 from accel_train.components import logprobs
+from accel_train.components import rewards as rewards_lib
 from accel_train.generation import position_ids
 from accel_train.tasks.grpo import rollouts as grpo_rollouts
 from accel_train.tasks.grpo import task as grpo
@@ -375,7 +376,7 @@ def test_unscored_completions_get_advantage_0_and_stay_out_of_their_group():
     nan = math.nan
     values = torch.tensor([[[1.0, nan, 3.0, nan], [nan, nan, nan, 5.0]],  # function 0: (prompts, G)
                            [[1.0, nan, nan, 2.0], [nan, nan, nan, nan]]], dtype=torch.float64)  # function 1
-    total = grpo_rollouts.weighted_total(values, [1.0, 0.5])
+    total = rewards_lib.weighted_total(values, [1.0, 0.5])
     assert total.tolist()[0][:1] + total.tolist()[0][2:] == [1.5, 3.0, 1.0] and math.isnan(total[0, 1])
     assert [math.isnan(v) for v in total[1].tolist()] == [True, True, True, False] and total[1, 3] == 5.0
     got = grpo_rollouts.group_advantages(total, scale=True).tolist()

@@ -81,6 +81,10 @@ RUN_BY = {
     'accel_train.predict outputs/reward --prompt "reverse abcd" --response dcba --response dcb':
         [("tests/test_reward.py::test_predict_scores_and_ranks_answers_with_a_reward_model",
           ['module="accel_train.predict"', '"--prompt"', '"--response"'])],
+    "accel_train.sample outputs/default --out outputs/samples data.path=prompts.jsonl grpo.num_generations=8 "
+    "grpo.rewards=[number_match] --threshold 1 [--rank-by model:outputs/reward]":
+        [("tests/test_sample.py::test_every_prompt_gets_n_answers_scored_by_the_reward",
+          ['module="accel_train.sample"', '"--out"', '"--threshold"', '"--rank-by"', "grpo.num_generations="])],
     "accel_train.export outputs/default":
         [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
           ['module="accel_train.export"'])],

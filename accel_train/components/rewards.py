@@ -168,6 +168,15 @@ def load_function(name: str, key: str = "grpo.rewards") -> Callable:
     return fn
 
 
+def weighted_total(values, weights: list[float]):
+    """(functions, ...) rewards, a tensor -> the weighted sum over functions, a None (NaN) left out of it (TRL's
+    nansum); NaN where every function returned None."""
+    import torch  # here: importing this module imports no torch
+
+    total = (values * torch.tensor(weights, dtype=values.dtype).reshape(-1, *[1] * (values.dim() - 1))).nansum(0)
+    return total.masked_fill(values.isnan().all(0), math.nan)
+
+
 class RewardError(ConfigError):
     """A reward function raised, or returned something other than one number (or None) per completion."""
 

@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 
 from accel_train.checkpoint import StoppedWithCheckpoint, StopTogether
 from accel_train.components.completions import CompletionSampler, Completions
+from accel_train.components.rewards import weighted_total
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.rewards import RewardError, Rewards
 from accel_train.config import Config, ConfigError
@@ -50,13 +51,6 @@ def group_advantages(rewards: torch.Tensor, scale: bool, leave_one_out: bool = F
         scored = (~rewards.isnan()).sum(1, keepdim=True)
         centred = centred / ((centred ** 2).nansum(1, keepdim=True) / (scored - 1)).sqrt().add(ADVANTAGE_EPS)
     return centred.nan_to_num(0.0)
-
-
-def weighted_total(values: torch.Tensor, weights: list[float]) -> torch.Tensor:
-    """(functions, ...) rewards -> the weighted sum over functions, a None (NaN) left out of it (TRL's nansum);
-    NaN where every function returned None."""
-    total = (values * torch.tensor(weights, dtype=values.dtype).reshape(-1, *[1] * (values.dim() - 1))).nansum(0)
-    return total.masked_fill(values.isnan().all(0), math.nan)
 
 
 class RewardStop(ConfigError, StopTogether):

@@ -69,14 +69,14 @@ from accel_train.components import tools as tools_lib
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.prompts import PromptBudget, PromptCollator, prompt_column, tokenize_prompts
 from accel_train.components.reference import reference_mode, reference_model
-from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test
+from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test, weighted_total
 from accel_train.config import Config, ConfigError
 from accel_train.data import columns as data_columns
 from accel_train.sharding import generating, sharded, zero3
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import merged_adapter
 from accel_train.tasks import Task
-from accel_train.tasks.grpo.rollouts import ROLLOUTS_FILE, Rollouts, stop_together, weighted_total
+from accel_train.tasks.grpo.rollouts import ROLLOUTS_FILE, Rollouts, stop_together
 
 
 # ---------------------------------------------------------------------------------------------------- data

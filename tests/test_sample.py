@@ -1,0 +1,192 @@
+"""accel_train.sample: n answers per prompt sampled as grpo's rollouts are, scored by grpo.rewards, written as the
+tasks read them (sft.jsonl: causal_lm; pairs.jsonl: dpo and reward; kto.jsonl: kto), with pass@k and best-of-n
+recomputed here from the answers; an interruption continued by the same command, and 2 processes under
+`accel-train launch ... sample`, give the answers of one uninterrupted process.
+
+The model is the tiny Llama with random weights, saved as a pretrained model: its answers are noise, scored by a
+reward of this file (the answer's characters, modulo 3), which gives each prompt answers of different rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import BIN, REPO, ACCEL_CONFIGS, free_port, python_m, said, save_tiny_model
+
+pytestmark = pytest.mark.xdist_group("sample")
+
+REWARDS = '''
+import os
+import signal
+
+calls = [0]
+
+
+def chars(prompts, completions, **kw):
+    """(characters of the answer modulo 3) / 2: 0, 0.5 or 1."""
+    return [(len(c) % 3) / 2 for c in completions]
+
+
+def shorter(prompts, completions, **kw):
+    return [-len(c) for c in completions]
+
+
+def interrupting(prompts, completions, **kw):
+    """chars, but the terminal's Ctrl-C (SIGINT to this process) at the call INTERRUPT_AT."""
+    calls[0] += 1
+    if calls[0] == int(os.environ.get("INTERRUPT_AT", 0)):
+        os.kill(os.getpid(), signal.SIGINT)
+    return chars(prompts, completions)
+'''
+PROMPTS = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in
+           ("abc", "hello", "tiny", "model", "seeds", "pairs", "llama", "xyz", "token")]
+PROMPTS.append({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse ok"}],
+                "answer": "ko"})  # chat turns: answered with an assistant turn
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sample")
+    (root / "rewards.py").write_text(REWARDS)
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return root, save_tiny_model(root / "model")
+
+
+def args(root, model, out, reward="chars", *extra):
+    return [str(model), "--out", str(out), f"data.path={root / 'prompts.jsonl'}", "data.eval_fraction=0",
+            "grpo.num_generations=4", "grpo.max_new_tokens=12", f"grpo.rewards=[{root / 'rewards.py'}:{reward}]",
+            "--threshold", "0.5", "--batch-size", "3", *extra]
+
+
+@pytest.fixture(scope="module")
+def sampled(setup):
+    root, model = setup
+    out = root / "one"
+    proc = python_m(*args(root, model, out, "chars", "--rank-by", f"{root / 'rewards.py'}:shorter"),
+                    module="accel_train.sample")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_prompt_gets_n_answers_scored_by_the_reward(sampled):
+    out, proc = sampled
+    samples = rows(out / "samples.jsonl")
+    assert [r["index"] for r in samples] == list(range(len(PROMPTS)))
+    for row, given in zip(samples, PROMPTS):
+        assert row["prompt"] == given["prompt"] and row["columns"] == {"answer": given["answer"]}
+        assert len(row["completions"]) == 4
+        assert row["rewards"] == [(len(c) % 3) / 2 for c in row["completions"]]  # the reward, on the decoded text
+    assert len({c for r in samples for c in r["completions"]}) > len(PROMPTS)  # sampled, not greedy
+    assert len(said(proc.stderr)) == 2 and said(proc.stderr)[-1].startswith("accel_train.sample: 10 prompts x 4")
+
+
+def test_outputs_are_the_best_the_pairs_and_the_labels_recomputed_here(sampled):
+    out, _ = sampled
+    samples = rows(out / "samples.jsonl")
+    sft, pairs, kto = (rows(out / f) for f in ("sft.jsonl", "pairs.jsonl", "kto.jsonl"))
+    want_sft, want_pairs, want_kto = [], [], []
+    for r in samples:
+        as_answer = (lambda t: [{"role": "assistant", "content": t}]) if isinstance(r["prompt"], list) else str
+        usable = [i for i in range(4) if r["completions"][i].strip()]  # an empty answer: in no output
+        if not usable:
+            continue
+        best = max(usable, key=lambda i: (r["rewards"][i], -i))
+        worst = min(usable, key=lambda i: (r["rewards"][i], i))
+        if r["rewards"][best] >= 0.5:
+            want_sft.append({"prompt": r["prompt"], "completion": as_answer(r["completions"][best]), **r["columns"]})
+        if r["rewards"][best] > r["rewards"][worst]:
+            want_pairs.append({"prompt": r["prompt"], "chosen": as_answer(r["completions"][best]),
+                               "rejected": as_answer(r["completions"][worst]),
+                               "margin": r["rewards"][best] - r["rewards"][worst], **r["columns"]})
+        for i in usable:
+            c = r["completions"][i]
+            if c not in r["completions"][:i]:
+                want_kto.append({"prompt": r["prompt"], "completion": as_answer(c),
+                                 "label": r["rewards"][i] >= 0.5, **r["columns"]})
+    assert (sft, pairs, kto) == (want_sft, want_pairs, want_kto)
+    assert pairs and sft and any(not k["label"] for k in kto)  # the test data gives each output rows
+    empty = sum(not c.strip() for r in samples for c in r["completions"])
+    assert empty  # the tiny model's answers include some that stop at once
+
+    summary = json.loads((out / "summary.json").read_text())
+    correct = [[x >= 0.5 for x in r["rewards"]] for r in samples]
+    assert summary["pass@1"] == pytest.approx(sum(sum(c) / 4 for c in correct) / len(samples))
+    assert summary["pass@4"] == pytest.approx(sum(any(c) for c in correct) / len(samples))
+    assert summary["mean_reward"] == pytest.approx(sum(sum(r["rewards"]) / 4 for r in samples) / len(samples))
+    assert summary["rows"] == {"sft.jsonl": len(sft), "pairs.jsonl": len(pairs), "kto.jsonl": len(kto)}
+    assert summary["empty_answers"] == empty
+    # best-of-4 by --rank-by (the shortest answer), scored by the true reward
+    picks = [r["rewards"][min(range(4), key=lambda i: (len(r["completions"][i]), i))] for r in samples]
+    assert summary["best_of_n"]["mean_reward"] == pytest.approx(sum(picks) / len(picks))
+    assert summary["best_of_n"]["pass"] == pytest.approx(sum(p >= 0.5 for p in picks) / len(picks))
+
+
+@pytest.mark.parametrize("task,output,extra", [
+    ("causal_lm", "sft.jsonl", []), ("dpo", "pairs.jsonl", []), ("kto", "kto.jsonl", []),
+    ("reward", "pairs.jsonl", ["reward.margin_field=margin"]), ("distill", "sft.jsonl",
+                                                              ["distill.teacher=configs/model/tiny-llama"])])
+def test_each_output_is_read_by_its_task_as_it_is(sampled, setup, task, output, extra):
+    """accel_train.inspect reads, checks and tokenizes the file as the run would: its format found, every row
+    kept."""
+    out, _ = sampled
+    _, model = setup
+    proc = python_m(f"task={task}", f"data.path={out / output}", "data.eval_fraction=0", f"model.name_or_path={model}",
+                    *extra, module="accel_train.inspect")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f": {len(rows(out / output))} kept" in proc.stdout, proc.stdout
+
+
+def test_an_interrupted_sampling_is_continued_by_the_same_command(sampled, setup):
+    """Ctrl-C during the second batch of prompts: one line, status 130, the first batch kept; the same command
+    again samples the rest, and every answer is the uninterrupted run's."""
+    root, model = setup
+    out = root / "interrupted"
+    cmd = args(root, model, out, "interrupting")
+    # call 1: the check of the rewards on the first row before sampling; 2: the first batch's; 3: the second's
+    stopped = python_m(*cmd, module="accel_train.sample", env={"INTERRUPT_AT": "3"})
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert said(stopped.stderr)[-1].startswith("accel_train.sample: interrupted; the prompts done are kept")
+    assert "Traceback" not in stopped.stderr
+    assert not (out / "samples.jsonl").exists() and len(rows(out / "parts" / "rank-0.jsonl")) == 3
+    again = python_m(*cmd, module="accel_train.sample")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "3 done before" in again.stderr
+    keep = ("index", "completions", "rewards")
+    want = [{k: r[k] for k in keep} for r in rows(sampled[0] / "samples.jsonl")]
+    assert [{k: r[k] for k in keep} for r in rows(out / "samples.jsonl")] == want
+
+
+def test_a_folder_sampled_with_other_settings_is_refused(sampled, setup):
+    root, model = setup
+    out = sampled[0]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = python_m(*args(root, model, out, "chars", "--rank-by", f"{root / 'rewards.py'}:shorter",
+                          "grpo.temperature=0.7"), module="accel_train.sample")
+    assert proc.returncode == 2
+    assert said(proc.stderr) == [f"accel_train.sample: error: --out {out} holds answers sampled with other settings "
+                                 "(grpo.temperature: 1.0 there, 0.7 now): give another --out, or the same settings "
+                                 "to continue it"]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.long
+def test_two_processes_under_accel_train_launch_sample_what_one_does(sampled, setup):
+    """`accel-train launch --config_file cpu_2proc.yaml sample ...`: each process its share, the main one writes the
+    outputs: the same answers and rewards as one process."""
+    root, model = setup
+    out = root / "two"
+    cmd = [BIN / "accel-train", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "--main_process_port",
+           free_port(), "sample", *args(root, model, out)]
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in (out / "parts").iterdir()} == {"rank-0.jsonl", "rank-1.jsonl"}
+    keep = ("index", "completions", "rewards")
+    want = [{k: r[k] for k in keep} for r in rows(sampled[0] / "samples.jsonl")]
+    assert [{k: r[k] for k in keep} for r in rows(out / "samples.jsonl")] == want
+    assert len(said(proc.stderr)) == 2, proc.stderr  # the start line and the result, once
