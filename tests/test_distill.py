@@ -3,8 +3,10 @@ here from both models' logits with the divergences' formulas (forward KL, revers
 at a temperature other than 1; the divergence equal to TRL's GKDTrainer.generalized_jsd_loss on the same logits;
 the chunked loss and gradient equal to the unchunked ones, with no tensor of the vocabulary's width bigger than a
 chunk's; a teacher of another vocabulary refused in one line; on-policy steps sampled through
-generation.generation_config, the same for the same (seed, step). Topology, resume, SIGTERM, bad inputs and reload:
-test_conformance.py (the registry's example)."""
+generation.generation_config, the same for the same (seed, step). Prompts alone (distill.on_policy=1): the step-1
+loss the reverse KL recomputed on the student's samples, drawn here token by token, and the evaluation's on its
+answers to the eval prompts; refused in one line off-policy; 1 process with accumulation = 2 processes. Topology,
+resume, SIGTERM, bad inputs and reload: test_conformance.py (the registry's example)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import fresh_accelerator, python_m, read_metrics, said, save_tiny_model
+from conftest import forked_launch, fresh_accelerator, python_m, read_metrics, said, save_tiny_model
 from tensors import LargestTensors
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -279,3 +281,129 @@ def test_a_student_larger_than_its_teacher_is_refused_on_policy(teacher, padded_
     lines = said(proc.stdout + proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[0].startswith("accel_train: error: distill.on_policy=0.5: the student's head has 63 rows"), lines
+
+
+# ------------------------------------------------------------------------------------------------ prompts alone
+
+PROMPTS = [{"prompt": row["prompt"]} for row in ROWS]
+# evaluation prompts as conversations ending with the user's turn (components/prompts.py reads either)
+EVAL_PROMPTS = [{"messages": [{"role": "user", "content": f"reverse {w}"}]} for w in ("dog", "a cat", "bead")]
+
+
+def sampled_by_hand(student, tokenizer, prompt: list[int], cfg, step: int) -> list[int]:
+    """The student's response to one prompt, token by token without generate: each token where the prompt's own
+    uniform draw (seeded by (seed, step, its tokens)) falls in the cumulative distribution at distill.temperature,
+    up to and with a stop token, or distill.max_new_tokens."""
+    d = cfg.distill
+    stops = generation.generation_config(student, tokenizer, d.max_new_tokens).eos_token_id
+    noise = torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
+        generation.row_seed(cfg.seed, step, distill.prompt_key(prompt), 0)))
+    ids = list(prompt)
+    with torch.no_grad():
+        for t in range(d.max_new_tokens):
+            cdf = torch.softmax(student(torch.tensor([ids])).logits[0, -1].float() / d.temperature, -1).cumsum(-1)
+            ids.append(int(torch.searchsorted(cdf, noise[t] * cdf[-1], right=True)))
+            if ids[-1] in stops:
+                break
+    return ids[len(prompt):]
+
+
+def divergence_on_samples(student, teacher_model, prompts: list[list[int]], answers: list[list[int]], beta: float,
+                          temperature: float) -> tuple[float, float, int]:
+    """(summed divergence, summed cross-entropy at temperature 1, targets) over the sampled tokens, a row at a time."""
+    total, cross_entropy, targets = 0.0, 0.0, 0
+    with torch.no_grad():
+        for prompt, answer in zip(prompts, answers):
+            ids = torch.tensor([prompt + answer])
+            labels = torch.tensor([[-100] * len(prompt) + answer])
+            logits = student(ids).logits
+            total += formula(logits, teacher_model(ids).logits, labels, beta, temperature).item()
+            cross_entropy += torch.nn.functional.cross_entropy(logits[0, len(prompt) - 1:-1].double(),
+                                                               torch.tensor(answer), reduction="sum").item()
+            targets += len(answer)
+    return total, cross_entropy, targets
+
+
+def test_prompts_alone_train_on_the_students_samples_reverse_kl(teacher, tmp_path):
+    """distill.on_policy=1 on prompt-only rows (a prompt column for training, conversations ending with the user's turn
+    for evaluation), beta 1 (TRL's DistillationTrainer: the reverse KL on the student's samples): the step-1 loss is
+    the reverse KL summed over the student's own responses, sampled here token by token with each prompt's seeded
+    draws, / their tokens; the final evaluation's eval_loss and eval_cross_entropy those of its responses to the eval
+    prompts, drawn with the evaluation's noise (EVAL_STEP). One step at lr 1e-12: the saved student is the sampler."""
+    data, eval_data = tmp_path / "prompts.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    eval_data.write_text("".join(json.dumps(r) + "\n" for r in EVAL_PROMPTS))
+    out = tmp_path / "run"
+    proc = python_m("task=distill", f"data.path={data}", f"data.eval_path={eval_data}", f"distill.teacher={teacher}",
+                    "distill.on_policy=1", "distill.beta=1", f"distill.temperature={TEMPERATURE}",
+                    "distill.max_new_tokens=5", "lora.enabled=false", "train.max_steps=1",
+                    "train.per_device_batch_size=4", "train.lr=1e-12", "train.warmup_steps=0",
+                    "train.mixed_precision=no", "track.log_with=[]", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prompts alone from column prompt" in proc.stderr
+    (step1,), evaluations = read_metrics(out)
+
+    cfg = load_config(out / "config.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    task = tasks.make(cfg)
+    student = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    for rows, step, record in ((PROMPTS, 0, step1), (EVAL_PROMPTS, distill.EVAL_STEP, evaluations[-1])):
+        prompts = task.tokenize(Dataset.from_list(rows), tokenizer)["prompt_ids"]
+        answers = [sampled_by_hand(student, tokenizer, p, cfg, step) for p in prompts]
+        assert all(answers) and len({tuple(a) for a in answers}) > 1
+        total, cross_entropy, targets = divergence_on_samples(student, teacher_model, prompts, answers, 1.0,
+                                                              TEMPERATURE)
+        if step == 0:
+            assert total / targets > 1e-3  # a teacher unlike the student
+            assert record["loss"] == pytest.approx(total / targets, rel=1e-5)
+        else:
+            assert record["eval_samples"] == len(EVAL_PROMPTS)
+            assert record["eval_loss"] == pytest.approx(total / targets, rel=1e-5)
+            assert record["eval_cross_entropy"] == pytest.approx(cross_entropy / targets, rel=1e-5)
+
+
+@pytest.mark.parametrize("rows", [PROMPTS, EVAL_PROMPTS], ids=["prompt", "messages"])
+def test_prompts_alone_off_policy_are_refused_in_one_line(tmp_path, rows):
+    """distill.on_policy < 1 trains some steps on the data's responses: prompt-only rows (a prompt column; or
+    conversations ending with the user's turn, told by the first row) are refused in one line, exit 2, before any
+    model loads: nothing in output_dir."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    proc = python_m("task=distill", f"data.path={data}", "distill.teacher=configs/model/tiny-llama",
+                    "distill.on_policy=0.5", "train.max_steps=1", "track.log_with=[]", f"output_dir={out}")
+    column = next(iter(rows[0]))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert said(proc.stdout + proc.stderr) == [
+        f"accel_train: error: data: {data} has prompts ({column}) but no responses: distill.on_policy=0.5 < 1 trains "
+        "on the data's responses; set distill.on_policy=1 for prompt-only data, or name its response column "
+        "(data.response_field)"]
+    assert "distill.teacher:" not in proc.stderr  # no model loaded
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.long
+def test_prompts_alone_1proc_accumulation_equals_2proc(tmp_path):
+    """builtin:addition (prompts and answers, no responses) at distill.on_policy=1: 2 processes x batch 2 log what
+    1 process x batch 1 x accumulation 4 logs, to 1e-5, at every step and evaluation (eval prompts answered by the
+    student): each prompt's response is sampled alike whatever rank, batch and row of it holds the prompt (the
+    micro-batches differ: alone, or in pairs). 9 training rows: step 3 has one sample, and rank 1 samples for a
+    replayed micro-batch with weight 0."""
+    common = ["task=distill", "data.path=builtin:addition", "data.builtin_size=12", "data.eval_fraction=0.25",
+              "distill.teacher=configs/model/tiny-llama", "distill.on_policy=1", "distill.max_new_tokens=6",
+              "train.max_steps=3", "train.log_every=1", "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2",
+              "train.mixed_precision=no", "track.log_with=[]"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = python_m(*common, "train.per_device_batch_size=1", "train.grad_accum_steps=4", f"output_dir={one}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = forked_launch("cpu_2proc.yaml", *common, "train.per_device_batch_size=2", "train.grad_accum_steps=1",
+                         f"output_dir={two}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    timing = {"tokens_per_sec", "mfu", "memory_mb"}
+    records = [[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (one, two)]
+    assert [r["step"] for r in records[0]] == [r["step"] for r in records[1]] == [1, 2, 2, 3, 3]
+    for want, got in zip(*records):
+        assert set(got) == set(want)
+        for key in set(want) - timing:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (want["step"], key)

@@ -1,9 +1,10 @@
-"""Prompts to generate from (task grpo's rollouts; anything that samples answers): read from a column of texts or
+"""Prompts to generate from (task grpo's rollouts, task distill's prompt-only data): read from a column of texts or
 chat turns, rendered with the chat template's generation prompt, cut to a budget of tokens as a conversation is
 (the template's start kept, then the prompt's last tokens), and collated with the data's other columns.
 
 A prompt is one row's `prompt` (data.prompt_field: a text, or chat turns) or `messages` (data.messages_field)
-ending with a user turn. `index`, the row's number, seeds its completions' sampling (generation.row_seed).
+ending with a user turn. `index`, the row's number, seeds grpo's completions' sampling (generation.row_seed).
+`inspect_prompts` is both tasks' view of them.
 """
 
 from __future__ import annotations
@@ -186,3 +187,26 @@ def prompt_rows(batches: list[dict], start: int, stop: int) -> dict:
     return {"prompt_ids": rows("prompt_ids"), "index": torch.cat([b["index"] for b in batches])[start:stop],
             "prompts": rows("prompts"),
             "columns": {c: [v for b in batches for v in b["columns"][c]][start:stop] for c in batches[0]["columns"]}}
+
+
+def inspect_prompts(task, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out, budget: PromptBudget,
+                    why: str, new_tokens: int) -> dict:
+    """`inspect` of a task on prompts, after the task's own first line (`task`: its Task, whose tokenize is shown):
+    the rows, the prompts cut to `budget` (`why`: how it is set), the first `samples` prompts as the model continues
+    them (template and generation prompt applied), then up to `new_tokens` generated, and their lengths."""
+    from accel_train.views import STREAM_ROWS, distribution
+
+    train = task.tokenize(train_raw, tokenizer)
+    lengths = [len(ids) for ids in train["prompt_ids"]]
+    whole = task.untruncated().tokenize(train_raw, tokenizer)
+    cut = sum(len(ids) > budget.tokens for ids in whole["prompt_ids"])
+    print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
+          f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to {budget.tokens} tokens "
+          f"({why}; the template's start and the prompt's end kept)", file=out)
+    for i in range(min(samples, len(train))):
+        print(f"--- prompt {i}: {lengths[i]} tokens, then up to {new_tokens} generated", file=out)
+        print(tokenizer.decode(train[i]["prompt_ids"]), file=out)
+    print("---", file=out)
+    if lengths:
+        print(f"prompt tokens: {distribution(lengths)}", file=out)
+    return {"train_rows": len(train_raw), "train_prompts": len(train), "cut": cut, "prompt_lengths": lengths}

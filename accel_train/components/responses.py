@@ -39,6 +39,17 @@ def columns(cfg: Config, columns: list[str], source: str) -> str:
     return formats.describe_format(cfg, columns)
 
 
+def has_responses(cfg: Config, columns: list[str], first: dict | None = None) -> bool:
+    """Whether rows with these columns hold answers to train on: all the columns of a format (formats.resolve), and
+    for a conversation column, a `first` row ending with the assistant's turn (one ending with the user's is a prompt,
+    as components/prompts.py reads it; the split is read as its first row is)."""
+    d = formats.resolve(cfg, columns)
+    if d.format == "messages" and formats.messages_column(cfg, columns):
+        turns = (first or {}).get(d.messages_field)
+        return not turns or formats._message(turns[-1], 0)["role"] == "assistant"
+    return all(c in columns for c in formats.format_columns(d, d.format))
+
+
 def tokenize(ds, tokenizer, cfg: Config, report: dict | None = None, split: str = "train"):
     """Samples of input_ids, attention_mask and labels (IGNORE_INDEX off the trained tokens). Conversations that
     were cut, dropped or refused (formats.tokenize_causal), <unk> tokens and samples left without a trained

@@ -25,9 +25,11 @@ class DistillConfig:
     TRL's DistillationTrainer; TRL's GKDTrainer tempers the sampling only (the same at 1)."""
     on_policy: float = 0.0
     """GKD's lambda: the fraction of optimizer steps whose responses the student samples itself (at
-    distill.temperature) after each sample's prompt, instead of the data's; chosen per step from the seed."""
+    distill.temperature) after each sample's prompt, instead of the data's; chosen per step from the seed. 1: every
+    step, and the data may then be prompts alone (as grpo's: a prompt column, or messages ending with a user turn)."""
     max_new_tokens: int = 128
-    """On-policy steps: tokens sampled at most per response (it stops earlier at the template's end of turn or eos)."""
+    """On-policy steps: tokens sampled at most per response (it stops earlier at the template's end of turn or eos);
+    prompts alone are cut to data.max_length minus this."""
 
     def resolve(self, cfg) -> None:
         if cfg.task == "distill":

@@ -1,9 +1,13 @@
 """Knowledge distillation (task distill): a teacher's next-token distributions taught to the trained model (the
-student) on the responses of SFT data (GKD: Agarwal et al. 2024; TRL's GKDTrainer).
+student) on the responses of SFT data, or on the student's own responses to prompts (GKD: Agarwal et al. 2024; TRL's
+GKDTrainer, and its DistillationTrainer on prompts alone).
 
 Data: causal_lm's formats (messages, prompt/response, alpaca, TRL's prompt/completion, or plain text), tokenized as
 task causal_lm's (components/responses.py): the divergence applies where causal_lm's loss does (data.train_on).
-Batches are padded, not packed.
+Batches are padded, not packed. With distill.on_policy=1 (every step samples) a split may hold prompts alone, as
+grpo's (components/prompts.py: a prompt column, text or chat turns, or conversations ending with the user's turn,
+told by the split's first row), cut to data.max_length - distill.max_new_tokens tokens; with on_policy < 1 such
+data is refused in one line before any model loads.
 
 The teacher (distill.teacher) is loaded on every process, frozen, in evaluation mode, on the process's device; it
 is not wrapped (no DDP). It must share the student's tokenizer and vocabulary: checked before the data is read.
@@ -23,13 +27,19 @@ its divergence; each chunk but the last is recomputed in the backward pass (chec
 of each model are held at a time, and the gradient is the unchunked one.
 
 On-policy (distill.on_policy = GKD's lambda): a step is on-policy with that probability, decided from (seed, step)
-alone; on such a step each sample keeps its prompt (the tokens before its last trained response) and the student
-samples the response (at distill.temperature, up to distill.max_new_tokens, ending at the template's end of turn or
-eos; settings from generation.generation_config), each sample's noise seeded by (seed, step, its prompt's tokens) as
-grpo's rollouts: 1 and 2 processes, and a resumed run, sample the same responses.
+alone; on such a step each sample keeps its prompt (the tokens before its last trained response, or the prompt
+alone) and the student samples the response (at distill.temperature, up to distill.max_new_tokens, ending at the
+template's end of turn or eos; settings from generation.generation_config), each sample's noise seeded by (seed,
+step, its prompt's tokens) as grpo's rollouts: 1 and 2 processes, and a resumed run, sample the same responses
+(identical prompts of a step, the same response). The loop counts the step's targets after Task.prepare: the sampled
+tokens, over every rank. At beta = 1 the loss is the reverse KL of TRL's DistillationTrainer on its student's
+samples.
 
 Evaluation, on the data's responses: eval_loss (the divergence per target token), and the student's own
-eval_cross_entropy and eval_perplexity per target token (what causal_lm's eval_loss and eval_perplexity are).
+eval_cross_entropy and eval_perplexity per target token (what causal_lm's eval_loss and eval_perplexity are). Eval
+prompts alone are first answered by the student, sampled as on-policy steps are but with the noise of a step of its
+own (EVAL_STEP: a prompt's noise the same at every evaluation, on any topology): eval_loss is then the divergence on
+the student's own responses (the objective trained at beta = 1), eval_cross_entropy the student's on its samples.
 """
 
 from __future__ import annotations
@@ -41,12 +51,14 @@ from itertools import islice
 
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 
 from accel_train import data as data_lib
 from accel_train.components import responses
+from accel_train.components.prompts import (PromptBudget, PromptCollator, inspect_prompts, prompt_column,
+                                            tokenize_prompts)
 from accel_train.config import Config, ConfigError, is_embedded_tiny_model
 from accel_train.sharding import built_sharded, gathers, generating, lockstep, whole_model, zero3
 from accel_train.formats import IGNORE_INDEX
@@ -232,7 +244,66 @@ def checked_head(model: torch.nn.Module, key: str, low_precision: bool = False) 
     return found.head
 
 
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def first_row(ds) -> dict | None:
+    if isinstance(ds, IterableDataset):
+        return next(iter(ds), None)
+    return ds[0] if len(ds) else None
+
+
+def prompt_only(cfg: Config, columns: list[str], first: dict | None = None) -> bool:
+    """Whether rows are prompts alone (components/prompts.py's: a prompt column, or conversations whose `first` row
+    ends with the user's turn), with no answer to train on (responses.has_responses)."""
+    d = cfg.data
+    return ((d.prompt_field in columns or d.messages_field in columns)
+            and not responses.has_responses(cfg, columns, first))
+
+
+def budget(cfg: Config) -> PromptBudget:
+    """The tokens a prompt keeps, so that it and its sampled response fit data.max_length."""
+    keep, new = cfg.data.max_length - cfg.distill.max_new_tokens, cfg.distill.max_new_tokens
+    return PromptBudget(keep, f"data.max_length={cfg.data.max_length} - distill.max_new_tokens={new} = {keep} tokens",
+                        "raise data.max_length or lower distill.max_new_tokens")
+
+
+def check_prompt_only(cfg: Config, column: str, source: str) -> None:
+    """Prompts alone are trained on only when every step samples its responses (an off-policy step trains on the
+    data's), and are cut as grpo's are (prompt first): one line (ConfigError) otherwise, before any model loads."""
+    d = cfg.data
+    if cfg.distill.on_policy < 1:
+        raise ConfigError(f"data: {source} has prompts ({column}) but no responses: distill.on_policy="
+                          f"{cfg.distill.on_policy:g} < 1 trains on the data's responses; set distill.on_policy=1 for "
+                          "prompt-only data, or name its response column (data.response_field)")
+    if d.truncation != "prompt_first":
+        raise ConfigError(f"data.truncation={d.truncation} is for conversations with responses: the prompts of "
+                          f"{source} are cut prompt first (the template's start and their last tokens kept)")
+    if d.group_by_length:
+        raise ConfigError(f"data.group_by_length=true groups samples by their tokens with responses; {source} has "
+                          "prompts alone (their responses are sampled): set it to false")
+    if budget(cfg).tokens < 1:
+        raise ConfigError(f"data.max_length={d.max_length} leaves no room for a prompt before "
+                          f"distill.max_new_tokens={cfg.distill.max_new_tokens} sampled tokens; raise data.max_length")
+
+
+class Collator:
+    """A batch of prompts alone (PromptCollator: prompt_ids) or of samples with their responses (responses'
+    collator, padded): the training and evaluation data may be of either kind."""
+
+    def __init__(self, cfg: Config, tokenizer, attention_cost: float = 0.0, multiple: int = 1):
+        self.prompts = PromptCollator(cfg)
+        self.samples = responses.collator(tokenizer, False, attention_cost, multiple)
+
+    def __call__(self, features: list[dict]) -> dict:
+        return (self.prompts if "prompt_ids" in features[0] else self.samples)(features)
+
+
 # ---------------------------------------------------------------------------------------------------- on-policy
+
+# The step whose noise evaluation samples with: a prompt's response is drawn alike at every evaluation, on any
+# topology and after a resume (training steps count from 0).
+EVAL_STEP = -1
 
 
 def on_policy_step(seed: int, step: int, fraction: float) -> bool:
@@ -245,7 +316,10 @@ def prompt_key(prompt: list[int]) -> int:
 
 
 def prompts_of(batch: dict) -> list[list[int]]:
-    """Each sample's prompt: its tokens (padding left out, on either side) before its last trained response."""
+    """Each sample's prompt: a batch of prompts alone, its prompt_ids; else its tokens (padding left out, on either
+    side) before its last trained response."""
+    if "prompt_ids" in batch:
+        return batch["prompt_ids"]
     prompts = []
     for ids, mask, labels in zip(*(batch[k].tolist() for k in ("input_ids", "attention_mask", "labels"))):
         real = [i for i, m in enumerate(mask) if m]
@@ -301,12 +375,24 @@ class Distill(Task):
         self.job, self.tokenizer, self.step = None, None, 0
 
     def columns(self, columns: list[str], source: str) -> str:
-        return responses.columns(self.cfg, columns, source)
+        if not prompt_only(self.cfg, columns):  # conversations: a row is read to tell (tokenize)
+            return responses.columns(self.cfg, columns, source)
+        column = prompt_column(self.cfg, columns, source)
+        check_prompt_only(self.cfg, column, source)
+        return f"prompts alone from column {column}: the student samples every response (distill.on_policy=1)"
 
     def prepare_data(self, train_raw, eval_raw) -> None:
         check_vocabulary(self.cfg)  # before tokenizing: a mismatch costs a second
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
+        """Rows with responses as causal_lm's (components/responses.py); prompts alone as grpo's
+        (components/prompts.py: prompt_ids)."""
+        columns = data_lib.columns(ds)
+        if prompt_only(self.cfg, columns, first_row(ds)):
+            d = self.cfg.data
+            source = d.eval_path if split == "eval" and d.eval_path else d.path
+            check_prompt_only(self.cfg, prompt_column(self.cfg, columns, source), source)
+            return tokenize_prompts(ds, tokenizer, self.cfg, budget(self.cfg), report=report, split=split)
         ds = responses.tokenize(ds, tokenizer, self.cfg, report, split)
         if split == "train" and self.cfg.distill.on_policy > 0 and isinstance(ds, Dataset):
             # every sample must have a prompt to answer: checked now, on every rank, not at the first on-policy step
@@ -318,7 +404,7 @@ class Distill(Task):
         return ds
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
-        return responses.collator(tokenizer, False, attention_cost, multiple)
+        return Collator(self.cfg, tokenizer, attention_cost, multiple)
 
     def count_targets(self, batch: dict):
         return responses.count_targets(batch)
@@ -352,21 +438,22 @@ class Distill(Task):
         return list(islice(batches, accum))
 
     def prepare(self, window: list[dict], real: int) -> list[dict]:
-        """On an on-policy step, each micro-batch's responses sampled by the student after its prompts (those of the
-        replayed ones too: every rank generates as many times)."""
-        step = self.step
-        if not on_policy_step(self.cfg.seed, step, self.cfg.distill.on_policy):
+        """On an on-policy step (every step of prompt-only data: distill.on_policy=1), each micro-batch's responses
+        sampled by the student after its prompts (those of the replayed ones too: every rank generates as many
+        times). The loop counts the targets after this: the sampled tokens."""
+        if not on_policy_step(self.cfg.seed, self.step, self.cfg.distill.on_policy):
             return window
+        return [self.sampled(batch, self.step) for batch in window]
+
+    def sampled(self, batch: dict, step: int) -> dict:
+        """The batch's prompts, each followed by the student's response sampled with the noise of (seed, `step`, the
+        prompt's tokens); labels on the responses."""
         accelerator = self.job.accelerator
         student = accelerator.unwrap_model(self.job.model, keep_torch_compile=False)
-        out = []
-        for batch in window:
-            prompts = prompts_of(batch)
-            responses = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast,
-                                         self.job.model, lockstep(self.cfg, accelerator),
-                                         gathers(self.cfg, accelerator))
-            out.append(on_policy_batch(prompts, responses, self.tokenizer.pad_token_id, accelerator.device))
-        return out
+        prompts = prompts_of(batch)
+        answers = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast,
+                                   self.job.model, lockstep(self.cfg, accelerator), gathers(self.cfg, accelerator))
+        return on_policy_batch(prompts, answers, self.tokenizer.pad_token_id, accelerator.device)
 
     def loss(self, model, batch: dict):
         loss = self.distillation(model, batch)
@@ -374,11 +461,15 @@ class Distill(Task):
 
     @torch.no_grad()
     def evaluate(self, job) -> dict:
-        """The divergence, and the student's cross-entropy and perplexity, per eval target (each sample once)."""
+        """The divergence, and the student's cross-entropy and perplexity, per eval target (each sample once). Eval
+        prompts alone are answered by the student first, sampled with the noise of EVAL_STEP: every rank samples for
+        each of its batches (under sharded weights, every forward is a collective)."""
         accelerator, model = job.accelerator, job.model
         model.eval()
         divergence_sum, cross_entropy, targets, samples = 0.0, 0.0, 0, 0
         for batch in job.eval_dl:
+            if "prompt_ids" in batch:
+                batch = self.sampled(batch, EVAL_STEP)
             n = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1, keepdim=True).float()
             rows = accelerator.gather_for_metrics(torch.cat([self.distillation(model, batch, evaluation=True), n], 1))
             divergence_sum += float(rows[:, 0].sum())
@@ -394,7 +485,13 @@ class Distill(Task):
         d = self.cfg.distill
         print(f"teacher: {d.teacher} (beta {d.beta}, temperature {d.temperature}; on-policy steps: {d.on_policy:g}, "
               f"the responses then sampled by the student, up to {d.max_new_tokens} tokens)", file=out)
-        return responses.inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
+        columns = data_lib.columns(train_raw)
+        if not prompt_only(self.cfg, columns, first_row(train_raw)):
+            return responses.inspect(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
+        print(f"data: {self.cfg.data.path} (task distill, prompts alone from {prompt_column(self.cfg, columns)}: "
+              f"the student samples every response); tokenizer {self.cfg.model.name_or_path}", file=out)
+        return inspect_prompts(self, train_raw, eval_raw, streamed, tokenizer, samples, out, budget(self.cfg),
+                               "data.max_length - distill.max_new_tokens", d.max_new_tokens)
 
 
 TASK = Distill

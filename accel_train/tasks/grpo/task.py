@@ -67,7 +67,8 @@ from datasets import Dataset, IterableDataset
 
 from accel_train.components import tools as tools_lib
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
-from accel_train.components.prompts import PromptBudget, PromptCollator, prompt_column, tokenize_prompts
+from accel_train.components.prompts import (PromptBudget, PromptCollator, inspect_prompts, prompt_column,
+                                             tokenize_prompts)
 from accel_train.components.reference import reference_mode, reference_model
 from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test, weighted_total
 from accel_train.config import Config, ConfigError
@@ -291,29 +292,13 @@ class GRPO(Task):
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
         """task grpo: the prompts as the model continues them (template and generation prompt applied), what is cut,
         and the columns the reward functions get."""
-        from accel_train.views import STREAM_ROWS, distribution
-
-        cfg = self.cfg
-        train = self.tokenize(train_raw, tokenizer)
-        lengths = [len(ids) for ids in train["prompt_ids"]]
-        keep = cfg.grpo.max_prompt_length(cfg)
-        whole = self.untruncated().tokenize(train_raw, tokenizer)
-        cut = sum(len(ids) > keep for ids in whole["prompt_ids"])
+        cfg, g = self.cfg, self.cfg.grpo
         column = prompt_column(cfg, data_columns(train_raw))
         others = [c for c in data_columns(train_raw) if c != column]
-        g = cfg.grpo
         print(f"data: {cfg.data.path} (task grpo, prompts from {column}; rewards {', '.join(g.rewards)} get the columns "
               f"{', '.join(others) or '(none)'}); tokenizer {cfg.model.name_or_path}", file=out)
-        print(f"rows: {len(train_raw)} train{f' (first {STREAM_ROWS} of the stream)' if streamed else ''}, "
-              f"{len(eval_raw) if eval_raw is not None else 0} eval; {cut} prompts cut to {keep} tokens "
-              f"(data.max_length - grpo.max_new_tokens; the template's start and the prompt's end kept)", file=out)
-        for i in range(min(samples, len(train))):
-            print(f"--- prompt {i}: {lengths[i]} tokens, then up to {g.max_new_tokens} generated", file=out)
-            print(tokenizer.decode(train[i]["prompt_ids"]), file=out)
-        print("---", file=out)
-        if lengths:
-            print(f"prompt tokens: {distribution(lengths)}", file=out)
-        return {"train_rows": len(train_raw), "train_prompts": len(train), "cut": cut, "prompt_lengths": lengths}
+        return inspect_prompts(self, train_raw, eval_raw, streamed, tokenizer, samples, out, budget(cfg),
+                               "data.max_length - grpo.max_new_tokens", g.max_new_tokens)
 
 
 TASK = GRPO
