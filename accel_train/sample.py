@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rank-by", help="best-of-n: a reward (model:RUN, a reward model; or a function as in "
                                           "grpo.rewards) that ranks each prompt's answers; summary.json gives the "
                                           "true reward of the answer it ranks first")
+    parser.add_argument("--greedy", action="store_true",
+                        help="one greedy answer per prompt (grpo.num_generations is then 1): pass@1 is the greedy "
+                             "accuracy, as task grpo's evaluation scores it")
     parser.add_argument("--split", choices=("train", "eval", "all"), default="train",
                         help="the prompts: the training split as a run with this config trains on (default), its "
                              "held-out split, or every row")
@@ -87,6 +90,8 @@ def sampling_config(args: argparse.Namespace) -> Config:
                                     "model.adapter_from=null", "model.random_init=false", "track.log_with=[]",
                                     f"output_dir={args.out}"])
     cfg.grpo.check(cfg)
+    if args.greedy:
+        cfg.grpo.num_generations = 1  # (grpo's check asks a group of 2 for its training: not a greedy answer)
     check_data_source(cfg)
     check_rewards(cfg)
     if args.rank_by and args.rank_by.startswith("model:"):
@@ -96,14 +101,14 @@ def sampling_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def settings(cfg: Config, path: str, split: str, rank_by: str | None) -> dict:
+def settings(cfg: Config, path: str, split: str, rank_by: str | None, greedy: bool) -> dict:
     def value(key):
         node = cfg
         for part in key.split("."):
             node = getattr(node, part)
         return node
 
-    return {"model": path, "split": split, "rank_by": rank_by, **{k: value(k) for k in SETTINGS}}
+    return {"model": path, "split": split, "rank_by": rank_by, "greedy": greedy, **{k: value(k) for k in SETTINGS}}
 
 
 def check_out(out: Path, wanted: dict) -> None:
@@ -252,7 +257,7 @@ def sample(args: argparse.Namespace) -> dict | None:
     from accel_train.dist import make_accelerator, teardown
 
     cfg = sampling_config(args)
-    wanted = settings(cfg, args.path, args.split, args.rank_by)
+    wanted = settings(cfg, args.path, args.split, args.rank_by, args.greedy)
     check_out(Path(args.out), wanted)
     accelerator = None
     try:
@@ -300,8 +305,9 @@ def sample_share(cfg: Config, args: argparse.Namespace, wanted: dict, state) -> 
             tqdm(total=len(mine), desc="sampling", unit="prompt", disable=not state.is_main_process) as bar:
         for start in range(0, len(mine), args.batch_size):
             batch = collate([ds[i] for i in mine[start:start + args.batch_size]])
-            with torch.no_grad():
-                completions = sampler.generate(model, batch, step=0)
+            with torch.no_grad():  # greedy: task grpo's evaluation (no noise)
+                completions = (sampler.turns(model, batch, 1) if args.greedy else
+                               sampler.generate(model, batch, step=0))
             texts = sampler.texts(completions)
             repeated = lambda values: [v for v in values for _ in range(G)]  # noqa: E731
             columns = completions.columns({k: repeated(v) for k, v in batch["columns"].items()})

@@ -190,3 +190,18 @@ def test_two_processes_under_accel_train_launch_sample_what_one_does(sampled, se
     want = [{k: r[k] for k in keep} for r in rows(sampled[0] / "samples.jsonl")]
     assert [{k: r[k] for k in keep} for r in rows(out / "samples.jsonl")] == want
     assert len(said(proc.stderr)) == 2, proc.stderr  # the start line and the result, once
+
+
+def test_greedy_answers_are_the_generate_tools(setup):
+    """--greedy: one answer per prompt, no noise; the same text `accel_train.generate` answers (greedy, the chat
+    template's generation prompt), so pass@1 is the greedy accuracy."""
+    from accel_train.generate import generate_rows
+
+    root, model = setup
+    out = root / "greedy"
+    proc = python_m(*args(root, model, out, "chars", "--greedy"), module="accel_train.sample")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = rows(out / "samples.jsonl")
+    assert all(len(r["completions"]) == 1 for r in samples)
+    want = generate_rows(str(model), PROMPTS, max_new_tokens=12)
+    assert [r["completions"][0] for r in samples] == [w.strip() for w in want]
