@@ -76,10 +76,9 @@ def main(argv: list[str], check) -> int:
     accel_train's arguments (cli.check): its --print-config and cheap checks answer here, before any process
     starts, and the start line follows (each rank runs the checks again, under the launcher's environment)."""
     checked = None
-    tool = next((a for a in argv if a in TOOLS), None)
-    if tool is not None:  # its own arguments after it, checked by the tool in each process
-        at = argv.index(tool)
-        return launch_tool(argv[:at], TOOLS[tool], argv[at + 1:])
+    at = tool_at(argv)
+    if at is not None:  # its own arguments after it
+        return launch_tool(argv[:at], argv[at], argv[at + 1:])
     if not {"-h", "--help"} & set(argv):
         early = early_args(argv)
         try:
@@ -118,17 +117,50 @@ def main(argv: list[str], check) -> int:
     return run(launch_command, args)
 
 
-def launch_tool(options: list[str], module: str, args: list[str]) -> int:
-    """`python -m MODULE ARGS` on every process, with accelerate launch's `options`."""
+def tool_at(argv: list[str]) -> int | None:
+    """Where a tool's name (TOOLS) stands in `accel-train launch [accelerate options] TOOL ...`: the first argument
+    that is neither an option nor an option's value (told as split_args tells them, by accelerate's parser) and not
+    key=value; None when there is none."""
+    if not TOOLS.keys() & set(argv):
+        return None
+    from accelerate.commands.launch import launch_command_parser
+
+    options = launch_command_parser()._option_string_actions
+    args = iter(enumerate(argv))
+    for i, arg in args:
+        action = options.get(arg.split("=", 1)[0]) if arg.startswith("-") else None
+        if action is not None:
+            if action.nargs is None and "=" not in arg:
+                next(args, None)  # its value
+            continue
+        return i if arg in TOOLS else None
+    return None
+
+
+def launch_tool(options: list[str], tool: str, args: list[str]) -> int:
+    """`python -m accel_train.TOOL ARGS` on every process, with accelerate launch's `options`; the tool's cheap checks
+    first, here (one line, status 2, before any process starts)."""
+    import importlib
+
     from accelerate.commands.launch import launch_command, launch_command_parser
 
+    module = importlib.import_module(TOOLS[tool])
+    try:
+        module.check(args)
+    except ConfigError as e:
+        sys.stderr.write(f"{TOOLS[tool]}: error: {e}\n")
+        return 2
     parser = launch_command_parser()
     theirs, ours = split_args(options, parser)
     if ours:
         sys.stderr.write(f"accel_train: error: {' '.join(ours)}: not an option of accelerate launch; the tool's "
                          f"arguments go after its name\n")
         return 2
-    return run(launch_command, parser.parse_args([*theirs, "--module", module, *args]))
+    import torch  # imported by accelerate's launcher already
+
+    if not torch.accelerator.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as main(): DeepSpeed's probe, said without its warning
+    return run(launch_command, parser.parse_args([*theirs, "--module", TOOLS[tool], *args]))
 
 
 def run(launch_command, args) -> int:

@@ -9,11 +9,11 @@ pass@1 and pass@n; and best-of-n with a reward model.
 PATH: the model to sample from: a run's output_dir (its adapter or model), a model folder, a .gguf file or a hub
 id. The settings are the config's (a GRPO config file gives the same prompts, rewards and sampling as its run):
 
-    data.path                 the prompts (a "prompt" or "messages" column, as task grpo reads them), the rows of
-                              its training split (data.eval_fraction held out as a run holds it out; --split)
+    data.path                 the prompts (a "prompt" or "messages" column, as task grpo reads them): every row,
+                              or with --config the rows its run trains on (data.eval_fraction held out; --split)
     grpo.num_generations      n, the answers per prompt
     grpo.rewards, grpo.reward_weights, grpo.answer_field, grpo.regex     the reward of an answer (the weighted sum)
-    grpo.max_new_tokens, grpo.temperature, grpo.top_p, seed              the sampling (grpo.tools: multi-turn)
+    grpo.max_new_tokens, grpo.temperature, grpo.top_p, seed              the sampling (single-turn: no grpo.tools)
 
 Each answer is sampled as grpo's rollouts are (components/completions.py: its own noise from (seed, the prompt's row,
 its number), whatever the batch or the number of processes), so a rerun, an interrupted run continued and 1 or 2
@@ -25,9 +25,11 @@ Outputs (DIR), each read by its task as it is (data.path=DIR/FILE):
     sft.jsonl       rejection sampling (RFT, STaR): each prompt's best answer whose reward is at least --threshold
                     (prompt/completion: task causal_lm, or distill)
     pairs.jsonl     each prompt's best and worst answers where they differ in reward: prompt/chosen/rejected and the
-                    reward gap as "margin" (task dpo; task reward with reward.margin_field=margin)
+                    reward gap as "margin" (task dpo; task reward, which reads "margin" as each pair's margin)
     kto.jsonl       each prompt's distinct answers with label = reward >= --threshold (task kto)
-                    (an empty answer, which every task refuses, is in none of the three; summary.json counts them)
+                    (an empty answer, which every task refuses, is in none of the three; summary.json counts them;
+                    the data's other columns are in samples.jsonl only: a "response" there would be read as the
+                    answer to train on)
     summary.json    pass@1 (the mean share of a prompt's answers at or above the threshold), pass@n (the share of
                     prompts with one), the mean reward, the rows of each output; with --rank-by, best-of-n: the
                     reward (and pass rate) of the answer that reward ranks first
@@ -45,12 +47,17 @@ from pathlib import Path
 
 from accel_train.config import Config, ConfigError, load_config
 
-# What decides the answers and their rewards: a DIR sampled with other values of these is not continued.
-SETTINGS = ("seed", "data.path", "data.name", "data.data_files", "data.train_split", "data.eval_split",
-            "data.eval_path", "data.eval_fraction", "data.max_samples", "data.prompt_field", "data.messages_field",
-            "data.max_length", "model.dtype", "grpo.num_generations", "grpo.max_new_tokens", "grpo.temperature",
-            "grpo.top_p", "grpo.rewards", "grpo.reward_weights", "grpo.answer_field", "grpo.regex",
-            "grpo.length_buffer", "grpo.tools", "grpo.environment", "grpo.max_turns")
+# What decides the answers and their rewards: a DIR sampled with other values of these is not continued (nor with
+# other weights at PATH, or another data file: their sizes and times, `files`).
+SETTINGS = ("seed", "data.path", "data.name", "data.data_files", "data.revision", "data.builtin_size",
+            "data.train_split", "data.eval_split", "data.eval_path", "data.eval_fraction", "data.max_samples",
+            "data.prompt_field", "data.messages_field", "data.max_length", "model.dtype", "model.revision",
+            "model.quantization", "model.attn_implementation", "grpo.num_generations", "grpo.max_new_tokens",
+            "grpo.temperature", "grpo.top_p", "grpo.rewards", "grpo.reward_weights", "grpo.answer_field",
+            "grpo.regex", "grpo.length_buffer")
+# The sections sample reads; a key of another (train.*, lora.*, ...) would be ignored: refused.
+SECTIONS = ("data.", "grpo.", "model.", "seed=")
+
 OUTPUTS = ("samples.jsonl", "sft.jsonl", "pairs.jsonl", "kto.jsonl", "summary.json")
 
 
@@ -71,9 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--greedy", action="store_true",
                         help="one greedy answer per prompt (grpo.num_generations is then 1): pass@1 is the greedy "
                              "accuracy, as task grpo's evaluation scores it")
-    parser.add_argument("--split", choices=("train", "eval", "all"), default="train",
-                        help="the prompts: the training split as a run with this config trains on (default), its "
-                             "held-out split, or every row")
+    parser.add_argument("--split", choices=("train", "eval", "all"),
+                        help="the prompts: the training split as a run with this config trains on (the default with "
+                             "--config), its held-out split, or every row (the default without)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.path=F.jsonl "
                                                                           "grpo.num_generations=8")
@@ -85,13 +92,27 @@ def sampling_config(args: argparse.Namespace) -> Config:
     from accel_train.components.rewards import check_rewards, check_reward_model
     from accel_train.data_sources import check_data_source
 
-    overrides = [o for o in args.overrides if not o.startswith("task=")]
-    cfg = load_config(args.config, ["task=grpo", *overrides, f"model.name_or_path={args.path}", "lora.enabled=false",
-                                    "model.adapter_from=null", "model.random_init=false", "track.log_with=[]",
-                                    f"output_dir={args.out}"])
+    for item in args.overrides:
+        if not item.startswith(SECTIONS) or item.startswith(("model.name_or_path=", "model.adapter_from=")):
+            key = item.partition("=")[0]
+            raise ConfigError(f"{key}: sample reads the data, grpo and model sections (and seed); the model is PATH"
+                              if item.startswith("model.") else
+                              f"{key}: not a key sample reads (data.*, grpo.*, model.*, seed)")
+        if args.greedy and item.startswith("grpo.num_generations="):
+            raise ConfigError("--greedy answers each prompt once: drop grpo.num_generations")
+    args.split = args.split or ("train" if args.config else "all")
+    cfg = load_config(args.config, ["task=grpo", *args.overrides, f"model.name_or_path={args.path}",
+                                    "lora.enabled=false", "model.adapter_from=null", "model.random_init=false",
+                                    "track.log_with=[]", f"output_dir={args.out}"])
+    if cfg.grpo.tools or cfg.grpo.environment:
+        raise ConfigError("grpo.tools / grpo.environment: sample writes single-turn answers; a multi-turn "
+                          "trajectory (its tool turns) has no place in sft/pairs/kto rows yet")
+    n = cfg.grpo.num_generations
+    cfg.grpo.num_generations = max(n, 2)  # grpo's check asks a group of 2 for its training, not for sampling
     cfg.grpo.check(cfg)
-    if args.greedy:
-        cfg.grpo.num_generations = 1  # (grpo's check asks a group of 2 for its training: not a greedy answer)
+    cfg.grpo.num_generations = 1 if args.greedy else n
+    if Path(args.path).expanduser().exists() and cfg.model.quantization:
+        raise ConfigError(f"model.quantization: PATH {args.path} is loaded as saved; quantize a hub model only")
     check_data_source(cfg)
     check_rewards(cfg)
     if args.rank_by and args.rank_by.startswith("model:"):
@@ -108,7 +129,15 @@ def settings(cfg: Config, path: str, split: str, rank_by: str | None, greedy: bo
             node = getattr(node, part)
         return node
 
-    return {"model": path, "split": split, "rank_by": rank_by, "greedy": greedy, **{k: value(k) for k in SETTINGS}}
+    def files(where: str) -> dict:  # a local model's weights, a local data file: size and time of each
+        place = Path(where).expanduser()
+        found = [place] if place.is_file() else [p for p in sorted(place.rglob("*")) if p.suffix in (
+            ".safetensors", ".bin", ".jsonl", ".json", ".csv", ".parquet", ".gguf")] if place.is_dir() else []
+        return {str(p.relative_to(place) if p != place else p.name): [p.stat().st_size, int(p.stat().st_mtime)]
+                for p in found}
+
+    return {"model": path, "split": split, "rank_by": rank_by, "greedy": greedy, **{k: value(k) for k in SETTINGS},
+            "files": {"model": files(path), "data": files(cfg.data.path)}}
 
 
 def check_out(out: Path, wanted: dict) -> None:
@@ -133,25 +162,28 @@ def load_model(cfg: Config, path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from accel_train.model import build_model, build_tokenizer, load_trained
+    from accel_train.model import attn_implementation, build_model, build_tokenizer, load_trained
     from accel_train.model_sources import check_model, check_task, existing_folder, is_gguf, trained_folder
     from accel_train.preflight import read_gguf, saved_random_base
+    from accel_train.sharding import whole_model
 
     dtype = {} if cfg.model.dtype == "auto" else {"dtype": getattr(torch, cfg.model.dtype)}
-    if not is_gguf(path) and Path(path).expanduser().exists():
-        folder = trained_folder(existing_folder(path))
-        if saved_random_base(folder):
-            raise ConfigError(f"PATH: {folder} holds the random weights a run started from: give the run's "
-                              f"folder, {folder.parent}")
-        check_task(folder, "causal_lm")
-        model, tokenizer = load_trained(folder, AutoModelForCausalLM, **dtype)
-    else:
-        if is_gguf(path):
-            read_gguf(cfg)
+    extra = {**dtype, **attn_implementation(cfg)}  # as a run builds its model
+    with whole_model():  # each process generates on the whole model, whatever engine the launch's config names
+        if not is_gguf(path) and Path(path).expanduser().exists():
+            folder = trained_folder(existing_folder(path))
+            if saved_random_base(folder):
+                raise ConfigError(f"PATH: {folder} holds the random weights a run started from: give the run's "
+                                  f"folder, {folder.parent}")
+            check_task(folder, "causal_lm")
+            model, tokenizer = load_trained(folder, AutoModelForCausalLM, **extra)
         else:
-            check_model(path)
-        tokenizer = build_tokenizer(cfg)
-        model = build_model(cfg, tokenizer)
+            if is_gguf(path):
+                read_gguf(cfg)
+            else:
+                check_model(path)
+            tokenizer = build_tokenizer(cfg)
+            model = build_model(cfg, tokenizer)
     return model.requires_grad_(False).eval(), tokenizer
 
 
@@ -178,22 +210,23 @@ def prompts(cfg: Config, tokenizer, split: str):
 
 
 def done_rows(parts: Path) -> dict[int, dict]:
-    """The prompts already sampled (any process, any earlier attempt): index -> row; a line cut by an interruption
-    is dropped (its prompt is sampled again)."""
+    """The prompts already sampled (any process, any earlier attempt): index -> row. A line cut by an interruption
+    (anywhere, a multi-byte character too) is dropped from its file (its prompt is sampled again)."""
     done = {}
     for part in sorted(parts.glob("*.jsonl")):
-        lines = part.read_text(encoding="utf-8").splitlines(keepends=True)
+        data = part.read_bytes()
+        lines = data.split(b"\n")
+        whole, cut = lines[:-1], lines[-1]  # what follows the last newline was cut
         kept = []
-        for line in lines:
+        for line in whole:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 continue
-            if line.endswith("\n"):
-                done[row["index"]] = row
-                kept.append(line)
-        if len(kept) != len(lines):
-            part.write_text("".join(kept), encoding="utf-8")
+            done[row["index"]] = row
+            kept.append(line)
+        if cut or len(kept) != len(whole):
+            part.write_bytes(b"".join(line + b"\n" for line in kept))
     return done
 
 
@@ -208,7 +241,7 @@ def write_outputs(out: Path, rows: list[dict], threshold: float, meta: dict) -> 
     sft, pairs, kto = [], [], []
     passed, any_passed, mean, best_of, best_of_passed, truncated, tokens, empty = 0.0, 0, 0.0, 0.0, 0, 0, 0, 0
     for row in rows:
-        prompt, columns = row["prompt"], row["columns"]
+        prompt = row["prompt"]
         texts, rewards = row["completions"], row["rewards"]
         scored = [(r, i) for i, r in enumerate(rewards) if r is not None]  # None: no function scored it
         correct = [i for r, i in scored if r >= threshold]
@@ -223,16 +256,15 @@ def write_outputs(out: Path, rows: list[dict], threshold: float, meta: dict) -> 
             best = max(usable, key=lambda ri: (ri[0], -ri[1]))  # of equal rewards, the first answer
             worst = min(usable, key=lambda ri: (ri[0], ri[1]))
             if best[0] >= threshold:
-                sft.append({"prompt": prompt, "completion": answer(prompt, texts[best[1]]), **columns})
+                sft.append({"prompt": prompt, "completion": answer(prompt, texts[best[1]])})
             if best[0] > worst[0]:
                 pairs.append({"prompt": prompt, "chosen": answer(prompt, texts[best[1]]),
-                              "rejected": answer(prompt, texts[worst[1]]), "margin": best[0] - worst[0], **columns})
+                              "rejected": answer(prompt, texts[worst[1]]), "margin": best[0] - worst[0]})
             seen = set()
             for r, i in usable:
                 if texts[i] not in seen:
                     seen.add(texts[i])
-                    kto.append({"prompt": prompt, "completion": answer(prompt, texts[i]), "label": r >= threshold,
-                                **columns})
+                    kto.append({"prompt": prompt, "completion": answer(prompt, texts[i]), "label": r >= threshold})
         if "rank_scores" in row and scored:
             ranked = [(row["rank_scores"][i], -i, r) for r, i in scored if row["rank_scores"][i] is not None]
             pick = max(ranked)[2] if ranked else min(scored)[0]  # nothing ranked: the worst
@@ -272,7 +304,7 @@ def sample_share(cfg: Config, args: argparse.Namespace, wanted: dict, state) -> 
     from tqdm.auto import tqdm
 
     from accel_train.components.completions import CompletionSampler
-    from accel_train.components.prompts import PromptCollator
+    from accel_train.components.prompts import PromptCollator, prompt_column
     from accel_train.components.rewards import Rewards, weighted_total
     from accel_train.tracking import quiet_libraries
 
@@ -289,6 +321,11 @@ def sample_share(cfg: Config, args: argparse.Namespace, wanted: dict, state) -> 
     done = done_rows(parts) if state.is_main_process else None
     state.wait_for_everyone()
     done = done if done is not None else done_rows(parts)
+    prompts_now = {row["index"]: row[prompt_column(cfg, list(row))] for row in ds}
+    moved = [i for i, row in done.items() if prompts_now.get(i, row["prompt"]) != row["prompt"]]
+    if moved:
+        raise ConfigError(f"--out {out}: the prompt of row {moved[0]} differs from the one sampled there before: the "
+                          "data changed; give another --out")
     todo = [i for i in range(len(ds)) if ds[i]["index"] not in done]
     mine = todo[state.process_index::state.num_processes]
     if state.is_main_process:
@@ -339,7 +376,17 @@ def sample_share(cfg: Config, args: argparse.Namespace, wanted: dict, state) -> 
     return write_outputs(out, rows, args.threshold, meta)
 
 
+def check(argv: list[str]) -> None:
+    """The cheap checks, in `accel-train launch ... sample`'s own process before any process starts: a bad
+    argument is said once, not once per process (ConfigError)."""
+    args = parse_args(argv)
+    cfg = sampling_config(args)
+    check_out(Path(args.out), settings(cfg, args.path, args.split, args.rank_by, args.greedy))
+
+
 def main(argv: list[str] | None = None) -> None:
+    from accel_train.preflight import first_process
+
     args = parse_args(argv)
     try:
         summary = sample(args)
@@ -347,8 +394,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"accel_train.sample: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print(f"accel_train.sample: interrupted; the prompts done are kept in {Path(args.out) / 'parts'}: the same "
-              "command continues", file=sys.stderr)
+        if first_process():
+            print(f"accel_train.sample: interrupted; the prompts done are kept in {Path(args.out) / 'parts'}: the "
+                  "same command continues", file=sys.stderr)
         sys.exit(130)
     if summary is not None:
         n = summary["n"]

@@ -14,7 +14,8 @@ Arms, each at the budget of the same TRAIN prompts (a trained arm is LoRA on the
     base        the model as it is
     sft         SFT on the gold answers ("85")
     rft         SFT on the model's own correct answers (rejection sampling: accel_train.sample's sft.jsonl)
-    dpo, kto, orpo, simpo, cpo    on the pairs / rows sampled from the model (the same sampling as rft's)
+    dpo, kto, orpo, simpo, cpo    on the pairs sampled from the model (the same sampling as rft's; kto reads them
+                unpaired)
     reward      a reward model on those pairs: its held-out pairwise accuracy (pairs sampled on EVAL), and
                 best-of-n on EVAL with it against pass@1 and pass@n (the true reward picking)
     grpo, rloo  RL with the true reward (number_match)
@@ -65,7 +66,9 @@ ARMS = {
     "sft": ((), ["task=causal_lm", "data.path={data}/gold.jsonl", *SFT_LIKE]),
     "rft": (("samples",), ["task=causal_lm", "data.path={samples}/sft.jsonl", *SFT_LIKE]),
     "dpo": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.beta=0.1", *PREF]),
-    "kto": (("samples",), ["task=kto", "data.path={samples}/kto.jsonl", "kto.beta=0.1", *PREF]),
+    # the pairs read unpaired (chosen desirable, rejected undesirable), as the KTO paper's comparison with DPO: the
+    # same answers as DPO's (kto.jsonl holds every distinct answer: 8 a prompt, several times the steps)
+    "kto": (("samples",), ["task=kto", "data.path={samples}/pairs.jsonl", "kto.beta=0.1", *PREF]),
     "orpo": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=orpo", "dpo.beta=0.1",
                             *PREF]),
     "simpo": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=simpo", "dpo.beta=2.0",
@@ -204,7 +207,8 @@ class Study:
             s = self.size
             seconds = stage("accel_train.sample", [
                 str(model), "--out", str(out), "--split", "all", f"data.path={self.data / split_file}",
-                f"grpo.num_generations={s['n']}", f"grpo.max_new_tokens={s['new_tokens']}", "grpo.temperature=0.7",
+                *([] if "--greedy" in extra else [f"grpo.num_generations={s['n']}"]),
+                f"grpo.max_new_tokens={s['new_tokens']}", "grpo.temperature=0.7",
                 f"grpo.rewards=[{reward}]", f"data.max_length={s['max_length']}", f"seed={seed}", *extra],
                 self.logs / f"{out.name}.log")
             summary = json.loads((out / "summary.json").read_text())
@@ -273,8 +277,9 @@ class Study:
                         f"pass@{best['n']}": best[f"pass@{best['n']}"]})
             row["seconds"] += best.get("stage_seconds", 0.0)
             model = start  # a reward model does not answer: its accuracy is the base's best-of-n above
-        if arm != "reward":
-            _, greedy = self.sampled(f"eval-{arm}", model, "eval.jsonl", seed, ("--greedy",), "number_match")
+        if arm != "reward":  # greedy: an untrained model's answers are the same whatever the seed (evaluated once)
+            _, greedy = self.sampled(f"eval-{arm}", model, "eval.jsonl", seed if spec else 0, ("--greedy",),
+                                     "number_match")
             row["accuracy"] = greedy["pass@1"]
             row["eval_seconds"] = greedy.get("stage_seconds", 0.0)
         with open(self.out / "results.jsonl", "a") as f:
@@ -286,8 +291,15 @@ class Study:
 
 
 def read_results(out: Path) -> list[dict]:
+    """The rows written so far (a line cut by an interruption left out: that arm runs again)."""
     path = out / "results.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = []
+    for line in (path.read_bytes().split(b"\n") if path.is_file() else []):
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -347,6 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"accel_train.study: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"accel_train.study: interrupted; the arms done are in {args.out / 'results.jsonl'}: the same command "
+              "continues", file=sys.stderr)
+        sys.exit(130)
     text = table(read_results(args.out))
     (args.out / "table.md").write_text(text)
     print(text)

@@ -40,10 +40,12 @@ def interrupting(prompts, completions, **kw):
         os.kill(os.getpid(), signal.SIGINT)
     return chars(prompts, completions)
 '''
-PROMPTS = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in
+# a gold "response" column too: were it copied into sft.jsonl, task causal_lm would train on it (prompt/response is
+# read before prompt/completion), not on the sampled answer
+PROMPTS = [{"prompt": f"reverse {w}", "answer": w[::-1], "response": w[::-1]} for w in
            ("abc", "hello", "tiny", "model", "seeds", "pairs", "llama", "xyz", "token")]
 PROMPTS.append({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse ok"}],
-                "answer": "ko"})  # chat turns: answered with an assistant turn
+                "answer": "ko", "response": "ko"})  # chat turns: answered with an assistant turn
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,10 @@ def setup(tmp_path_factory):
 
 
 def args(root, model, out, reward="chars", *extra):
-    return [str(model), "--out", str(out), f"data.path={root / 'prompts.jsonl'}", "data.eval_fraction=0",
-            "grpo.num_generations=4", "grpo.max_new_tokens=12", f"grpo.rewards=[{root / 'rewards.py'}:{reward}]",
-            "--threshold", "0.5", "--batch-size", "3", *extra]
+    n = [] if "--greedy" in extra else ["grpo.num_generations=4"]
+    return [str(model), "--out", str(out), f"data.path={root / 'prompts.jsonl'}", "data.eval_fraction=0", *n,
+            "grpo.max_new_tokens=12", f"grpo.rewards=[{root / 'rewards.py'}:{reward}]", "--threshold", "0.5",
+            "--batch-size", "3", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,8 @@ def test_every_prompt_gets_n_answers_scored_by_the_reward(sampled):
     samples = rows(out / "samples.jsonl")
     assert [r["index"] for r in samples] == list(range(len(PROMPTS)))
     for row, given in zip(samples, PROMPTS):
-        assert row["prompt"] == given["prompt"] and row["columns"] == {"answer": given["answer"]}
+        assert row["prompt"] == given["prompt"]
+        assert row["columns"] == {"answer": given["answer"], "response": given["response"]}
         assert len(row["completions"]) == 4
         assert row["rewards"] == [(len(c) % 3) / 2 for c in row["completions"]]  # the reward, on the decoded text
     assert len({c for r in samples for c in r["completions"]}) > len(PROMPTS)  # sampled, not greedy
@@ -99,16 +103,16 @@ def test_outputs_are_the_best_the_pairs_and_the_labels_recomputed_here(sampled):
         best = max(usable, key=lambda i: (r["rewards"][i], -i))
         worst = min(usable, key=lambda i: (r["rewards"][i], i))
         if r["rewards"][best] >= 0.5:
-            want_sft.append({"prompt": r["prompt"], "completion": as_answer(r["completions"][best]), **r["columns"]})
+            want_sft.append({"prompt": r["prompt"], "completion": as_answer(r["completions"][best])})
         if r["rewards"][best] > r["rewards"][worst]:
             want_pairs.append({"prompt": r["prompt"], "chosen": as_answer(r["completions"][best]),
                                "rejected": as_answer(r["completions"][worst]),
-                               "margin": r["rewards"][best] - r["rewards"][worst], **r["columns"]})
+                               "margin": r["rewards"][best] - r["rewards"][worst]})
         for i in usable:
             c = r["completions"][i]
             if c not in r["completions"][:i]:
                 want_kto.append({"prompt": r["prompt"], "completion": as_answer(c),
-                                 "label": r["rewards"][i] >= 0.5, **r["columns"]})
+                                 "label": r["rewards"][i] >= 0.5})
     assert (sft, pairs, kto) == (want_sft, want_pairs, want_kto)
     assert pairs and sft and any(not k["label"] for k in kto)  # the test data gives each output rows
     empty = sum(not c.strip() for r in samples for c in r["completions"])
@@ -140,6 +144,8 @@ def test_each_output_is_read_by_its_task_as_it_is(sampled, setup, task, output, 
                     *extra, module="accel_train.inspect")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f": {len(rows(out / output))} kept" in proc.stdout, proc.stdout
+    if output == "sft.jsonl":  # the sampled answer is what trains, not the data's gold response
+        assert "from column(s) prompt, completion" in proc.stdout, proc.stdout
 
 
 def test_an_interrupted_sampling_is_continued_by_the_same_command(sampled, setup):
@@ -153,7 +159,10 @@ def test_an_interrupted_sampling_is_continued_by_the_same_command(sampled, setup
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert said(stopped.stderr)[-1].startswith("accel_train.sample: interrupted; the prompts done are kept")
     assert "Traceback" not in stopped.stderr
-    assert not (out / "samples.jsonl").exists() and len(rows(out / "parts" / "rank-0.jsonl")) == 3
+    part = out / "parts" / "rank-0.jsonl"
+    assert not (out / "samples.jsonl").exists() and len(rows(part)) == 3
+    with open(part, "ab") as f:  # a line cut by a kill, inside a character of two bytes
+        f.write('{"index": 3, "prompt": "reverse é'.encode()[:-1])
     again = python_m(*cmd, module="accel_train.sample")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "3 done before" in again.stderr
@@ -205,3 +214,26 @@ def test_greedy_answers_are_the_generate_tools(setup):
     assert all(len(r["completions"]) == 1 for r in samples)
     want = generate_rows(str(model), PROMPTS, max_new_tokens=12)
     assert [r["completions"][0] for r in samples] == [w.strip() for w in want]
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["train.lr=1"], "train.lr: not a key sample reads (data.*, grpo.*, model.*, seed)"),
+    (["grpo.num_generations=3", "--greedy"], "--greedy answers each prompt once: drop grpo.num_generations"),
+    (["grpo.tools=[configs/tools/arithmetic.py:add]"], "grpo.tools / grpo.environment: sample writes single-turn "
+     "answers; a multi-turn trajectory (its tool turns) has no place in sft/pairs/kto rows yet")])
+def test_a_key_sample_would_ignore_is_refused_in_one_line(setup, tmp_path, extra, line):
+    root, model = setup
+    proc = python_m(*args(root, model, tmp_path / "out", "chars", *extra), module="accel_train.sample")
+    assert proc.returncode == 2 and said(proc.stderr) == [f"accel_train.sample: error: {line}"], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_argument_under_accel_train_launch_is_said_once_before_any_process(setup, tmp_path):
+    root, model = setup
+    cmd = [BIN / "accel-train", "launch", "--config_file", ACCEL_CONFIGS / "cpu_2proc.yaml", "sample",
+           *args(root, model, tmp_path / "out", "chars", "train.lr=1")]
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert said(proc.stderr) == ["accel_train.sample: error: train.lr: not a key sample reads (data.*, grpo.*, "
+                                 "model.*, seed)"], proc.stderr
+    assert "rank" not in proc.stderr

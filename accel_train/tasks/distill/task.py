@@ -105,8 +105,8 @@ def summed_divergence(student_head, teacher_head, rows: torch.Tensor, teacher_ro
     `chunk` positions at a time, each chunk but the last checkpointed (its logits freed, recomputed in backward), as
     loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights).
     Without `recompute` (ZeRO-3: the student's head weight is whole only inside its module's forward and backward,
-    and a recomputation would call it again outside them) every chunk's graph is kept: the target positions' logits
-    of the whole batch are held until the backward pass, as a plain forward holds them."""
+    and a recomputation would call it again outside them) every chunk's graph is kept until the backward pass: the
+    batch's target positions' fp32 logits and the divergence's terms, several times a plain forward's logits."""
     total, n = 0, max(len(rows), 1)
     for i in range(0, n, chunk):
         args = (student_head, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk], beta, temperature, vocab)
@@ -421,9 +421,9 @@ class Distill(Task):
         self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast,
                                          recompute=not zero3(accelerator))
         if zero3(accelerator):
-            logger.info("distill under ZeRO-3: the student's logits at the target positions are held until the "
-                        "backward pass (not recomputed chunk by chunk: the head's weight is whole only inside its "
-                        "module's calls)", main_process_only=True)
+            logger.info("distill under ZeRO-3: every chunk's logits and divergence terms (fp32, the vocabulary "
+                        "wide) are held until the backward pass, not recomputed: the head's weight is whole only "
+                        "inside its module's calls", main_process_only=True)
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.job, self.tokenizer = job, tokenizer
