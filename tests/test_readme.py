@@ -110,8 +110,9 @@ RUN_BY = {
         [("tests/test_bench.py::test_bench_grpo_on_a_model_folder",
           ['"--workloads", "grpo", "--model"', '"--prompts"', '"--new-tokens"', '"--warmup"', '"--grpo-steps"',
            '"--precision", "no"'])],
-    "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml --config configs/train/grpo_smollm2.yaml":
-        [(RECIPES_TINY, ["configs/train/grpo_smollm2.yaml"])],
+    "accel_train.study --out outputs/study_tiny --smallest":
+        [("tests/test_study.py::test_every_arm_trains_and_is_scored_on_every_seed",
+          ['module="accel_train.study"', '"--smallest"'])],
 }
 
 # command -> (why not here, [node ids of its CPU equivalent])
@@ -124,9 +125,9 @@ NOT_HERE = {
     "configs/train/grpo_tools.yaml":
         ("2 GPUs, and Qwen2.5-0.5B-Instruct from the hub",
          ["tests/test_grpo.py::test_the_shipped_tools_recipe_shows_its_tools_to_qwen_and_runs_their_calls"]),
-    "python tests/scripts/distill_pair.py outputs/smollm2":
-        ("8 minutes of a 135M model: the suite converts the same GGUF and trains it briefly",
-         ["tests/test_real_chat_model.py::test_the_gguf_gives_a_chatml_chat_model_that_ends_its_turns_with_im_end"]),
+    "accel_train.study --out outputs/study":
+        ("every arm on a 135M model, 3 seeds: hours; the suite runs every arm on the tiny model (--smallest)",
+         ["tests/test_study.py::test_every_arm_trains_and_is_scored_on_every_seed"]),
     "accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py --config "
     "configs/train/qwen_lora_sft.yaml output_dir=runs/qwen":
         ("2 GPUs, and Qwen2.5-0.5B-Instruct from the hub",
