@@ -209,25 +209,29 @@ def prompts(cfg: Config, tokenizer, split: str):
             (len(train), len(held_out or [])))
 
 
+def whole_rows(path: Path, mend: bool = False) -> list[dict]:
+    """The JSON rows of a file appended to line by line, without a line cut by an interruption (anywhere, inside a
+    multi-byte character too: what follows the last newline, or a line that does not parse); `mend`: the file is
+    rewritten without them."""
+    if not path.is_file():
+        return []
+    *whole, cut = path.read_bytes().split(b"\n")
+    rows, kept = [], []
+    for line in whole:
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        kept.append(line)
+    if mend and (cut or len(kept) != len(whole)):
+        path.write_bytes(b"".join(line + b"\n" for line in kept))
+    return rows
+
+
 def done_rows(parts: Path) -> dict[int, dict]:
-    """The prompts already sampled (any process, any earlier attempt): index -> row. A line cut by an interruption
-    (anywhere, a multi-byte character too) is dropped from its file (its prompt is sampled again)."""
-    done = {}
-    for part in sorted(parts.glob("*.jsonl")):
-        data = part.read_bytes()
-        lines = data.split(b"\n")
-        whole, cut = lines[:-1], lines[-1]  # what follows the last newline was cut
-        kept = []
-        for line in whole:
-            try:
-                row = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            done[row["index"]] = row
-            kept.append(line)
-        if cut or len(kept) != len(whole):
-            part.write_bytes(b"".join(line + b"\n" for line in kept))
-    return done
+    """The prompts already sampled (any process, any earlier attempt): index -> row; a cut line is dropped from its
+    file (its prompt is sampled again)."""
+    return {row["index"]: row for part in sorted(parts.glob("*.jsonl")) for row in whole_rows(part, mend=True)}
 
 
 def answer(prompt, text: str):

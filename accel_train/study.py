@@ -299,14 +299,9 @@ class Study:
 
 def read_results(out: Path) -> list[dict]:
     """The rows written so far (a line cut by an interruption left out: that arm runs again)."""
-    path = out / "results.jsonl"
-    rows = []
-    for line in (path.read_bytes().split(b"\n") if path.is_file() else []):
-        try:
-            rows.append(json.loads(line.decode("utf-8")))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
-    return rows
+    from accel_train.sample import whole_rows
+
+    return whole_rows(out / "results.jsonl")
 
 
 def table(rows: list[dict]) -> str:
