@@ -163,7 +163,10 @@ def flops_per_token(n_matmul: int, n_trainable: int, attention_size: int, width:
     return 4 * n_matmul + 2 * n_trainable + 12 * attention_size * width
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.1,
+GROW_WHILE_UNDER_S = 0.003  # measure_peak_flops: a product this long is large enough to reach the peak
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.03,
                        inner_dims: tuple[int, ...] = ()) -> float:
     """FLOP/s of this device at the training precision: the denominator of MFU. The best of a square matmul and,
     for each of `inner_dims` (the model's: `matmul_dims`), a matmul with that inner dimension, each the fastest of
@@ -171,11 +174,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     one square size, and MFU against a peak below them would exceed 1.
 
     Bounded in time whatever the hardware does (an emulated bf16 matmul runs at under 1 GFLOP/s on CPUs without
-    native bf16): the outer size doubles from 256 only while one product (after a warm-up one) takes under a
-    thirty-second of `seconds` (the next takes 4 to 8 times longer), up to where the peak is reached (CPU bf16:
-    0.9 TFLOP/s at 1024, 1.9 at 2048); then `seconds` of products per shape. Its own generator: no rank's random
-    stream moves. 0.1 s gives the peak 0.3 s gave (within 4% on an EPYC CPU, 1 and 2 threads, bf16 and fp32);
-    the benchmark takes 1 s. Every rank measures at once (recipe.prepare): on a CPU each gets its share of the
+    native bf16): the outer size doubles from 256 only while one product (after a warm-up one) takes under 3 ms
+    (the next takes 4 to 8 times longer), up to where the peak is reached (CPU bf16: 0.9 TFLOP/s at 1024, 1.9 at
+    2048); then the fastest of `seconds` of products per shape. Its own generator: no rank's random stream moves.
+    0.03 s gives the peak 0.1 and 0.3 s give (fp32 on a 2-core EPYC, the tiny model's three shapes, 8 draws each:
+    1 thread 65-82 GFLOP/s in 0.15 s, 70-81 in 0.36 s, 78-82 in 0.95 s; 2 threads 129-150 in 0.21 s, 130-152 in
+    0.41 s, 103-152 in 1.0 s), a step in every training run's start; the benchmark takes 1 s. Every rank measures at once (recipe.prepare): on a CPU each gets its share of the
     cores, as in training."""
     import torch
 
@@ -197,7 +201,7 @@ def _fastest_matmul(device, dtype, seconds: float, inner: int | None, generator)
             a @ b
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        if n >= limit or (time.perf_counter() - start) * 32 > seconds:
+        if n >= limit or time.perf_counter() - start > GROW_WHILE_UNDER_S:
             break
         n *= 2
     # The fastest product, not the mean: on a CPU shared with other processes (the other ranks' start-up, a

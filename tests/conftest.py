@@ -103,13 +103,17 @@ def _forkserver():
     if not _SERVER:
         ctx = multiprocessing.get_context("forkserver")
         # and what a run imports later: metrics (evaluate; scikit-learn's, which the bundled accuracy imports: 1.2 s
-        # a run), the tensorboard tracker, the loss plot (matplotlib), deepspeed (transformers' save_pretrained
-        # imports it wherever it is installed: 0.5 s a process). Nothing that prints when imported: a child's output
-        # is what a real launch prints (DeepSpeed's accelerator probe is told what it would find, as dist.py does).
+        # a run), the tensorboard tracker, the loss plot (matplotlib and the backend that draws it: 0.4 s), deepspeed
+        # (transformers' save_pretrained imports it wherever it is installed: 0.5 s a process) and its Muon optimizer
+        # (every DeepSpeed engine imports it to check the optimizer it is given: 1.4 s a process, torch's dynamo).
+        # Nothing that prints when imported: a child's output is what a real launch prints (DeepSpeed's accelerator
+        # probe is told what it would find, as dist.py does).
         import torch
 
         ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe", "evaluate", "sklearn.metrics",
-                                    "torch.utils.tensorboard", "matplotlib.pyplot", "deepspeed"])
+                                    "torch.utils.tensorboard", "matplotlib.pyplot",
+                                    "matplotlib.backends.backend_agg", "deepspeed",
+                                    "deepspeed.runtime.zero.muon.muon_optimizer"])
         probe = not torch.accelerator.is_available() and "DS_ACCELERATOR" not in os.environ
         if probe:  # the server's environment only: the children get their own (forked_cli.child)
             os.environ["DS_ACCELERATOR"] = "cpu"
