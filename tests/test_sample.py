@@ -1,7 +1,8 @@
 """accel_train.sample: n answers per prompt sampled as grpo's rollouts are, scored by grpo.rewards, written as the
 tasks read them (sft.jsonl: causal_lm; pairs.jsonl: dpo and reward; kto.jsonl: kto), with pass@k and best-of-n
 recomputed here from the answers; an interruption continued by the same command, and 2 processes under
-`accel-train launch ... sample`, give the answers of one uninterrupted process.
+`accel-train launch ... sample` (and under FSDP2 and ZeRO-3 launch configs), give the answers of one uninterrupted
+process; answers stop at a real chat template's end of turn (Qwen's, Gemma's: a model built to answer "abc").
 
 The model is the tiny Llama with random weights, saved as a pretrained model: its answers are noise, scored by a
 reward of this file (the answer's characters, modulo 3), which gives each prompt answers of different rewards.
@@ -13,7 +14,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import BIN, REPO, ACCEL_CONFIGS, free_port, python_m, said, save_tiny_model
+from conftest import BIN, REPO, ACCEL_CONFIGS, forked_launch, free_port, python_m, said, save_tiny_model
 
 pytestmark = pytest.mark.xdist_group("sample")
 
@@ -201,6 +202,21 @@ def test_two_processes_under_accel_train_launch_sample_what_one_does(sampled, se
     assert len(said(proc.stderr)) == 2, proc.stderr  # the start line and the result, once
 
 
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "cpu_deepspeed_zero3.yaml"])
+def test_two_processes_under_the_sharding_engines_sample_what_one_does(sampled, setup, config):
+    """Under an FSDP2 launch config (fsdp2.yaml loads ram-efficiently: on its own, rank 1 would read no weights) or a
+    ZeRO-3 one, each process loads the model whole (sharding.whole_model) and samples its share: one process's
+    answers. (The launcher's own path, `accel-train launch ... sample`: the test above; here its workers, forked.)"""
+    root, model = setup
+    out = root / f"two-{config.removesuffix('.yaml')}"
+    proc = forked_launch(config, *args(root, model, out), script="accel_train/sample.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in (out / "parts").iterdir()} == {"rank-0.jsonl", "rank-1.jsonl"}
+    keep = ("index", "completions", "rewards")
+    want = [{k: r[k] for k in keep} for r in rows(sampled[0] / "samples.jsonl")]
+    assert [{k: r[k] for k in keep} for r in rows(out / "samples.jsonl")] == want
+
+
 def test_greedy_answers_are_the_generate_tools(setup):
     """--greedy: one answer per prompt, no noise; the same text `accel_train.generate` answers (greedy, the chat
     template's generation prompt), so pass@1 is the greedy accuracy."""
@@ -214,6 +230,62 @@ def test_greedy_answers_are_the_generate_tools(setup):
     assert all(len(r["completions"]) == 1 for r in samples)
     want = generate_rows(str(model), PROMPTS, max_new_tokens=12)
     assert [r["completions"][0] for r in samples] == [w.strip() for w in want]
+
+
+def answering_model(tokenizer, end_of_turn: str):
+    """A 1-layer Llama that answers "abc" and the template's end of turn after any generation prompt ending in a
+    newline (as every template here does): its layers add nothing (o_proj and down_proj zero), each token's embedding
+    is one-hot and the head maps "\\n" to "a", "a" to "b", "b" to "c", "c" to the end of turn and that to "a" (an
+    answer not stopped there goes on: "abc" + "abc...")."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = tokenizer.convert_tokens_to_ids
+    width = -(-len(tokenizer) // 64) * 64
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=width // 4, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    chain = [ids("\u010a"), ids("a"), ids("b"), ids("c"), ids(end_of_turn), ids("a")]  # \u010a: "\n", byte-level
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+        model.get_input_embeddings().weight[:, : len(tokenizer)] = 10 * torch.eye(len(tokenizer))
+        for now, after in zip(chain, chain[1:]):
+            model.lm_head.weight[after, now] = 1.0
+    return model
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "gemma2"])
+def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
+    """A model folder with a real chat template (tests/data/chat_templates: Qwen's, whose end of turn <|im_end|> is
+    its eos; Gemma's, whose <end_of_turn> is not: its eos is <eos>) and an answer of several tokens: each prompt is
+    templated with the generation prompt, every answer stops at the template's end of turn (not cut at
+    grpo.max_new_tokens, its end of turn not in the text) and is scored and written as the tasks read it."""
+    import chat_templates as ct
+
+    from accel_train import formats
+
+    tokenizer = ct.tokenizer_for(template)
+    end = formats.end_of_turn(tokenizer)
+    assert end == ct.TEMPLATES[template]["end_of_turn"]
+    model = tmp_path / "model"
+    answering_model(tokenizer, end).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": "abc"}) + "\n" for w in ("cba", "xyz")))
+    out = tmp_path / "out"
+    proc = python_m(model, "--out", out, f"data.path={data}", "data.eval_fraction=0", "grpo.num_generations=2",
+                    "grpo.max_new_tokens=8", "grpo.temperature=0.01", "grpo.rewards=[exact_match]",
+                    "grpo.answer_field=answer", module="accel_train.sample")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = rows(out / "samples.jsonl")
+    assert [r["completions"] for r in samples] == [["abc", "abc"]] * 2
+    assert [r["truncated"] for r in samples] == [[False, False]] * 2
+    assert [r["tokens"] for r in samples] == [[4, 4]] * 2  # a, b, c and the end of turn
+    assert [r["rewards"] for r in samples] == [[1.0, 1.0]] * 2
+    assert rows(out / "sft.jsonl") == [{"prompt": f"reverse {w}", "completion": "abc"} for w in ("cba", "xyz")]
 
 
 @pytest.mark.parametrize("extra,line", [
