@@ -61,10 +61,12 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
 
 
 def _fixed_margins(fig) -> None:
-    """Margins that fit these figures' labels (8 inches wide, one column of axes; a log axis's widest tick labels,
+    """Margins in inches that fit these figures' labels (one column of axes; a log axis's widest tick labels,
     6.8x10^-1, included): what tight_layout finds, without its extra pass over every tick label (0.33 -> 0.25 s a
     plot, measured; every run draws one at its end)."""
-    fig.subplots_adjust(left=0.14, right=0.98, top=0.98, bottom=0.07, hspace=0.1)
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=1.15 / width, right=1 - 0.15 / width, bottom=0.6 / height, top=1 - 0.15 / height,
+                        hspace=0.1)
 
 
 def plot_grpo(records: dict, out: Path, plt) -> Path:

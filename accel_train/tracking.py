@@ -174,9 +174,10 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     one square size, and MFU against a peak below them would exceed 1.
 
     Bounded in time whatever the hardware does (an emulated bf16 matmul runs at under 1 GFLOP/s on CPUs without
-    native bf16): the outer size doubles from 256 only while one product (after a warm-up one) takes under 3 ms
-    (the next takes 4 to 8 times longer), up to where the peak is reached (CPU bf16: 0.9 TFLOP/s at 1024, 1.9 at
-    2048); then the fastest of `seconds` of products per shape. Its own generator: no rank's random stream moves.
+    native bf16): the outer size doubles from 256 only while one product (after a warm-up one) takes under 3 ms,
+    or a thirty-second of `seconds` where that is longer (the benchmark's; the next takes 4 to 8 times longer), up
+    to where the peak is reached (CPU bf16: 0.9 TFLOP/s at 1024, 1.9 at 2048); then the fastest of `seconds` of
+    products per shape. Its own generator: no rank's random stream moves.
     0.03 s gives the peak 0.1 and 0.3 s give (fp32 on a 2-core EPYC, the tiny model's three shapes, 8 draws each:
     1 thread 65-82 GFLOP/s in 0.15 s, 70-81 in 0.36 s, 78-82 in 0.95 s; 2 threads 129-150 in 0.21 s, 130-152 in
     0.41 s, 103-152 in 1.0 s), a step in every training run's start; the benchmark takes 1 s. Every rank measures
@@ -201,7 +202,7 @@ def _fastest_matmul(device, dtype, seconds: float, inner: int | None, generator)
             a @ b
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        if n >= limit or time.perf_counter() - start > GROW_WHILE_UNDER_S:
+        if n >= limit or time.perf_counter() - start > max(GROW_WHILE_UNDER_S, seconds / 32):
             break
         n *= 2
     # The fastest product, not the mean: on a CPU shared with other processes (the other ranks' start-up, a

@@ -5,8 +5,8 @@ to the reference at step 2, at another temperature); full fine-tuning's KL to a 
 a reward function that returns None for some completions (TRL's "not applicable"); the same completions, losses and
 rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
 reward function raising on one rank of two mid-run; the log-probs in chunks against the whole-logits formula; prompts
-cut and refused on real chat templates. (Bad rewards and data: test_bad_input.py; rollouts and training under FSDP2,
-ZeRO-2 and ZeRO-3, each equal to 1 process: test_conformance.py.)"""
+cut and refused on real chat templates; under ZeRO-2 the same completions as DDP's. (Bad rewards and data:
+test_bad_input.py; training under FSDP2, ZeRO-2 and ZeRO-3 equal to 1 process: test_conformance.py.)"""
 
 from __future__ import annotations
 
@@ -511,6 +511,22 @@ def test_resume_after_a_crash_reproduces_the_run(sft, runs):
     assert all(want[(r["step"], r["index"], r["generation"])] == r["completion_ids"] for r in run["rollouts"])
     # one row per completion, as in the uninterrupted run (not the crashed run's rows again)
     assert completions(run["rollouts"]).keys() == want.keys() and len(run["rollouts"]) == len(want)
+
+
+@pytest.mark.long
+def test_deepspeed_zero2_rolls_out_and_trains_as_ddp(sft, runs):
+    """ZeRO-2 keeps the whole weights on every rank: each generates its own completions with no collective, and the
+    run is run C's (2 processes under DDP) step for step: the same completions, losses, rewards and evaluation."""
+    out = sft.parent / "C-zero2"
+    proc = forked_launch("cpu_deepspeed_zero2.yaml", *grpo_args(sft, out, *TOPOLOGY, *TOPOLOGIES["C"][1]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(DEEPSPEED)" in proc.stderr
+    run, ddp = read_run(out), runs["C"]
+    assert completions(run["rollouts"]) == completions(ddp["rollouts"])
+    assert_same_steps(run["train"], ddp["train"])
+    for key in (k for k in ddp["eval"][0] if k.startswith("eval_")):
+        assert run["eval"][0][key] == pytest.approx(ddp["eval"][0][key], rel=1e-5, abs=1e-7), key
+
 
 
 def test_builtin_rewards_score_as_documented():

@@ -3,9 +3,9 @@ policy differs from the reference and z0 > 0): the step's loss and gradient agai
 from the model's own log-probs; the same loss, metrics and gradient as TRL's KTOTrainer on the same model and
 batch; z0 averaged over the step's micro-batches (accumulation 2 = one batch of both); pairs unpaired into
 labelled rows; bad rows and keys refused in one line. Launched runs (1 process x accumulation 2 = 2 processes,
-resume, SIGTERM, reload, inspect, bad inputs; and under FSDP2, ZeRO-2 and ZeRO-3 through an epoch end where rank 1
-replays a micro-batch, where z0's forwards hung until the loop padded the window: Task.prepare) are
-tests/test_conformance.py's, which runs every registered task."""
+resume, SIGTERM, reload, inspect, bad inputs; under FSDP2, ZeRO-2 and ZeRO-3) are tests/test_conformance.py's,
+which runs every registered task; its 20 kto rows end the epoch evenly, so the uneven end (rank 1 replaying a
+micro-batch, where z0's forwards hung until the loop padded the window) is launched here under DDP, FSDP2 and ZeRO-3."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from conftest import fresh_accelerator
+from conftest import forked_launch, fresh_accelerator
 from transformers import AutoTokenizer
 
 from accel_train import tasks
@@ -349,3 +349,35 @@ def test_a_mismatched_pair_takes_another_prompts_answer():
     kl = [answer(r["kl_input_ids"], r["kl_labels"]) for r in ds]
     # abc's rows take kite's last answer (cyclically), hello's abc's last, kite's hello's last
     assert kl == ["kite", "kite", "abc", "abc", "hello", "hello"]
+
+
+# 18 training rows (9 pairs, unpaired), 2 rows a micro-batch and rank: the epoch's 9 micro-batches are dealt 5/4,
+# so at step 5 rank 1 has none and replays one with weight 0; step 6 starts the next epoch.
+UNEVEN = ["task=kto", "data.path=builtin:reverse_pref", "kto.reference=base", "data.builtin_size=10",
+          "data.eval_fraction=0.1", "train.per_device_batch_size=2", "train.grad_accum_steps=1", "train.max_steps=6",
+          "train.log_every=1", "train.warmup_steps=0", "train.lr=1e-2", "train.mixed_precision=no",
+          "track.log_with=[]", "train.dist_timeout_s=60"]
+
+
+@pytest.mark.long
+def test_sharded_engines_reach_an_uneven_epoch_end_as_ddp(tmp_path):
+    """Under FSDP2 and DeepSpeed ZeRO-3 every forward is a collective: kto's reference point z0 runs the model on
+    each micro-batch before the loss, and at the epoch's uneven end a rank with fewer micro-batches issued fewer of
+    them (a hang until the process group's timeout). The loop now pads the window before the task works on it
+    (Task.prepare): both engines run past it and log DDP's numbers at every step (fp32; their reductions sum in
+    another order than DDP's all-reduce: 1e-5 relative, or 1e-6 on the small rewards, ~0.02, where FSDP2's
+    reduce-scatter left 2.5e-7 by step 5)."""
+    logs = {}
+    for engine, config in (("ddp", "cpu_2proc.yaml"), ("fsdp2", "fsdp2.yaml"), ("zero3", "cpu_deepspeed_zero3.yaml")):
+        out = tmp_path / engine
+        proc = forked_launch(config, *UNEVEN, f"output_dir={out}", timeout=240)
+        assert proc.returncode == 0, f"{engine}: {proc.stderr[-3000:]}"
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        logs[engine] = [r for r in records if "loss" in r and "eval_loss" not in r]
+    want = logs["ddp"]
+    assert [r["step"] for r in want] == [1, 2, 3, 4, 5, 6] and want[4]["epoch"] == 0 and want[5]["epoch"] == 1
+    for engine in ("fsdp2", "zero3"):
+        for got, ref in zip(logs[engine], want, strict=True):
+            assert set(got) == set(ref), f"{engine} step {ref['step']}: logged keys differ"
+            for key in set(ref) & {"loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"}:
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"{engine} step {ref['step']}: {key}"

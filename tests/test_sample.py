@@ -204,9 +204,10 @@ def test_two_processes_under_accel_train_launch_sample_what_one_does(sampled, se
 
 @pytest.mark.parametrize("config", ["fsdp2.yaml", "cpu_deepspeed_zero3.yaml"])
 def test_two_processes_under_the_sharding_engines_sample_what_one_does(sampled, setup, config):
-    """Under an FSDP2 launch config (fsdp2.yaml loads ram-efficiently: on its own, rank 1 would read no weights) or a
-    ZeRO-3 one, each process loads the model whole (sharding.whole_model) and samples its share: one process's
-    answers. (The launcher's own path, `accel-train launch ... sample`: the test above; here its workers, forked.)"""
+    """Under a ZeRO-3 launch config (whose config accelerate registers with transformers: on its own, from_pretrained
+    would build the model partitioned, with no engine to gather it) or an FSDP2 one (ram-efficient loading, which
+    transformers 5.24 still reads whole on every rank), each process loads the model whole (sharding.whole_model)
+    and samples its share: one process's answers. (The launcher's own path, `accel-train launch ... sample`: the test above; here its workers, forked.)"""
     root, model = setup
     out = root / f"two-{config.removesuffix('.yaml')}"
     proc = forked_launch(config, *args(root, model, out), script="accel_train/sample.py")
