@@ -15,7 +15,7 @@ Arms, each at the budget of the same TRAIN prompts (a trained arm is LoRA on the
     sft         SFT on the gold answers ("85")
     rft         SFT on the model's own correct answers (rejection sampling: accel_train.sample's sft.jsonl)
     dpo, kto, orpo, simpo, cpo    on the pairs sampled from the model (the same sampling as rft's; kto reads them
-                unpaired)
+                unpaired), at lr 5e-5 and (ARM_lr2e-4) at SFT's 2e-4
     reward      a reward model on those pairs: its held-out pairwise accuracy (pairs sampled on EVAL), and
                 best-of-n on EVAL with it against pass@1 and pass@n (the true reward picking)
     grpo, rloo  RL with the true reward (number_match)
@@ -81,6 +81,11 @@ ARMS = {
                                    "dpo.beta=0.1", *PREF, "train.lr=2e-4"]),
     "simpo_lr2e-4": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=simpo",
                                     "dpo.beta=2.0", *PREF, "train.lr=2e-4"]),
+    # and DPO, KTO and CPO at that lr too: every preference loss tuned alike
+    **{f"{arm}_lr2e-4": (("samples",), [*args, *PREF, "train.lr=2e-4"]) for arm, args in (
+        ("dpo", ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.beta=0.1"]),
+        ("kto", ["task=kto", "data.path={samples}/pairs.jsonl", "kto.beta=0.1"]),
+        ("cpo", ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=cpo", "dpo.beta=0.1"]))},
     "reward": (("samples", "eval_samples"), ["task=reward", "data.path={samples}/pairs.jsonl",
                                               "data.eval_path={eval_samples}/pairs.jsonl", "train.eval_every=null",
                                               "train.epochs=2", "train.per_device_batch_size=8", "train.lr=1e-4"]),
