@@ -61,10 +61,7 @@ PREF = ["train.epochs=2", "train.per_device_batch_size=8", "train.lr=5e-5"]
 RL = ["task=grpo", "data.path={data}/train.jsonl", "grpo.num_generations={n}", "grpo.max_new_tokens={new_tokens}",
       "grpo.temperature=0.7", "grpo.loss_type=dapo", "grpo.beta=0.0", "train.per_device_batch_size={rl_prompts}",
       "train.epochs=1", "train.lr=2e-4", "grpo.rewards=[{reward}]"]
-ARMS = {
-    "base": None,
-    "sft": ((), ["task=causal_lm", "data.path={data}/gold.jsonl", *SFT_LIKE]),
-    "rft": (("samples",), ["task=causal_lm", "data.path={samples}/sft.jsonl", *SFT_LIKE]),
+PREFERENCE = {  # on the pairs sampled from the model
     "dpo": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.beta=0.1", *PREF]),
     # the pairs read unpaired (chosen desirable, rejected undesirable), as the KTO paper's comparison with DPO: the
     # same answers as DPO's (kto.jsonl holds every distinct answer: 8 a prompt, several times the steps)
@@ -75,17 +72,15 @@ ARMS = {
                              *PREF]),
     "cpo": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=cpo", "dpo.beta=0.1",
                            *PREF]),
-    # ORPO and SimPO fell behind at DPO's lr 5e-5 (seed 0: 0.14, 0.16 against DPO's 0.33): at SFT's lr, as ORPO's
-    # SFT term and SimPO's length-normalised margin may need
-    "orpo_lr2e-4": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=orpo",
-                                   "dpo.beta=0.1", *PREF, "train.lr=2e-4"]),
-    "simpo_lr2e-4": (("samples",), ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=simpo",
-                                    "dpo.beta=2.0", *PREF, "train.lr=2e-4"]),
-    # and DPO, KTO and CPO at that lr too: every preference loss tuned alike
-    **{f"{arm}_lr2e-4": (("samples",), [*args, *PREF, "train.lr=2e-4"]) for arm, args in (
-        ("dpo", ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.beta=0.1"]),
-        ("kto", ["task=kto", "data.path={samples}/pairs.jsonl", "kto.beta=0.1"]),
-        ("cpo", ["task=dpo", "data.path={samples}/pairs.jsonl", "dpo.loss_type=cpo", "dpo.beta=0.1"]))},
+}
+ARMS = {
+    "base": None,
+    "sft": ((), ["task=causal_lm", "data.path={data}/gold.jsonl", *SFT_LIKE]),
+    "rft": (("samples",), ["task=causal_lm", "data.path={samples}/sft.jsonl", *SFT_LIKE]),
+    **PREFERENCE,
+    # ORPO and SimPO fell behind at DPO's lr 5e-5 (seed 0: 0.14, 0.16 against DPO's 0.33): every preference loss
+    # at SFT's lr too, as ORPO's SFT term and SimPO's length-normalised margin may need
+    **{f"{arm}_lr2e-4": (after, [*overrides, "train.lr=2e-4"]) for arm, (after, overrides) in PREFERENCE.items()},
     "reward": (("samples", "eval_samples"), ["task=reward", "data.path={samples}/pairs.jsonl",
                                               "data.eval_path={eval_samples}/pairs.jsonl", "train.eval_every=null",
                                               "train.epochs=2", "train.per_device_batch_size=8", "train.lr=1e-4"]),
