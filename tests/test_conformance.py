@@ -4,22 +4,25 @@ names a task. What is task-specific comes from `tasks.info(name).example` (a sma
 
 Each task's runs, made once (fixture `once`) and shared by its checks:
     reference  1 process, batch 2 x accumulation 2, 4 steps, evaluation at steps 2 and 4, checkpoints every 2; 10
-               training rows: step 3 ends the epoch with one micro-batch (on 2 processes, rank 1 replays one with
-               weight 0), step 4 starts the next (a task that reads each pair as two rows has 20: one epoch)
+               training samples (the built-in data's size chosen for each task by what its tokenize makes of it:
+               EPOCH_SAMPLES): step 3 ends the epoch with one micro-batch (on 2 processes, rank 1 replays one with
+               weight 0), step 4 starts the next
     two        2 processes x batch 2 (conftest.forked_launch), rank 1 sent SIGTERM during step 3 (faults.py): its
                steps 1-3 and evaluation at step 2 check the topology, its end checks the stop by signal
     resumed    1 process, crashed in step 3's micro-batch (last checkpoint: step 2), then resume_from=latest: the
-               epoch's end and the next epoch's order again (where the rows end an epoch in 4 steps)
+               epoch's end and the next epoch's order again
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
     sharded    `two`'s (rank 1 signalled during step 3) under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES; the two
                that shard the weights generate each way: FSDP2 in lock-step, ZeRO-3 on gathered weights), then
-               resumed from step 3's checkpoint under the same engine: every step and evaluation the reference's
+               resumed from step 3's checkpoint under the same engine (one target a chunk: ONE_TARGET): every step
+               and evaluation the reference's
 Bad inputs and inspect start a process each that stops before training.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -35,7 +38,7 @@ pytestmark = pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.
                                               for n in tasks.NAMES])
 
 # fp32 and a fixed seed: the same samples per step on any topology give the same numbers (test_topology.py)
-SMALL = ["data.builtin_size=12", "data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
+SMALL = ["data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
          "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2", "train.mixed_precision=no",
          "track.log_with=[]", "checkpoint.save_every=2", "train.dist_timeout_s=60"]
 ONE = ["train.per_device_batch_size=2", "train.grad_accum_steps=2"]  # 1 process: effective batch 4
@@ -51,13 +54,40 @@ CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=3,micro=0,rank=0"}  # the last checkpo
 # pairs: test_generation.py's eval.generate): {engine: (accelerate config, overrides)}
 ENGINES = {"fsdp2": ("fsdp2.yaml", ["train.gather_for_generation=false"]), "zero2": ("cpu_deepspeed_zero2.yaml", []),
            "zero3": ("cpu_deepspeed_zero3.yaml", [])}
+# Under the engines, a loss computed from the output head in chunks (loss.CHUNK_BYTES) takes one target position a
+# chunk: every chunk but the last recomputed for the backward pass (under ZeRO-3 in the head's own backward: its weight
+# is whole only inside the head module's hooks), ranks holding different numbers of them
+ONE_TARGET = {"ACCEL_TRAIN_CHUNK_BYTES": "1"}
 # FSDP2 reduce-scatters the gradients (another order of the fp32 sums than 1 process's) and steps the optimizer on
 # shards: after 4 steps at lr 1e-2, up to 2e-5 relative (kto's kl, reward's eval_margin): 1e-4
 SHARDED_REL = 1e-4
 
 
+EPOCH_SAMPLES = 10  # 5 micro-batches of 2: the epoch ends inside step 3 (accumulation 2), on one process's batch
+
+
+@functools.cache
+def builtin_size(name: str) -> int:
+    """The size of the task's built-in data whose training split the task makes EPOCH_SAMPLES samples of (a task may
+    read a row as several samples, or drop some): what the task's own tokenize returns, as the run reads it."""
+    from accel_train import data as data_lib
+    from accel_train.model import build_tokenizer
+
+    found = {}
+    for size in sorted(range(4, 41), key=lambda size: abs(size - 12)):  # the nearest to the default's 12 first
+        cfg = example_cfg(name, *SMALL, f"data.builtin_size={size}")
+        train_raw, eval_raw = data_lib.load_splits(cfg)
+        task = tasks.make(cfg)
+        task.prepare_data(train_raw, eval_raw)
+        found[size] = len(task.tokenize(train_raw, build_tokenizer(cfg), {}))
+        if found[size] == EPOCH_SAMPLES:
+            return size
+    raise AssertionError(f"{name}: no built-in size gives {EPOCH_SAMPLES} training samples: {found}")
+
+
 def args(name: str, out, *extra) -> list[str]:
-    return [f"task={name}", *tasks.info(name).example, *SMALL, *extra, f"output_dir={out}"]
+    return [f"task={name}", *tasks.info(name).example, *SMALL, f"data.builtin_size={builtin_size(name)}", *extra,
+            f"output_dir={out}"]
 
 
 def assert_same(got: dict, want: dict, what: str, rel: float = REL, abs: float = 1e-8) -> None:
@@ -130,8 +160,9 @@ def sharded(name, root, once):
         for engine, (config, extra) in ENGINES.items():
             out = root / engine
             stopped = forked_launch(config, *args(name, out, *TWO, *extra), timeout=240,
-                                    env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1"})
-            resumed = (forked_launch(config, *args(name, out, *TWO, *extra, "resume_from=latest"), timeout=240)
+                                    env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1", **ONE_TARGET})
+            resumed = (forked_launch(config, *args(name, out, *TWO, *extra, "resume_from=latest"), timeout=240,
+                                     env=ONE_TARGET)
                        if stopped.first == 128 + 15 else None)
             made[engine] = stopped, resumed, out
         return made
