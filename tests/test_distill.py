@@ -137,16 +137,22 @@ def test_divergence_equals_trls_generalized_jsd_loss(beta, temperature):
     assert trl.item() > 0
 
 
+@pytest.mark.parametrize("sharded,head_trained", [(False, True), (True, False), (True, True)],
+                         ids=["checkpointed", "zero3_frozen_head", "zero3_trained_head"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_chunks_give_the_unchunked_loss_and_gradient(beta):
+def test_chunks_give_the_unchunked_loss_and_gradient(beta, sharded, head_trained):
     """3 rows of 10 tokens (padding and prompts masked: 15 targets) in chunks of 4 positions against one chunk of
     all: the same loss and gradient (to 1e-5), both the formula's; no tensor of the vocabulary's width is bigger
-    than a chunk of both models' positions."""
+    than a chunk of both models' positions, and the graph keeps at most one chunk's (the last: `checkpointed`, by
+    checkpoint), none (`zero3_frozen_head`: the frozen head's chunks recomputed in its backward, DivergenceLoss,
+    which calls the head's own forward, not the module: under ZeRO-3 its weight is whole only inside its hooks), or,
+    a trained head under ZeRO-3, every chunk's (no recomputation: its weight's gradient needs the module's call)."""
     vocab, hidden = 301, 32
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4)
     torch.manual_seed(0)
     student, teacher = LlamaForCausalLM(config), LlamaForCausalLM(config).requires_grad_(False).eval()
+    student.lm_head.requires_grad_(head_trained)
     ids = torch.randint(1, vocab, (3, 10))
     attention_mask = torch.ones_like(ids)
     labels = ids.clone()
@@ -156,16 +162,26 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta):
     batch = {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
     cfg = load_config(None, ["task=distill", "distill.teacher=x", f"distill.beta={beta}",
                              f"distill.temperature={TEMPERATURE}"])
+    trained = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+    saved = []  # the vocabulary-wide tensors the graph keeps for the backward pass
+
+    def keep(t):
+        if t.dim() and t.shape[-1] == vocab and t.shape != (hidden, vocab) and t.shape != (vocab, hidden):
+            saved.append(t.numel())
+        return t
 
     def run(chunk: int):
         student.zero_grad()
-        loss = distill.Distillation(cfg, student.lm_head, teacher, nullcontext, chunk=chunk)(student, batch)
+        loss = distill.Distillation(cfg, student.lm_head, teacher, nullcontext, chunk=chunk, sharded=sharded)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = loss(student, batch)
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}
+        return loss.detach(), {n: p.grad.clone() for n, p in trained}
 
     largest = LargestTensors(vocab, hidden)
     with largest:
         chunked = run(4)
+    kept = list(saved)
     whole = run(10**6)
     student.zero_grad()
     with torch.no_grad():
@@ -176,10 +192,16 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta):
     assert int((labels[:, 1:] != -100).sum()) == 15
     torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
     assert chunked[0].item() == pytest.approx(want.item(), rel=1e-5)
-    for name, p in student.named_parameters():
+    for name, p in trained:
         torch.testing.assert_close(chunked[1][name], whole[1][name], rtol=1e-5, atol=1e-7, msg=name)
         torch.testing.assert_close(chunked[1][name], p.grad.float(), rtol=1e-4, atol=1e-6, msg=name)
     assert max(largest.sizes.values()) <= 2 * 4 * vocab, dict(largest.sizes)  # the mixture stacks both models'
+    if sharded and not head_trained:
+        assert kept == []
+    elif sharded:  # every one of the 15 positions' fp32 logits of both models at least
+        assert sum(kept) >= 2 * 15 * vocab, kept
+    else:  # the last chunk's (3 positions), whatever the divergence's terms (8 tensors at beta 0.5)
+        assert 0 < sum(kept) <= 8 * 3 * vocab, kept
 
 
 @pytest.mark.parametrize("case", ["vocab_size", "tokenizer"])
