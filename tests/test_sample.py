@@ -21,6 +21,7 @@ pytestmark = pytest.mark.xdist_group("sample")
 REWARDS = '''
 import os
 import signal
+import threading
 
 calls = [0]
 
@@ -35,10 +36,12 @@ def shorter(prompts, completions, **kw):
 
 
 def interrupting(prompts, completions, **kw):
-    """chars, but the terminal's Ctrl-C (SIGINT to this process) at the call INTERRUPT_AT."""
+    """chars, but the terminal's Ctrl-C (SIGINT) at the call INTERRUPT_AT, to the main thread: sent to the process
+    (os.kill), the kernel may hand it to one of torch's threads, and Python raises it in the main thread wherever that
+    is then (once in 4 suites the run went on to status 0); here it is raised in this call, the second batch's."""
     calls[0] += 1
     if calls[0] == int(os.environ.get("INTERRUPT_AT", 0)):
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     return chars(prompts, completions)
 '''
 # a gold "response" column too: were it copied into sft.jsonl, task causal_lm would train on it (prompt/response is
