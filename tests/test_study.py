@@ -1,6 +1,6 @@
 """accel_train.study --smallest: every arm of the study (base, SFT, RFT, DPO, KTO, ORPO, SimPO, CPO, the reward model
-with its best-of-n, GRPO, RLOO, GRPO on the reward model, and the student's RFT, GRPO and on-policy distillation)
-trains and is scored, through the real commands, on the tiny model; a rerun reuses every stage; the table is the
+with its best-of-n, GRPO, RLOO, GRPO on the reward model, and the GRPO arm's model taught as a teacher: RFT on its
+samples and on-policy distillation) trains and is scored, through the real commands, on the tiny model; a rerun reuses every stage; the table is the
 rows' mean and sd, recomputed here.
 """
 
@@ -34,7 +34,7 @@ def test_every_arm_trains_and_is_scored_on_every_seed(study):
     got = rows(out)
     assert sorted((r["arm"], r["seed"]) for r in got) == sorted((a, 0) for a in ALL_ARMS)
     for r in got:
-        trains = r["arm"] not in ("base", "student_base")
+        trains = r["arm"] != "base"
         assert (r["trained_tokens"] > 0) == trains, r
         assert (r["seconds"] > 0) == trains, r
         if r["arm"] == "reward":  # a reward model answers nothing: its pairs' accuracy and best-of-n on EVAL
@@ -48,6 +48,13 @@ def test_every_arm_trains_and_is_scored_on_every_seed(study):
         config = (out / "runs" / f"{arm}-s0" / "config.yaml").read_text()
         assert f"task: {'causal_lm' if arm == 'rft' else 'grpo' if arm == 'grpo' else arm}" in config, arm
     assert json.loads((out / "runs" / "grpo-s0" / "summary.json").read_text())["rollouts"]["generated_tokens"] > 0
+    # the teacher is the grpo arm's model: merged, it is distill's teacher and what teacher_rft's samples came from
+    teacher = out / "runs" / "grpo-s0" / "merged"
+    assert f"teacher: {teacher}" in (out / "runs" / "distill-s0" / "config.yaml").read_text()
+    sampled = json.loads((out / "runs" / "teacher_samples-s0" / "summary.json").read_text())
+    assert sampled["model"] == str(teacher), sampled
+    assert f"path: {out / 'runs' / 'teacher_samples-s0' / 'sft.jsonl'}" in (
+        out / "runs" / "teacher_rft-s0" / "config.yaml").read_text()
 
 
 def test_held_out_prompts_are_never_trained_on(study):
