@@ -215,9 +215,13 @@ class Study:
 
     def teacher(self, seed: int) -> Path:
         """The teacher arm's model of this seed, merged into a model folder (accel_train.export), once."""
+        import shutil
+
         run = self.runs / f"{TEACHER}-s{seed}"
-        if not (run / "merged" / "config.json").is_file():
-            stage("accel_train.export", [str(run), "--overwrite"], self.logs / f"export-{run.name}.log")
+        if not (run / "merged").is_dir():  # written whole, then renamed: an interrupted export is done again
+            stage("accel_train.export", [str(run), "--out", str(run / "merged.tmp"), "--overwrite"],
+                  self.logs / f"export-{run.name}.log")
+            shutil.move(run / "merged.tmp", run / "merged")
         return run / "merged"
 
     def trained(self, arm: str, seed: int, spec, model: Path) -> tuple[Path, dict]:
@@ -243,9 +247,10 @@ class Study:
                 self.arm(need, seed)  # an arm this one reads (its own row, measured on its own)
                 continue
             fields[need] = folder
-            if need == "samples":  # how good the data drawn from the model is
-                measures["sampled_pass@1"] = summary["pass@1"]
-                measures[f"sampled_pass@{summary['n']}"] = summary[f"pass@{summary['n']}"]
+            if need in ("samples", "teacher_samples"):  # how good the data drawn from the model (or teacher) is
+                prefix = "sampled" if need == "samples" else "teacher"
+                measures[f"{prefix}_pass@1"] = summary["pass@1"]
+                measures[f"{prefix}_pass@{summary['n']}"] = summary[f"pass@{summary['n']}"]
             measures["generated_tokens"] += summary["generated_tokens"]
             measures["seconds"] += summary.get("stage_seconds", 0.0)
         if not (out / "summary.json").is_file():

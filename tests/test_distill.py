@@ -170,6 +170,9 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta, sharded, head_trained
             saved.append(t.numel())
         return t
 
+    calls = []  # calls of the head module (its hooks run: under ZeRO-3 the gathering of its weight)
+    student.lm_head.register_forward_pre_hook(lambda module, args: calls.append(1))
+
     def run(chunk: int):
         student.zero_grad()
         loss = distill.Distillation(cfg, student.lm_head, teacher, nullcontext, chunk=chunk, sharded=sharded)
@@ -181,7 +184,7 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta, sharded, head_trained
     largest = LargestTensors(vocab, hidden)
     with largest:
         chunked = run(4)
-    kept = list(saved)
+    kept, head_calls = list(saved), len(calls)
     whole = run(10**6)
     student.zero_grad()
     with torch.no_grad():
@@ -196,6 +199,9 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta, sharded, head_trained
         torch.testing.assert_close(chunked[1][name], whole[1][name], rtol=1e-5, atol=1e-7, msg=name)
         torch.testing.assert_close(chunked[1][name], p.grad.float(), rtol=1e-4, atol=1e-6, msg=name)
     assert max(largest.sizes.values()) <= 2 * 4 * vocab, dict(largest.sizes)  # the mixture stacks both models'
+    # the model's call of its head, then (checkpointed) a module call for each of the 3 chunks recomputed; under
+    # ZeRO-3 none: the weight is gathered once for the module's forward and once for its backward (DeepSpeed's hooks)
+    assert head_calls == (1 if sharded else 4), head_calls
     if sharded and not head_trained:
         assert kept == []
     elif sharded:  # every one of the 15 positions' fp32 logits of both models at least

@@ -24,9 +24,9 @@ summed over the batch's target tokens; the loop divides by the step's target tok
 Neither model's logits are ever whole: both bodies run to their final hidden states (each output head replaced for
 the call: loss.replaced_head), then for chunks of target positions each head gives the chunk's logits and the chunk
 its divergence; each chunk but the last is recomputed in the backward pass (checkpoint; under ZeRO-3, where the
-head's weight is whole only inside its module's calls, by the head's backward: DivergenceLoss), so that one chunk's
-logits of each model are held at a time, and the gradient is the unchunked one. (A head trained under ZeRO-3 keeps
-every chunk's graph until the backward pass.)
+head's weight is whole only inside its module's calls, every chunk, by the head's backward: DivergenceLoss), so that
+one chunk's logits of each model are held at a time, and the gradient is the unchunked one. (A head trained under
+ZeRO-3 keeps every chunk's graph until the backward pass.)
 
 On-policy (distill.on_policy = GKD's lambda): a step is on-policy with that probability, decided from (seed, step)
 alone; on such a step each sample keeps its prompt (the tokens before its last trained response, or the prompt
