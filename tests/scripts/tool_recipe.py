@@ -1,0 +1,153 @@
+"""GRPO with tools, end to end offline on a real model: SmolLM2-135M-Instruct taught to call a tool, then trained with it.
+
+    python tests/scripts/tool_recipe.py --out DIR [--seed 0]            # about 40 minutes on 2 CPU cores
+
+SmolLM2 is a ChatML model whose own template shows no tools; Qwen2.5's template is ChatML too, shows the tools in its
+system turn and writes calls as <tool_call>{json}</tool_call>, which TRL's response schemas parse: the model here is
+the study's base (accel_train.study: SmolLM2-135M-Instruct from the wheel's GGUF) with Qwen2.5's template as its
+chat_template (tests/data/chat_templates/qwen2.5.json). It never calls a tool as it is, so it is first taught to, by
+SFT on transcripts of the study's 128 training sums (user: the question; assistant: a call of add(a, b); tool: the
+result; assistant: the number), the tools in each row's `tools` column, every assistant turn trained. Stages, each
+the real command forked from this process (accel_train.study.stage), logs in DIR/logs:
+
+    base       GRPO's evaluation with configs/tools/arithmetic.py's add and multiply of the model as it is (after one
+               step at lr 1e-12: LoRA's B moved by about 1e-12 from 0; its eval_reward is the held-out greedy
+               accuracy with tools, its step line the sampled tool calls)
+    sft        the SFT on the transcripts (merged), evaluated the same way
+    grpo       GRPO with the tools from the SFT'd model: the study's RL arm's settings (8 completions a prompt, T 0.7,
+               DAPO, beta 0, lr 2e-4, number_match on the final answer) on 4 prompts a step for 8 steps (a prompt
+               with the tools is ~370 tokens: a step of 8 prompts took 170 s here); evaluated at its end
+
+DIR/results.json: per stage the held-out accuracy with tools (eval_reward on the study's 100 held-out sums, greedy,
+up to 3 assistant turns) and the step lines' tools/call_frequency, tools/failure_frequency, turns/mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+TOOLS = [f"{ROOT / 'configs/tools/arithmetic.py'}:add", f"{ROOT / 'configs/tools/arithmetic.py'}:multiply"]
+QWEN = ROOT / "tests" / "data" / "chat_templates" / "qwen2.5.json"
+NEW_TOKENS, MAX_LENGTH = 64, 512  # a call (~30 tokens), its result and the answer; the prompt with the tools (~300)
+
+
+def tool_model(study_base: Path, out: Path) -> None:
+    """The study's base model with Qwen2.5's chat template (its special tokens are SmolLM2's: <|im_start|>, <|im_end|>)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted copy (no config.json): made again
+    shutil.copytree(study_base, tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    template = json.loads(QWEN.read_text())
+    for token in ("<|im_start|>", "<|im_end|>"):
+        assert tokenizer.convert_tokens_to_ids(token) != tokenizer.unk_token_id, token
+    tokenizer.chat_template = template["chat_template"]
+    tokenizer.save_pretrained(tmp)
+    (tmp / "chat_template.jinja").write_text(template["chat_template"])
+    shutil.move(tmp, out)
+
+
+def transcripts(data: Path) -> None:
+    """DIR/data/transcripts.jsonl: each training sum as a conversation that calls add, with the tools' schemas."""
+    from accel_train.components.tools import load_tools, schemas
+
+    tools, add = schemas(tuple(TOOLS)), load_tools(TOOLS[:1])[0]
+    rows = []
+    for line in (data / "train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        a, b = (int(x) for x in row["prompt"].removeprefix("What is ").split("?")[0].split(" + "))
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        rows.append({"messages": [{"role": "user", "content": row["prompt"]},
+                                  {"role": "assistant", "content": "", "tool_calls": [call]},
+                                  {"role": "tool", "name": "add", "content": str(add(a=a, b=b))},  # as run
+                                  {"role": "assistant", "content": row["answer"]}],
+                     "tools": json.dumps(tools)})
+    (data / "transcripts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def common(out: Path, seed: int) -> list[str]:
+    return [f"output_dir={out}", f"seed={seed}", "overwrite=true", "data.eval_fraction=0", "checkpoint.save_every=null",
+            "track.log_with=[]", "train.warmup_steps=0", "train.log_every=1", "lora.r=16", "lora.alpha=32",
+            f"data.max_length={MAX_LENGTH}"]
+
+
+def grpo(model: Path, data: Path, out: Path, seed: int, evaluate_only: bool) -> list[str]:
+    from accel_train.study import SIZES
+
+    size = SIZES["full"]
+    return [*common(out, seed), "task=grpo", f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}",
+            f"data.eval_path={data / 'eval.jsonl'}", f"grpo.num_generations={size['n']}",
+            f"grpo.max_new_tokens={NEW_TOKENS}", "grpo.temperature=0.7", "grpo.loss_type=dapo", "grpo.beta=0.0",
+            f"train.per_device_batch_size={size['rl_prompts'] // (1 if evaluate_only else 2)}",
+            "grpo.rewards=[number_match]",
+            f"grpo.tools=[{','.join(TOOLS)}]", "grpo.max_turns=3", "merge=false",
+            *(["train.max_steps=1", "train.lr=1e-12", "train.eval_every=1"] if evaluate_only else
+              ["train.max_steps=8", "train.lr=2e-4", "train.eval_every=8"])]
+
+
+def measures(run: Path) -> dict:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "eval_reward" not in r]
+    evals = [r for r in records if "eval_reward" in r]
+    mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
+    return {"accuracy_with_tools": evals[-1]["eval_reward"], "steps": len(steps),
+            "sampled_reward": mean("reward"), "tools/call_frequency": mean("tools/call_frequency"),
+            "tools/failure_frequency": mean("tools/failure_frequency"), "turns/mean": mean("turns/mean"),
+            "wall_seconds": json.loads((run / "summary.json").read_text())["wall_seconds"]}
+
+
+def main() -> None:
+    import os
+
+    from accel_train.study import SIZES, base_model, stage, write_data
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out, seed = args.out, args.seed
+    data, logs, runs = out / "data", out / "logs", out / "runs"
+    for folder in (logs, runs):
+        folder.mkdir(parents=True, exist_ok=True)
+    write_data(data, SIZES["full"])
+    import accel_train.recipe  # noqa: F401  (imported once for the forked stages)
+
+    if not (out / "models" / "base" / "config.json").is_file():
+        stage(base_model, [out, False], logs / "base_model.log")
+    model = out / "models" / "tools"
+    if not (model / "config.json").is_file():
+        stage(tool_model, [out / "models" / "base", model], logs / "tool_model.log")
+    transcripts(data)
+    results = {}
+    sft = runs / f"sft-s{seed}"
+    plan = [("base", lambda: grpo(model, data, runs / f"base-s{seed}", seed, True)),
+            ("sft_train", lambda: [*common(sft, seed), "task=causal_lm", f"model.name_or_path={model}",
+                                   f"data.path={data / 'transcripts.jsonl'}", "data.train_on=all_assistant",
+                                   "train.epochs=2", "train.per_device_batch_size=8", "train.lr=2e-4",
+                                   "train.eval_every=null", "merge=true"]),
+            ("sft", lambda: grpo(sft / "merged", data, runs / f"sft_eval-s{seed}", seed, True)),
+            ("grpo", lambda: grpo(sft / "merged", data, runs / f"grpo-s{seed}", seed, False))]
+    folders = {"base": f"base-s{seed}", "sft_train": f"sft-s{seed}", "sft": f"sft_eval-s{seed}",
+               "grpo": f"grpo-s{seed}"}
+    for name, argv in plan:
+        run = runs / folders[name]
+        if not (run / "summary.json").is_file():
+            stage("accel_train", argv(), logs / f"{folders[name]}.log")
+        if name != "sft_train":
+            results[name] = measures(run)
+            print(f"{name}: {results[name]}", flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
