@@ -21,6 +21,7 @@ pytestmark = pytest.mark.xdist_group("sample")
 REWARDS = '''
 import os
 import signal
+import sys
 import threading
 
 calls = [0]
@@ -40,6 +41,8 @@ def interrupting(prompts, completions, **kw):
     (os.kill), the kernel may hand it to one of torch's threads, and Python raises it in the main thread wherever that
     is then (once in 4 suites the run went on to status 0); here it is raised in this call, the second batch's."""
     calls[0] += 1
+    print(f"reward call {calls[0]} of {len(completions)} completions; SIGINT handler {signal.getsignal(signal.SIGINT)}",
+          file=sys.stderr, flush=True)  # what an interruption that did not stop the run saw
     if calls[0] == int(os.environ.get("INTERRUPT_AT", 0)):
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     return chars(prompts, completions)

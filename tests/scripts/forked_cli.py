@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import runpy
+import signal
 import sys
 import warnings
 
@@ -38,6 +39,10 @@ def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr
     # The server's imports are never garbage: out of the collector's sight (a full collection walked them all, 0.3 s
     # each time, and DeepSpeed collects whenever it defragments; a fresh interpreter has not imported them yet)
     gc.freeze()
+    # the signal handling a fresh interpreter started from a shell has (an ignored SIGINT in the server's parent
+    # would be inherited: the run's Ctrl-C then does nothing): Ctrl-C raises KeyboardInterrupt, SIGTERM ends it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
