@@ -20,6 +20,7 @@ backward, calling the head's own forward (no module call, no hooks). That needs 
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -65,33 +66,34 @@ def summed_target_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor,
 
 
 class HeadLoss(torch.autograd.Function):
-    """summed_target_loss of a frozen head whose weight is whole only in its module's forward and backward (ZeRO-3):
-    the forward keeps no graph, only the target rows (N, H) and their targets; the backward recomputes each chunk's
-    logits to return the rows' gradient. Nothing in either is a collective: the weight is gathered by DeepSpeed's
-    hooks around the head module, once per forward and once per backward on every rank, whatever the rank's number
-    of targets (none included)."""
+    """A loss summed over chunks of target rows, `chunk_sum(rows[i:j], other[i:j])`, of a frozen head whose weight is
+    whole only in its module's forward and backward (ZeRO-3): the forward keeps no graph, only the target rows
+    (N, H) and what goes with them (`other`: their targets, or a teacher's rows); the backward recomputes each
+    chunk's logits to return the rows' gradient. `chunk_sum` calls the head's own forward (no module call, no
+    hooks). Nothing in either is a collective: the weight is gathered by DeepSpeed's hooks around the head module,
+    once per forward and once per backward on every rank, whatever the rank's number of targets (none included)."""
 
     @staticmethod
-    def forward(ctx, head_forward, rows: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, chunk_sum, rows: torch.Tensor, other: torch.Tensor, chunk: int) -> torch.Tensor:
         device = rows.device.type
-        ctx.head_forward, ctx.chunk = head_forward, chunk
+        ctx.chunk_sum, ctx.chunk = chunk_sum, chunk
         # the backward pass runs outside the model call: under the forward's autocast again (as torch.amp.custom_bwd)
         ctx.autocast = device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
-        ctx.save_for_backward(rows, targets)
+        ctx.save_for_backward(rows, other)
         total = rows.new_zeros((), dtype=torch.float32)
-        for i in range(0, len(targets), chunk):  # autograd.Function runs its forward without a graph
-            total = total + _chunk_sum(head_forward, rows[i:i + chunk], targets[i:i + chunk])
+        for i in range(0, len(rows), chunk):  # autograd.Function runs its forward without a graph
+            total = total + chunk_sum(rows[i:i + chunk], other[i:i + chunk])
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rows, targets = ctx.saved_tensors
+        rows, other = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         grads = [rows.new_zeros((0, *rows.shape[1:]))]
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            for i in range(0, len(targets), ctx.chunk):
+            for i in range(0, len(rows), ctx.chunk):
                 part = rows[i:i + ctx.chunk].detach().requires_grad_()
-                grads += torch.autograd.grad(_chunk_sum(ctx.head_forward, part, targets[i:i + ctx.chunk]), part, grad)
+                grads += torch.autograd.grad(ctx.chunk_sum(part, other[i:i + ctx.chunk]), part, grad)
         return None, torch.cat(grads), None, None
 
 
@@ -132,7 +134,7 @@ class LossHead:
         def forward(call_head, hidden):
             if not evaluation and self.sharded:
                 _, rows, targets = _targets(hidden, labels)
-                return HeadLoss.apply(original, rows, targets, self.chunk)
+                return HeadLoss.apply(functools.partial(_chunk_sum, original), rows, targets, self.chunk)
             if not evaluation:
                 return summed_target_loss(call_head, hidden, labels, self.chunk)
             token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)

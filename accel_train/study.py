@@ -214,9 +214,11 @@ class Study:
         return out, json.loads((out / "summary.json").read_text())
 
     def teacher(self, seed: int) -> Path:
-        """The teacher arm's model of this seed, merged into a model folder (accel_train.export), once."""
+        """The teacher arm's model of this seed (trained first where it is not), merged into a model folder
+        (accel_train.export), once."""
         import shutil
 
+        self.arm(TEACHER, seed)
         run = self.runs / f"{TEACHER}-s{seed}"
         if not (run / "merged").is_dir():  # written whole, then renamed: an interrupted export is done again
             stage("accel_train.export", [str(run), "--out", str(run / "merged.tmp"), "--overwrite"],
@@ -233,7 +235,6 @@ class Study:
         measures = {"generated_tokens": 0, "seconds": 0.0}
         for need in after:
             if need == "teacher":  # the teacher arm's model merged (an export of its run, once; its cost not counted)
-                self.arm(TEACHER, seed)
                 fields[need] = self.teacher(seed)
                 continue
             if need == "samples":
@@ -241,7 +242,6 @@ class Study:
             elif need == "eval_samples":
                 folder, summary = self.sampled("eval_samples", self.base, "eval.jsonl", seed)
             elif need == "teacher_samples":
-                self.arm(TEACHER, seed)
                 folder, summary = self.sampled("teacher_samples", self.teacher(seed), "train.jsonl", seed)
             else:
                 self.arm(need, seed)  # an arm this one reads (its own row, measured on its own)

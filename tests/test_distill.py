@@ -144,7 +144,7 @@ def test_chunks_give_the_unchunked_loss_and_gradient(beta, sharded, head_trained
     """3 rows of 10 tokens (padding and prompts masked: 15 targets) in chunks of 4 positions against one chunk of
     all: the same loss and gradient (to 1e-5), both the formula's; no tensor of the vocabulary's width is bigger
     than a chunk of both models' positions, and the graph keeps at most one chunk's (the last: `checkpointed`, by
-    checkpoint), none (`zero3_frozen_head`: the frozen head's chunks recomputed in its backward, DivergenceLoss,
+    checkpoint), none (`zero3_frozen_head`: the frozen head's chunks recomputed in its backward, loss.HeadLoss,
     which calls the head's own forward, not the module: under ZeRO-3 its weight is whole only inside its hooks), or,
     a trained head under ZeRO-3, every chunk's (no recomputation: its weight's gradient needs the module's call)."""
     vocab, hidden = 301, 32

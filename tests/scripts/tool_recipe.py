@@ -130,20 +130,17 @@ def main() -> None:
     transcripts(data)
     results = {}
     sft = runs / f"sft-s{seed}"
-    plan = [("base", lambda: grpo(model, data, runs / f"base-s{seed}", seed, True)),
-            ("sft_train", lambda: [*common(sft, seed), "task=causal_lm", f"model.name_or_path={model}",
-                                   f"data.path={data / 'transcripts.jsonl'}", "data.train_on=all_assistant",
-                                   "train.epochs=2", "train.per_device_batch_size=8", "train.lr=2e-4",
-                                   "train.eval_every=null", "merge=true"]),
-            ("sft", lambda: grpo(sft / "merged", data, runs / f"sft_eval-s{seed}", seed, True)),
-            ("grpo", lambda: grpo(sft / "merged", data, runs / f"grpo-s{seed}", seed, False))]
-    folders = {"base": f"base-s{seed}", "sft_train": f"sft-s{seed}", "sft": f"sft_eval-s{seed}",
-               "grpo": f"grpo-s{seed}"}
-    for name, argv in plan:
-        run = runs / folders[name]
+    plan = [("base", runs / f"base-s{seed}", lambda run: grpo(model, data, run, seed, True)),
+            (None, sft, lambda run: [*common(run, seed), "task=causal_lm", f"model.name_or_path={model}",
+                                     f"data.path={data / 'transcripts.jsonl'}", "data.train_on=all_assistant",
+                                     "train.epochs=2", "train.per_device_batch_size=8", "train.lr=2e-4",
+                                     "train.eval_every=null", "merge=true"]),
+            ("sft", runs / f"sft_eval-s{seed}", lambda run: grpo(sft / "merged", data, run, seed, True)),
+            ("grpo", runs / f"grpo-s{seed}", lambda run: grpo(sft / "merged", data, run, seed, False))]
+    for name, run, argv in plan:  # name: the stage's row in results.json (None: the SFT, measured by the next)
         if not (run / "summary.json").is_file():
-            stage("accel_train", argv(), logs / f"{folders[name]}.log")
-        if name != "sft_train":
+            stage("accel_train", argv(run), logs / f"{run.name}.log")
+        if name:
             results[name] = measures(run)
             print(f"{name}: {results[name]}", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

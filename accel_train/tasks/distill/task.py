@@ -24,7 +24,7 @@ summed over the batch's target tokens; the loop divides by the step's target tok
 Neither model's logits are ever whole: both bodies run to their final hidden states (each output head replaced for
 the call: loss.replaced_head), then for chunks of target positions each head gives the chunk's logits and the chunk
 its divergence; each chunk but the last is recomputed in the backward pass (checkpoint; under ZeRO-3, where the
-head's weight is whole only inside its module's calls, every chunk, by the head's backward: DivergenceLoss), so that
+head's weight is whole only inside its module's calls, every chunk, by the head's backward: loss.HeadLoss), so that
 one chunk's logits of each model are held at a time, and the gradient is the unchunked one. (A head trained under
 ZeRO-3 keeps every chunk's graph until the backward pass.)
 
@@ -47,6 +47,7 @@ the student's own responses (the objective trained at beta = 1), eval_cross_entr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from itertools import islice
@@ -66,7 +67,7 @@ from accel_train.sharding import built_sharded, gathers, generating, lockstep, w
 from accel_train.formats import IGNORE_INDEX
 from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                     until_stop)
-from accel_train.loss import chunk_bytes, loss_head, replaced_head
+from accel_train.loss import HeadLoss, chunk_bytes, loss_head, replaced_head
 from accel_train.model import build_model
 from accel_train.model_sources import one_line
 from accel_train.tracking import get_logger, loaded_line
@@ -101,49 +102,19 @@ def _chunk_sum(student_head, teacher_head, rows, teacher_rows, beta: float, temp
 
 
 def summed_divergence(student_head, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, chunk: int,
-                      beta: float, temperature: float, vocab: int | None = None) -> torch.Tensor:
+                      beta: float, temperature: float, vocab: int | None = None,
+                      recompute: bool = True) -> torch.Tensor:
     """The divergence summed over target positions, from both models' hidden states there (N, H) and (N, H'):
     `chunk` positions at a time, each chunk but the last checkpointed (its logits freed, recomputed in backward), as
-    loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights)."""
+    loss.summed_target_loss. An empty batch still calls the head once (DDP expects a gradient for its weights).
+    Without `recompute` (a trained head under ZeRO-3: its weight whole only inside its module's calls, a
+    recomputation would call it again outside them) every chunk's graph is kept until the backward pass."""
     total, n = 0, max(len(rows), 1)
     for i in range(0, n, chunk):
         args = (student_head, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk], beta, temperature, vocab)
-        total = total + (_chunk_sum(*args) if i + chunk >= n else checkpoint(_chunk_sum, *args, use_reentrant=False))
+        last = i + chunk >= n or not recompute
+        total = total + (_chunk_sum(*args) if last else checkpoint(_chunk_sum, *args, use_reentrant=False))
     return total
-
-
-class DivergenceLoss(torch.autograd.Function):
-    """summed_divergence for a frozen student head whose weight is whole only inside its module's forward and
-    backward (ZeRO-3), as loss.HeadLoss: the forward keeps no graph, only both models' rows; the head's backward
-    recomputes each chunk's logits (the student head's own forward: no module call, no hooks) for the rows'
-    gradient. One chunk's logits of each model at a time, as summed_divergence elsewhere."""
-
-    @staticmethod
-    def forward(ctx, head_forward, teacher_head, rows: torch.Tensor, teacher_rows: torch.Tensor, chunk: int,
-                beta: float, temperature: float, vocab: int | None) -> torch.Tensor:
-        device = rows.device.type
-        ctx.args = head_forward, teacher_head, chunk, beta, temperature, vocab
-        ctx.autocast = device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
-        ctx.save_for_backward(rows, teacher_rows)
-        total = rows.new_zeros((), dtype=torch.float32)
-        for i in range(0, len(rows), chunk):  # autograd.Function runs its forward without a graph
-            total = total + _chunk_sum(head_forward, teacher_head, rows[i:i + chunk], teacher_rows[i:i + chunk],
-                                       beta, temperature, vocab)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, teacher_rows = ctx.saved_tensors
-        head_forward, teacher_head, chunk, beta, temperature, vocab = ctx.args
-        device, dtype, enabled = ctx.autocast
-        grads = [rows.new_zeros((0, *rows.shape[1:]))]
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            for i in range(0, len(rows), chunk):
-                part = rows[i:i + chunk].detach().requires_grad_()
-                value = _chunk_sum(head_forward, teacher_head, part, teacher_rows[i:i + chunk], beta, temperature,
-                                   vocab)
-                grads += torch.autograd.grad(value, part, grad)
-        return None, None, torch.cat(grads), None, None, None, None, None
 
 
 @torch.no_grad()
@@ -167,13 +138,13 @@ class Distillation:
         """`student_head`: the student's output head (the same module inside any wrapper); `autocast`: the run's
         (accelerator.autocast), for the teacher's forward, which no wrapper runs; `sharded`: ZeRO-3, where the head's
         weight is whole only inside its module's calls: a frozen head's chunks are recomputed in its backward
-        (DivergenceLoss), a trained head's are all kept until the backward pass (no recomputation)."""
+        (loss.HeadLoss), a trained head's are all kept until the backward pass (no recomputation)."""
         self.beta, self.temperature = cfg.distill.beta, cfg.distill.temperature
         self.student_head, self.teacher, self.autocast = student_head, teacher, autocast
         trained = any(p.requires_grad for p in student_head.parameters())
         self.mode = "checkpoint" if not sharded else "keep" if trained else "head_backward"
         """How the chunks' logits are held for the backward pass: checkpoint (each recomputed by a call of the
-        head module), head_backward (DivergenceLoss), keep (every chunk's graph kept)."""
+        head module), head_backward (loss.HeadLoss), keep (every chunk's graph kept)."""
         self.teacher_head = teacher.get_output_embeddings()
         rows = [getattr(h, "out_features", None) or h.weight.shape[0] for h in (student_head, self.teacher_head)]
         # a head padded past the shared tokenizer (Qwen2.5-7B's 152,064 rows, 0.5B's 151,936): the common tokens
@@ -194,21 +165,20 @@ class Distillation:
         labels = batch["labels"]
         mask = labels[:, 1:] != IGNORE_INDEX  # position t predicts label t + 1
         teacher_rows = self.teacher_rows(batch, mask)
-        own_forward = self.student_head.forward  # DivergenceLoss calls it without the module's hooks
-        args = (self.chunk, self.beta, self.temperature, self.vocab)
+        own_forward = self.student_head.forward  # HeadLoss calls it without the module's hooks
+        terms = (self.beta, self.temperature, self.vocab)
 
         def compute(call_head, hidden):
             rows = hidden[:, :-1][mask]
             if not evaluation and self.mode == "head_backward":
-                return DivergenceLoss.apply(own_forward, self.teacher_head, rows, teacher_rows, *args)
-            if not evaluation and self.mode == "keep":
-                return sum(_chunk_sum(call_head, self.teacher_head, rows[i:i + self.chunk],
-                                      teacher_rows[i:i + self.chunk], *args[1:])
-                           for i in range(0, max(len(rows), 1), self.chunk))
+                chunk_sum = functools.partial(_chunk_sum, own_forward, self.teacher_head, beta=self.beta,
+                                              temperature=self.temperature, vocab=self.vocab)
+                return HeadLoss.apply(chunk_sum, rows, teacher_rows, self.chunk)
             if not evaluation:
-                return summed_divergence(call_head, self.teacher_head, rows, teacher_rows, *args)
+                return summed_divergence(call_head, self.teacher_head, rows, teacher_rows, self.chunk, *terms,
+                                         recompute=self.mode == "checkpoint")
             values = token_values(call_head, self.teacher_head, rows, teacher_rows, labels[:, 1:][mask], self.chunk,
-                                  self.beta, self.temperature, self.vocab)
+                                  *terms)
             out = values.new_zeros(*mask.shape, 2)
             out[mask] = values
             return out.sum(1)
