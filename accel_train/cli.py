@@ -11,41 +11,19 @@ about a second; the training code (recipe.py) is imported only once the run is k
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
 import sys
 import time
 
-import yaml
-
-from accel_train.checkpoint import StoppedWithCheckpoint
-from accel_train.config import Config, ConfigError, help_text, load_config
-from accel_train.preflight import is_local_main, launched_world_size, preflight
-from accel_train.tracking import announce
-
-
-def parse_cli(argv: list[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        prog="accel_train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Fine-tune with LoRA (or in full) through accelerate. Config: YAML file, then key=value overrides.\n"
-                    "Several processes: accel-train launch --config_file configs/accelerate/cpu_2proc.yaml [...] "
-                    "(accelerate launch's options, then these).",
-    )
-    parser.add_argument("--config", help="YAML config file (configs/train/*.yaml); defaults apply to missing keys")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and every config key")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-4")
-    args = parser.parse_args(argv)
-    if args.help:
-        print(parser.format_help() + "\nconfig keys:\n" + help_text())
-        sys.exit(0)
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
-        sys.exit(0)
-    return cfg
+from accel_train.runtime.checkpoint import StoppedWithCheckpoint
+from accel_train.config.schema import Config
+from accel_train.config.load import parse_cli
+from accel_train.config.sections import ConfigError
+from accel_train.training.preflight import preflight
+from accel_train.runtime.launched import is_local_main, launched_world_size
+from accel_train.runtime.tracking import announce
+from accel_train.tools import TOOLS
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = parse_cli(argv)
         resume = preflight(cfg)
         announce(cfg)
-        from accel_train.recipe import run  # the heavy imports (torch, transformers, ...) only now
+        from accel_train.training.recipe import run  # the heavy imports (torch, transformers, ...) only now
 
         return run(cfg, resume)
     except ConfigError as e:  # LaunchError is one too
@@ -77,9 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _dist():
-    """accel_train.dist once the training code is imported (its process group may exist), else None: the cheap
+    """accel_train.runtime.dist once the training code is imported (its process group may exist), else None: the cheap
     path never imports torch."""
-    return sys.modules.get("accel_train.dist")
+    return sys.modules.get("accel_train.runtime.dist")
 
 
 def say(line: str) -> None:
@@ -113,8 +91,14 @@ ALONE_S = 60
 
 def cli(argv: list[str] | None = None) -> None:
     """Console entry (`accel-train`, `python -m accel_train`, accel_train/train.py): `main`, then exit with its
-    status; `accel-train launch ...` is the multi-process launcher (launch.py)."""
+    status; `accel-train launch ...` is the multi-process launcher (launch.py), `accel-train TOOL ...` a tool
+    (accel_train/tools: inspect, generate, predict, sample, export, push, plot, bench, gpu-check)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in TOOLS:
+        import importlib
+
+        code = importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        sys.exit(code if isinstance(code, int) else 0)
     if argv[:1] == ["launch"] and launched_world_size() == 1:
         from accel_train.launch import main as launch
 

@@ -1,7 +1,7 @@
 """`accel-train launch [accelerate launch options] [--config FILE] [key=value ...]` (also `python -m accel_train
 launch ...`): accelerate's own launcher, run in this process on accel_train/train.py, with accel_train's exit
 statuses and nothing else to read in the ordinary cases. `accel-train launch [accelerate launch options] sample
-...` runs accel_train.sample on every process instead (each samples its share of the prompts).
+...` runs accel_train.tools.sample on every process instead (each samples its share of the prompts).
 
 The ranks print their one line themselves (cli.say); what plain `accelerate launch` adds around it is its launcher's:
 torch elastic's warnings while it stops the ranks, then a ChildFailedError or SignalException traceback and status
@@ -24,11 +24,11 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from accel_train.config import ConfigError
-from accel_train.tracking import ANNOUNCED, announce
+from accel_train.config.sections import ConfigError
+from accel_train.tools import LAUNCHED, TOOLS
+from accel_train.runtime.tracking import ANNOUNCED, announce
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
-TOOLS = {"sample": "accel_train.sample"}  # accel-train launch [options] TOOL ...: a tool on every process
 # accelerate launch's options that choose what it runs: here it runs accel_train (TRAIN_SCRIPT).
 SCRIPT_DESTS = {"module": "-m/--module", "no_python": "--no_python"}
 # The launcher's loggers whose records are held back: torch elastic's warnings while it stops the ranks, and
@@ -118,10 +118,10 @@ def main(argv: list[str], check) -> int:
 
 
 def tool_at(argv: list[str]) -> int | None:
-    """Where a tool's name (TOOLS) stands in `accel-train launch [accelerate options] TOOL ...`: the first argument
+    """Where a launched tool's name (tools.LAUNCHED) stands in `accel-train launch [accelerate options] TOOL ...`: the first argument
     that is neither an option nor an option's value (told as split_args tells them, by accelerate's parser) and not
     key=value; None when there is none."""
-    if not TOOLS.keys() & set(argv):
+    if not set(LAUNCHED) & set(argv):
         return None
     from accelerate.commands.launch import launch_command_parser
 
@@ -133,12 +133,12 @@ def tool_at(argv: list[str]) -> int | None:
             if action.nargs is None and "=" not in arg:
                 next(args, None)  # its value
             continue
-        return i if arg in TOOLS else None
+        return i if arg in LAUNCHED else None
     return None
 
 
 def launch_tool(options: list[str], tool: str, args: list[str]) -> int:
-    """`python -m accel_train.TOOL ARGS` on every process, with accelerate launch's `options`; the tool's cheap checks
+    """`accel-train TOOL ARGS` on every process, with accelerate launch's `options`; the tool's cheap checks
     first, here (one line, status 2, before any process starts)."""
     import importlib
 
@@ -148,7 +148,7 @@ def launch_tool(options: list[str], tool: str, args: list[str]) -> int:
     try:
         module.check(args)
     except ConfigError as e:
-        sys.stderr.write(f"{TOOLS[tool]}: error: {e}\n")
+        sys.stderr.write(f"accel-train {tool}: error: {e}\n")
         return 2
     parser = launch_command_parser()
     theirs, ours = split_args(options, parser)

@@ -58,11 +58,13 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     return proc
 
 
-def python_m(*args, module: str = "accel_train", **kw) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` (accel_train, or a tool: accel_train.inspect, .export, .predict, ...) as a fresh
+def python_m(*args, module: str = "accel_train", tool: str | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (accel_train; with `tool`, `python -m accel_train TOOL ARGS`: accel-train's tools,
+    inspect, export, predict, ...) as a fresh
     process forked from one that has imported the training code (tests/scripts/forked_cli.py): the same entry, exit
     status, output and signals, without ~5 s of imports each. Settings read at import (HF_DATASETS_CACHE, HF_HOME,
     CUDA_VISIBLE_DEVICES) and what the interpreter imports (test_entry.py) need a fresh interpreter: `run`."""
+    args = (tool, *args) if tool else args
     return _forked(module, [sys.executable, "-m", module], list(map(str, args)), **kw)
 
 
@@ -110,7 +112,7 @@ def _forkserver():
         # probe is told what it would find, as dist.py does).
         import torch
 
-        ctx.set_forkserver_preload(["forked_cli", "accel_train.recipe", "evaluate", "sklearn.metrics",
+        ctx.set_forkserver_preload(["forked_cli", "accel_train.training.recipe", "evaluate", "sklearn.metrics",
                                     "torch.utils.tensorboard", "matplotlib.pyplot",
                                     "matplotlib.backends.backend_agg", "deepspeed",
                                     "deepspeed.runtime.zero.muon.muon_optimizer"])
@@ -275,7 +277,7 @@ def save_tiny_model(folder: Path, seed: int = 0, **config) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from accel_train.config import TINY_MODEL
+    from accel_train.config.schema import TINY_MODEL
 
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL, **config)).save_pretrained(folder)
@@ -284,10 +286,10 @@ def save_tiny_model(folder: Path, seed: int = 0, **config) -> Path:
 
 
 def said(text: str) -> list[str]:
-    """accel_train's own lines in a run's output (stop, error, refusal), but the start line every run prints first
-    (`accel_train: starting OUTPUT_DIR ...`)."""
+    """accel_train's own lines in a run's output (stop, error, refusal; a tool's: `accel-train TOOL: ...`), but the
+    start line every run prints first (`accel_train: starting OUTPUT_DIR ...`)."""
     return [line for line in text.splitlines()
-            if line.startswith(("accel_train:", "accel_train.")) and not line.startswith("accel_train: starting ")]
+            if line.startswith(("accel_train:", "accel_train.", "accel-train ")) and not line.startswith("accel_train: starting ")]
 
 
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
@@ -373,7 +375,7 @@ def tokenized(ds, tokenizer, cfg, labels: list[str] | None = None, **kw):
 
 def check_columns(cfg, ds):
     """The run's task's column check of `ds` (tasks.Task.columns): the format line it logs, or ConfigError."""
-    from accel_train import data as data_lib
+    from accel_train.data import pipeline as data_lib
     from accel_train import tasks
 
     return tasks.make(cfg).columns(data_lib.columns(ds), cfg.data.path)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import python_m
 
-from accel_train.config import TINY_MODEL, load_config
-from accel_train.dist import LaunchError, make_accelerator
+from accel_train.config.schema import TINY_MODEL
+from accel_train.config.load import load_config
+from accel_train.runtime.dist import LaunchError, make_accelerator
 
 QUICK = ["data.builtin_size=100", "train.max_steps=2", "track.log_with=[]"]
 

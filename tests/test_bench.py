@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import forked_launch, python_m
 
-from accel_train import dist
+from accel_train.runtime import dist
 from accel_train.bench import common, contenders, workloads
 from accel_train.bench import grpo as bench_grpo
 from accel_train.bench import run as bench
@@ -123,7 +123,7 @@ def test_bench_grpo_on_a_model_folder(tmp_path, monkeypatch):
     there. A --model beside other workloads, or without a config.json, is refused before anything runs."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from accel_train.config import TINY_MODEL
+    from accel_train.config.schema import TINY_MODEL
 
     folder = tmp_path / "model"
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
@@ -270,9 +270,9 @@ def test_mfu_on_1_and_2_processes_divides_by_the_peak_of_every_process(runs):
     FLOP/s of the processes that did the work (summary.json's peak_flops, one per process, measured at once),
     over all ranks' tokens/s, gives the model's FLOPs per token at that step's row width, on 1 process and on 2.
     Dividing by the main process's peak alone made the 2-process MFU twice the truth."""
-    from accel_train.config import load_config
-    from accel_train.model import apply_lora, attention_size, build_model, build_tokenizer, matmul_parameters
-    from accel_train.tracking import flops_per_token
+    from accel_train.config.load import load_config
+    from accel_train.models.build import apply_lora, attention_size, build_model, build_tokenizer, matmul_parameters
+    from accel_train.runtime.tracking import flops_per_token
 
     cfg = load_config(None, [f"output_dir={runs['A']['out']}"])
     model = apply_lora(cfg, build_model(cfg, build_tokenizer(cfg)))

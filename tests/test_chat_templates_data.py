@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from accel_train import formats
+from accel_train.data import formats
 from chat_templates import CONVERSATIONS, SHAPES, TEMPLATES, keeps, render, render_error, renders, tokenizer_for
 
 NAMES = sorted(TEMPLATES)

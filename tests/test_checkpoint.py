@@ -12,8 +12,8 @@ import torch
 from conftest import forked_launch, python_m, read_metrics, run
 from safetensors.torch import load_file
 
-from accel_train.checkpoint import resolve_resume
-from accel_train.config import load_config
+from accel_train.runtime.checkpoint import resolve_resume
+from accel_train.config.load import load_config
 
 # 120 samples -> 108 train; per-device batch x accum x processes = 8 in every topology below:
 # 14 optimizer steps per epoch, 28 in all. Checkpoints every 3 steps.
@@ -243,14 +243,14 @@ def test_merged_export_loads_without_peft_and_matches_adapter(tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-4, atol=1e-4)
 
     # the separate command writes the same model elsewhere, and refuses to overwrite
-    proc = python_m(out, "--out", tmp_path / "exported", module="accel_train.export")
+    proc = python_m(out, "--out", tmp_path / "exported", tool="export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = load_file(out / "merged" / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    proc = python_m(out, "--out", tmp_path / "exported", module="accel_train.export")
+    proc = python_m(out, "--out", tmp_path / "exported", tool="export")
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
 
-    proc = python_m(out, "--prompt", "reverse abc", "--max-new-tokens", "8", module="accel_train.generate")
+    proc = python_m(out, "--prompt", "reverse abc", "--max-new-tokens", "8", tool="generate")
     assert proc.returncode == 0 and proc.stdout.strip()
 
 
@@ -261,13 +261,13 @@ def test_predict_with_a_classification_adapter(tmp_path):
     final = read_metrics(out)[1][-1]
     assert 0.7 < final["eval_f1"] < 1  # F1 of each class, averaged (the recipe's eval.metric_kwargs)
     texts = ["good great fun film", "bad sad dull plot"]
-    proc = python_m(out, "--text", texts[0], "--text", texts[1], module="accel_train.predict")
+    proc = python_m(out, "--text", texts[0], "--text", texts[1], tool="predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [r["label_id"] for r in rows] == [1, 0]
     assert all(abs(sum(r["probs"].values()) - 1) < 1e-3 for r in rows)
     # answers to score are a reward model's (task reward): refused in one line before the model loads
-    proc = python_m(out, "--prompt", "rate it", "--response", texts[0], module="accel_train.predict")
+    proc = python_m(out, "--prompt", "rate it", "--response", texts[0], tool="predict")
     assert proc.returncode == 2 and proc.stderr == (
-        f"accel_train.predict: error: {out / 'adapter'} holds a classifier (task seq_cls): it classifies texts "
+        f"accel-train predict: error: {out / 'adapter'} holds a classifier (task seq_cls): it classifies texts "
         "(--text); --prompt, --response and --file score answers with a reward model (task reward)\n")

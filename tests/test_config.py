@@ -9,7 +9,9 @@ import pytest
 import yaml
 from conftest import ACCEL_CONFIGS, REPO, TRAIN_CONFIGS, python_m
 
-from accel_train.config import Config, ConfigError, help_text, load_config
+from accel_train.config.schema import Config
+from accel_train.config.load import help_text, load_config
+from accel_train.config.sections import ConfigError
 
 
 @pytest.mark.parametrize("path", sorted(TRAIN_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -21,7 +23,7 @@ def test_every_train_config_loads(path):
 def test_default_yaml_is_the_embedded_default_key_by_key():
     """configs/train/default.yaml is what `python -m accel_train` runs with no --config: every key the file gives
     is the package's default, and so is every other (16 samples a step on any number of processes)."""
-    from accel_train.config import to_dict
+    from accel_train.config.load import to_dict
 
     def flat(tree, prefix=""):
         for key, value in tree.items():
@@ -160,7 +162,7 @@ def test_result_names_are_those_the_metrics_report():
 
 def test_data_files_of_a_hub_dataset_are_not_looked_for_here():
     """They are paths inside the dataset's repository, resolved by load_dataset."""
-    from accel_train.data_sources import check_data_source
+    from accel_train.data.sources import check_data_source
 
     check_data_source(load_config(None, ["data.path=someone/some-dataset", "data.data_files=[data/train-*.parquet]"]))
 
@@ -229,7 +231,7 @@ def test_help_shows_each_key_default_as_the_dataclass_declares_it():
 def test_global_batch_splits_over_the_processes(processes, per_device, expected):
     """train.global_batch_size=16: each process takes 16 / processes samples a step, in the fewest micro-batches of
     at most per_device_batch_size; the effective batch is 16 on any topology."""
-    from accel_train.preflight import split_global_batch
+    from accel_train.training.preflight import split_global_batch
 
     cfg = load_config(None, ["train.global_batch_size=16", f"train.per_device_batch_size={per_device}"])
     split_global_batch(cfg, processes)
@@ -238,7 +240,7 @@ def test_global_batch_splits_over_the_processes(processes, per_device, expected)
 
 
 def test_global_batch_refusals_are_one_line(tmp_path):
-    from accel_train.preflight import split_global_batch
+    from accel_train.training.preflight import split_global_batch
 
     cfg = load_config(None, ["train.global_batch_size=16"])
     with pytest.raises(ConfigError, match=r"^train.global_batch_size=16 does not divide over 3 processes: make it a "
@@ -263,13 +265,13 @@ def test_accel_train_launch_leaves_the_split_to_the_ranks(tmp_path):
     """`accel-train launch` checks the command line before it knows how many processes it starts: the split (4 x 2 on
     2 processes, 4 x 4 on 1) is each rank's, and a group other than the one split for stops at start."""
     from accel_train.cli import check
-    from accel_train.recipe import check_split
+    from accel_train.training.recipe import check_split
 
     argv = ["train.global_batch_size=16", "train.per_device_batch_size=4", "train.grad_accum_steps=2",
             f"output_dir={tmp_path / 'run'}"]
     cfg = check(argv)
     assert (cfg.train.per_device_batch_size, cfg.train.grad_accum_steps) == (4, 2)
-    from accel_train.preflight import split_global_batch
+    from accel_train.training.preflight import split_global_batch
 
     split_global_batch(cfg, 2)
     check_split(cfg, 2)
@@ -283,8 +285,8 @@ def test_accel_train_launch_leaves_the_split_to_the_ranks(tmp_path):
 def test_a_runs_config_yaml_trains_again_on_another_number_of_processes(recipe, tmp_path):
     """A shipped recipe with train.global_batch_size, split for 1, 2 or 4 processes and written as the run's
     config.yaml writes it, splits again for each of the others, to the same effective batch."""
-    from accel_train.config import save_config
-    from accel_train.preflight import split_global_batch
+    from accel_train.config.load import save_config
+    from accel_train.training.preflight import split_global_batch
 
     path = REPO / "configs" / "train" / recipe
     total = load_config(path).train.global_batch_size
@@ -303,7 +305,7 @@ def test_a_runs_config_yaml_trains_again_on_another_number_of_processes(recipe, 
 def test_a_global_batch_in_micro_batches_of_one_is_said(caplog):
     """34 samples on 2 processes with per_device_batch_size 16: 17 each, which only 1 and 17 divide: 17
     micro-batches of 1, said in one warning with a global batch that splits well, not silently."""
-    from accel_train.preflight import split_global_batch
+    from accel_train.training.preflight import split_global_batch
 
     cfg = load_config(None, ["train.global_batch_size=34", "train.per_device_batch_size=16"])
     with caplog.at_level("WARNING"):
@@ -321,7 +323,7 @@ def test_a_global_batch_in_micro_batches_of_one_is_said(caplog):
 def test_a_grad_accum_steps_the_split_replaces_is_said(caplog):
     """train.grad_accum_steps given with train.global_batch_size (a run's config.yaml records its split): the split
     for these processes replaces it, in one warning."""
-    from accel_train.preflight import split_global_batch
+    from accel_train.training.preflight import split_global_batch
 
     cfg = load_config(None, ["train.global_batch_size=16", "train.per_device_batch_size=4", "train.grad_accum_steps=2"])
     with caplog.at_level("WARNING"):

@@ -1,5 +1,5 @@
-"""Every registered task (accel_train.tasks.REGISTRY) passes the same checks by being registered: nothing below
-names a task. What is task-specific comes from `tasks.info(name).example` (a small run on built-in data) and the
+"""Every registered task (accel_train.config.registry.REGISTRY) passes the same checks by being registered: nothing below
+names a task. What is task-specific comes from `registry.info(name).example` (a small run on built-in data) and the
 `Task` interface.
 
 Each task's runs, made once (fixture `once`) and shared by its checks:
@@ -30,12 +30,14 @@ import pytest
 from conftest import forked_launch, launch_environment, python_m, said
 
 from accel_train import tasks
-from accel_train.config import ConfigError, load_config
-from accel_train.data_sources import builtin_rows
+from accel_train.config import registry
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
+from accel_train.data.sources import builtin_rows
 
 # One group per task: its runs are made once, on one worker, and the tasks spread over the workers.
 pytestmark = pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"conformance-{n}"))
-                                              for n in tasks.NAMES])
+                                              for n in registry.NAMES])
 
 # fp32 and a fixed seed: the same samples per step on any topology give the same numbers (test_topology.py)
 SMALL = ["data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
@@ -70,8 +72,8 @@ EPOCH_SAMPLES = 10  # 5 micro-batches of 2: the epoch ends inside step 3 (accumu
 def builtin_size(name: str) -> int:
     """The size of the task's built-in data whose training split the task makes EPOCH_SAMPLES samples of (a task may
     read a row as several samples, or drop some): what the task's own tokenize returns, as the run reads it."""
-    from accel_train import data as data_lib
-    from accel_train.model import build_tokenizer
+    from accel_train.data import pipeline as data_lib
+    from accel_train.models.build import build_tokenizer
 
     found = {}
     for size in sorted(range(4, 41), key=lambda size: abs(size - 12)):  # the nearest to the default's 12 first
@@ -86,7 +88,7 @@ def builtin_size(name: str) -> int:
 
 
 def args(name: str, out, *extra) -> list[str]:
-    return [f"task={name}", *tasks.info(name).example, *SMALL, f"data.builtin_size={builtin_size(name)}", *extra,
+    return [f"task={name}", *registry.info(name).example, *SMALL, f"data.builtin_size={builtin_size(name)}", *extra,
             f"output_dir={out}"]
 
 
@@ -177,7 +179,7 @@ def refused_under(name: str, config: str, extra: list[str]) -> str | None:
 
     with mock.patch.dict(os.environ, launch_environment(config)[0]):
         try:
-            tasks.info(name).check(example_cfg(name, *extra))
+            registry.info(name).check(example_cfg(name, *extra))
         except ConfigError as e:
             return str(e)
     return None
@@ -284,7 +286,7 @@ def test_saved_adapter_reloads_to_the_same_evaluation(name, root, reference):
 
 
 def test_inspect_runs_on_the_example(name, tmp_out):
-    proc = python_m(*args(name, tmp_out), module="accel_train.inspect")
+    proc = python_m(*args(name, tmp_out), tool="inspect")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip()
     assert not tmp_out.exists()
@@ -294,7 +296,7 @@ def test_inspect_runs_on_the_example(name, tmp_out):
 
 
 def example_cfg(name: str, *extra):
-    return load_config(None, [f"task={name}", *tasks.info(name).example, *extra])
+    return load_config(None, [f"task={name}", *registry.info(name).example, *extra])
 
 
 def write_jsonl(path, rows) -> str:

@@ -12,8 +12,9 @@ import warnings
 
 import pytest
 
-from accel_train import cli, tracking
-from accel_train.config import load_config
+from accel_train import cli
+from accel_train.runtime import tracking
+from accel_train.config.load import load_config
 
 
 @pytest.mark.parametrize("env, shown", [({}, True), ({"RANK": "0", "LOCAL_RANK": "0"}, True),
@@ -25,15 +26,15 @@ def test_the_first_line_comes_before_the_training_code_is_imported(monkeypatch, 
         monkeypatch.setenv(name, value)
     seen = {}
 
-    def imported(name):  # `from accel_train.recipe import run` reads the attribute: what stderr holds by then
+    def imported(name):  # `from accel_train.training.recipe import run` reads the attribute: what stderr holds by then
         if name != "run":
             raise AttributeError(name)
         seen.setdefault("stderr", capsys.readouterr().err)
         return lambda cfg, resume: {}
 
-    recipe = types.ModuleType("accel_train.recipe")
+    recipe = types.ModuleType("accel_train.training.recipe")
     recipe.__getattr__ = imported
-    monkeypatch.setitem(sys.modules, "accel_train.recipe", recipe)
+    monkeypatch.setitem(sys.modules, "accel_train.training.recipe", recipe)
     cli.main([f"output_dir={tmp_path / 'run'}", "track.log_with=[]"])
     assert seen["stderr"] == (f"accel_train: starting {tmp_path / 'run'} (loading torch, transformers ...)\n"
                               if shown else "")

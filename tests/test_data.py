@@ -13,13 +13,17 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import AutoTokenizer
 
-from accel_train import data as data_lib
-from accel_train import data_sources, formats, tasks
+from accel_train.data import pipeline as data_lib
+from accel_train import tasks
+from accel_train.data import sources as data_sources
+from accel_train.data import formats
 from accel_train.tasks.classification import check_labels, label_names, num_labels
 from conftest import check_columns, tokenized
-from accel_train.data_sources import check_data_source
-from accel_train.config import TINY_MODEL, ConfigError, load_config
-from accel_train.data import IGNORE_INDEX
+from accel_train.data.sources import check_data_source
+from accel_train.config.schema import TINY_MODEL
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import IGNORE_INDEX
 
 
 def make_cfg(*overrides: str):

@@ -15,8 +15,8 @@ the loop may run fewer micro-batches than grad_accum_steps and DeepSpeed counts 
     accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py $R output_dir=runs/ddp
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml accel_train/train.py $R output_dir=runs/z2
     accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml accel_train/train.py $R output_dir=runs/z3
-    python -m accel_train.plot runs/ddp runs/z2 runs/z3 --out ddp_vs_zero.png
-    python -m accel_train.generate runs/z3 --prompt "reverse abcd"
+    accel-train plot runs/ddp runs/z2 runs/z3 --out ddp_vs_zero.png
+    accel-train generate runs/z3 --prompt "reverse abcd"
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml accel_train/train.py $R \
         output_dir=runs/z2 resume_from=runs/z2/checkpoints/step-30
 """

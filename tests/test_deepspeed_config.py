@@ -14,7 +14,8 @@ from accelerate.utils import DeepSpeedPlugin, DistributedType, patch_environment
 from accelerate.utils.launch import prepare_deepspeed_cmd_env
 from conftest import ACCEL_CONFIGS
 
-from accel_train.config import Config, load_config
+from accel_train.config.schema import Config
+from accel_train.config.load import load_config
 
 STAGES = {"deepspeed_zero2.yaml": 2, "deepspeed_zero3.yaml": 3}
 
@@ -58,7 +59,7 @@ def test_deepspeed_gets_our_batch_accumulation_and_clipping(name):
     """accelerate refuses to prepare a DeepSpeed model without a batch size (from a dataloader in the same
     prepare call, or the config); the engine steps, scales by its accumulation and clips itself: all three come
     from this run's config, and a launch config that says otherwise is refused in one line."""
-    from accel_train.dist import LaunchError, configure_deepspeed
+    from accel_train.runtime.dist import LaunchError, configure_deepspeed
 
     with patch_environment(**launch_environment(ACCEL_CONFIGS / name)):
         plugin = DeepSpeedPlugin()
@@ -83,16 +84,16 @@ def test_dpo_precompute_ref_is_refused_where_the_model_is_built_sharded():
     fsdp2.yaml) it is refused by dpo's own preflight, before any rank loads anything, naming both ways out."""
     from conftest import launch_environment as launched
 
-    from accel_train import tasks
-    from accel_train.config import ConfigError
+    from accel_train.config import registry
+    from accel_train.config.sections import ConfigError
 
     cfg = load_config(None, ["task=dpo", "dpo.precompute_ref=true"])
     for config, key in (("deepspeed_zero3.yaml", "zero3_init_flag"), ("fsdp2.yaml", "fsdp_cpu_ram_efficient_loading")):
         with patch_environment(**launched(config)[0]), pytest.raises(ConfigError) as refused:
-            tasks.info("dpo").check(cfg)
+            registry.info("dpo").check(cfg)
         assert str(refused.value) == (
             "dpo.precompute_ref=true runs the whole model over the training pairs before accelerator.prepare, but the "
             f"accelerate config's {key}: true builds it sharded; set dpo.precompute_ref=false (the reference is then "
             f"computed at each step), or {key}: false")
     with patch_environment(**launched("cpu_deepspeed_zero3.yaml")[0]):
-        tasks.info("dpo").check(cfg)  # built whole, then sharded: the reference log-probs precomputed first
+        registry.info("dpo").check(cfg)  # built whole, then sharded: the reference log-probs precomputed first

@@ -22,8 +22,10 @@ from tensors import LargestTensors
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from accel_train import generation, tasks
-from accel_train.config import TINY_MODEL, load_config
+from accel_train import tasks
+from accel_train.models import generation
+from accel_train.config.schema import TINY_MODEL
+from accel_train.config.load import load_config
 from accel_train.tasks.distill import task as distill
 
 pytestmark = pytest.mark.xdist_group("distill")

@@ -16,8 +16,8 @@ from conftest import ONE_PROCESS, forked_launch, python_m, read_metrics
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from accel_train import data as data_lib
-from accel_train.config import load_config
+from accel_train.data import pipeline as data_lib
+from accel_train.config.load import load_config
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("dpo")
@@ -253,7 +253,7 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
 
     from accel_train.components.pairs import PairCollator, tokenize_pair
     from accel_train.tasks.dpo.task import PreferenceLoss
-    from accel_train.model import build_model, build_tokenizer
+    from accel_train.models.build import build_model, build_tokenizer
 
     cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
     tokenizer = build_tokenizer(cfg)
@@ -302,7 +302,7 @@ def free_run(overrides: list[str]):
     from types import SimpleNamespace
 
     from accel_train import tasks
-    from accel_train.model import build_model, build_tokenizer
+    from accel_train.models.build import build_model, build_tokenizer
     from accel_train.components.pairs import PairCollator, tokenize_pair
 
     cfg = load_config(None, ["task=dpo", "lora.enabled=false", f"dpo.beta={BETA}", *overrides])
@@ -468,7 +468,7 @@ def test_orpo_nll_is_a_mean_over_the_steps_tokens_on_any_topology(orpo_runs):
                                                         "cpo; orpo has no smoothed form"),
 ], ids=["precompute_ref", "reference", "simpo_gamma", "smoothing"])
 def test_a_key_the_loss_would_ignore_is_refused_in_one_line(overrides, message):
-    from accel_train.config import ConfigError
+    from accel_train.config.sections import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, ["task=dpo", *overrides])
@@ -485,7 +485,7 @@ def test_orpo_is_finite_on_answers_the_model_is_certain_of():
     import torch.nn.functional as F
 
     from accel_train.components.pairs import PairCollator, tokenize_pair
-    from accel_train.model import build_tokenizer
+    from accel_train.models.build import build_tokenizer
     from accel_train.tasks.dpo.task import PreferenceLoss
 
     cfg = load_config(None, ["task=dpo", "lora.enabled=false", "dpo.loss_type=orpo", f"dpo.beta={BETA}"])

@@ -53,16 +53,46 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+ENTRIES = {"__init__", "__main__", "train", "cli", "launch"}
+# The parts of the package, each depending only on those before it (README, "The code"): a part's modules import
+# none of a later part's, nor an entry.
+LAYERS = ("config", "runtime", "data", "metrics", "models", "components", "tasks", "training", "tools", "bench")
+
+
+def part_imports() -> dict[str, set[str]]:
+    """part -> the other parts its modules import (a part: a top-level folder of accel_train, or a top-level module
+    beside the entries)."""
+    parts = {}
+    for module, deps in package_imports().items():
+        part = module.split(".")[0]
+        parts.setdefault(part, set()).update(d.split(".")[0] for d in deps)
+    return {part: deps - {part} for part, deps in parts.items()}
+
+
+def test_the_top_level_is_the_entries_and_its_parts_and_they_import_one_way():
+    """`ls accel_train` shows the architecture: the entries, then the parts in LAYERS, which import no cycle: each
+    only the parts before it, never an entry."""
+    top = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert top == ENTRIES | set(LAYERS)
+    graph = {part: deps for part, deps in part_imports().items() if part not in ENTRIES}
+    cycles = [p for p in graph if p in reachable(graph, p)]
+    assert not cycles, f"part-level import cycle through {cycles}: {graph}"
+    upward = {(p, d) for p, deps in graph.items() for d in deps
+              if d in ENTRIES or LAYERS.index(d) > LAYERS.index(p)}
+    assert not upward, f"parts importing a later part or an entry: {sorted(upward)}"
+
+
 def test_imports_point_one_way():
     graph = package_imports()
     cycles = [m for m in graph if m in reachable(graph, m)]
     assert not cycles, f"import cycle through {cycles}"
-    # Only the entry points (and inspect, which reads the same command line) import it; the training code never does.
-    assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__", "train", "inspect"}
-    assert "cli" not in reachable(graph, "recipe")
+    # Only the entry points import it; the training code and the tools never do.
+    assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__", "train"}
+    assert "cli" not in reachable(graph, "training.recipe")
     # Nor do the tasks; and the code around the loop imports no task module (it asks the registry: tasks.make).
-    assert not {"cli", "inspect"} & set().union(*(reachable(graph, m) for m in graph if m.startswith("tasks")))
-    assert not {m for m in reachable(graph, "recipe") | reachable(graph, "loop") if m.startswith("tasks.")}
+    assert not {"cli", "tools.inspect"} & set().union(*(reachable(graph, m) for m in graph if m.startswith("tasks")))
+    assert not {m for m in reachable(graph, "training.recipe") | reachable(graph, "training.loop")
+                if m.startswith("tasks.")}
     # The launch script holds no training code: it reaches the package only through the command line.
     assert graph["train"] == {"cli"}
 
@@ -102,7 +132,7 @@ def test_every_import_of_the_package_resolves():
 def test_config_imports_no_torch():
     """The config tree, every task's section with it, loads without torch (--help, preflight, YAML errors)."""
     heavy = ("torch", "datasets", "transformers", "accelerate", "peft")
-    probe = (f"import sys, accel_train.config as c; c.load_config(None, ['task=grpo']); "
+    probe = (f"import sys; from accel_train.config.load import load_config; load_config(None, ['task=grpo']); "
              f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
     proc = run([sys.executable, "-c", probe])
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
@@ -118,7 +148,7 @@ def test_command_line_imports_no_torch():
 
 def test_launch_script_shadows_no_module(tmp_path):
     """`accelerate launch accel_train/train.py` and torchrun run the file as a script, which puts accel_train/ first
-    on sys.path: `import config` (or data, model, metrics, ...) anywhere would then get accel_train's module."""
+    on sys.path: `import config` (or data, models, tools, metrics, ...) anywhere would then get accel_train's part."""
     site = tmp_path / "site"
     site.mkdir()
     report = tmp_path / "report.json"
@@ -126,7 +156,8 @@ def test_launch_script_shadows_no_module(tmp_path):
     (site / "sitecustomize.py").write_text(f"""
 import atexit, importlib.util, json, sys
 def _report():
-    names = {sorted(p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")) + ["metrics"]!r}
+    names = {sorted(p.stem for p in PACKAGE.iterdir() if not p.stem.startswith("__")
+                    and (p.suffix == ".py" or (p / "__init__.py").is_file()))!r}
     found = {{n: getattr(importlib.util.find_spec(n), "origin", None) for n in names}}
     json.dump({{"path": sys.path, "found": found}}, open({str(report)!r}, "w"))
 atexit.register(_report)
@@ -189,7 +220,7 @@ def test_module_entry_under_accelerate_launch_with_the_gpu_config_on_a_cpu_machi
 NEW_TASK_CONFIG = '''
 from dataclasses import dataclass
 
-from accel_train.sections import ConfigError
+from accel_train.config.sections import ConfigError
 
 
 @dataclass
@@ -210,7 +241,7 @@ NEW_TASK = '''
 import torch.nn.functional as F
 
 from accel_train.components import responses
-from accel_train.formats import IGNORE_INDEX
+from accel_train.data.formats import IGNORE_INDEX
 from accel_train.tasks import Task
 
 
@@ -251,7 +282,7 @@ TASK = Echo
 def test_a_new_objective_is_its_folder_and_one_registry_row(tmp_path, tmp_out):
     """What adding an objective touches: its own folder (config.py: its section; task.py: the task, over the
     components) and one REGISTRY row, nothing else of accel_train. Registered before the config is imported (as a
-    row of tasks/__init__.py is), the section is a config section like any (YAML keys, dotted overrides, its own
+    row of config/registry.py is), the section is a config section like any (YAML keys, dotted overrides, its own
     check, unknown keys, --help, config.yaml) and the task trains through the one entry."""
     folder = tmp_path / "echo"
     folder.mkdir()
@@ -261,11 +292,13 @@ def test_a_new_objective_is_its_folder_and_one_registry_row(tmp_path, tmp_out):
     probe = f"""
 import sys
 from accel_train import tasks
+from accel_train.config import registry
 tasks.__path__.append({str(tmp_path)!r})  # the folder, as if it were accel_train/tasks/echo
-tasks.REGISTRY["echo"] = tasks.TaskInfo("echo.task", "causal_lm", "a scaled cross-entropy (echo.*)",
-                                        config="accel_train.tasks.echo.config:EchoConfig")
-tasks.NAMES = tuple(tasks.REGISTRY)
-from accel_train.config import ConfigError, help_text, load_config
+registry.REGISTRY["echo"] = registry.TaskInfo("echo.task", "causal_lm", "a scaled cross-entropy (echo.*)",
+                                              config="accel_train.tasks.echo.config:EchoConfig")
+registry.NAMES = tuple(registry.REGISTRY)
+from accel_train.config.load import help_text, load_config
+from accel_train.config.sections import ConfigError
 cfg = load_config(None, ["task=echo", "echo.scale=2"])
 assert cfg.echo.scale == 2.0 and cfg.data.packing is False, cfg
 assert "echo.scale (float, default 1.0): What the summed loss is multiplied by." in help_text()

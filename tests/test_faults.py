@@ -14,7 +14,7 @@ import pytest
 from conftest import (ACCEL_CONFIGS, BIN, REPO, accel_train_launch, forked_launch, free_port, python_m, python_script,
                       read_metrics, said)
 
-from accel_train import dist
+from accel_train.runtime import dist
 
 pytestmark = pytest.mark.faults
 
@@ -89,7 +89,7 @@ def test_killed_launcher_leaves_no_orphaned_ranks(tmp_path):
 ORPHAN = r"""
 import os, signal, sys
 from pathlib import Path
-from accel_train import dist
+from accel_train.runtime import dist
 
 def stopped(signum, frame):
     with open(sys.argv[1], "a") as f:
@@ -130,7 +130,7 @@ def test_launcher_gone_without_a_parent_death_signal(tmp_path):
 # A rank whose launcher dies: the kernel's parent-death signal, sent (as seen) more than once, at any moment.
 LAUNCHER_DIES = r"""
 import signal, sys
-from accel_train import dist
+from accel_train.runtime import dist
 
 dist.stop_with_launcher()
 if sys.argv[1] == "before training":

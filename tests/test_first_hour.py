@@ -55,7 +55,7 @@ def test_a_newcomers_first_hour(tmp_path):
     data = [f"data.path={train}", f"data.eval_path={evals}"]
 
     # 2. inspect: the format it chose and what the model cannot see, before any training
-    proc = python_m(*data, module="accel_train.inspect")
+    proc = python_m(*data, tool="inspect")
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = proc.stdout + proc.stderr
     assert "format messages" in seen and "<unk>" in seen and "Traceback" not in seen
@@ -81,14 +81,14 @@ def test_a_newcomers_first_hour(tmp_path):
     # 5. generate on a prompts file (a text file, a prompt per line), written as JSONL
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("reverse abc\nreverse dice\nreverse jade\n")
-    proc = python_m(out, "--prompts-file", prompts, "--output", tmp_path / "gen.jsonl", module="accel_train.generate")
+    proc = python_m(out, "--prompts-file", prompts, "--output", tmp_path / "gen.jsonl", tool="generate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "gen.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["reverse abc", "reverse dice", "reverse jade"]
     assert all(isinstance(r["generation"], str) for r in rows)
     # no progress bar of the weights' loading, no library warning; only the count of answers cut at 64 tokens
     cut = sum(r["truncated"] for r in rows)
-    assert proc.stderr == (f"accel_train.generate: {cut} of 3 response(s) cut at --max-new-tokens=64 before their "
+    assert proc.stderr == (f"accel-train generate: {cut} of 3 response(s) cut at --max-new-tokens=64 before their "
                            "end of turn (\"truncated\": true)\n" if cut else "")
 
     # 6. classification from CSV files with string labels, then predict prints the label names
@@ -105,17 +105,17 @@ def test_a_newcomers_first_hour(tmp_path):
                     f"data.eval_path={tmp_path / 'cls_eval.csv'}", f"output_dir={cls_out}", "train.epochs=2",
                     "track.log_with=[]")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = python_m(cls_out, "--text", "good fun great", module="accel_train.predict")
+    proc = python_m(cls_out, "--text", "good fun great", tool="predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["label"] in ("positive", "negative")
     assert proc.stderr == ""  # no LOAD REPORT of the head the adapter supplies
 
     # 7. the wrong tool, a typo in a run folder, a push offline: one line each, exit 2, no wait on the network
-    proc = python_m(out, "--text", "hi", module="accel_train.predict")
-    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and "accel_train.generate" in proc.stderr
+    proc = python_m(out, "--text", "hi", tool="predict")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and "accel-train generate" in proc.stderr
     before = folder_digest(out)
-    for cmd in ([py, "-m", "accel_train.generate", tmp_path / "chat_rnu", "--prompt", "hi"],
-                [py, "-m", "accel_train.push", out, "--repo-id", "me/chat"]):
+    for cmd in ([py, "-m", "accel_train", "generate", tmp_path / "chat_rnu", "--prompt", "hi"],
+                [py, "-m", "accel_train", "push", out, "--repo-id", "me/chat"]):
         proc, took = timed(cmd)
         assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
         assert took < 10 * trivial + 5, (took, trivial)  # before: 55 s of hub retries for the typo

@@ -134,7 +134,7 @@ def test_model_card(runs):
 
 @pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_card_for_a_hub_model_and_dataset_names_them(runs, tmp_path):
-    from accel_train.card import model_card
+    from accel_train.models.card import model_card
 
     run = tmp_path / "run"
     run.mkdir()
@@ -169,7 +169,7 @@ def test_generation_under_sharded_weights_answers_as_ddp(tmp_path):
 
 
 def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
-    from accel_train import push
+    from accel_train.tools import push
 
     with pytest.raises(SystemExit) as e:
         push.main([str(tmp_path), "--repo-id", "me/reverse"])
@@ -235,7 +235,7 @@ def new_tokens(model, prompt: dict, **kwargs) -> list[int]:
 
 
 def test_a_base_eos_and_a_chatml_template_stop_at_both():
-    from accel_train.formats import end_of_turn, stop_token_ids
+    from accel_train.data.formats import end_of_turn, stop_token_ids
 
     tokenizer = base_chatml_tokenizer()
     model = answering_model(tokenizer)
@@ -245,8 +245,8 @@ def test_a_base_eos_and_a_chatml_template_stop_at_both():
 
 
 def test_eval_generation_stops_at_the_end_of_turn():
-    from accel_train.config import load_config
-    from accel_train.generation import eval_generation_config, until_stop
+    from accel_train.config.load import load_config
+    from accel_train.models.generation import eval_generation_config, until_stop
 
     tokenizer = base_chatml_tokenizer()
     model = answering_model(tokenizer)
@@ -267,7 +267,7 @@ def test_eval_generation_stops_at_the_end_of_turn():
 
 
 def test_generate_cli_stops_at_the_end_of_turn(tmp_path):
-    from accel_train.generate import generate
+    from accel_train.tools.generate import generate
 
     tokenizer = base_chatml_tokenizer()
     # a model/ folder saved by another tool: its generation_config.json names <|endoftext|> only
@@ -282,11 +282,11 @@ def test_saved_adapter_and_merged_model_stop_at_the_end_of_turn_without_argument
     import peft
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from accel_train.card import model_card
-    from accel_train.config import load_config, save_config
-    from accel_train.export import merge_adapter
-    from accel_train.generation import stopping_config
-    from accel_train.model import load_trained
+    from accel_train.models.card import model_card
+    from accel_train.config.load import load_config, save_config
+    from accel_train.models.merge import merge_adapter
+    from accel_train.models.generation import stopping_config
+    from accel_train.models.build import load_trained
 
     tokenizer = base_chatml_tokenizer()
     stops = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
@@ -331,7 +331,7 @@ def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from accel_train.formats import stop_token_ids
+    from accel_train.data.formats import stop_token_ids
 
     out = runs["one"]
     tokenizer = AutoTokenizer.from_pretrained(out / "adapter")
@@ -353,7 +353,7 @@ def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, 
     """The trained default recipe, loaded once for every prompt: --prompt twice, a prompts file (JSON lines, a
     "messages" row among them), --system, written to --output; batched (left-padded) generation gives the answers
     one prompt at a time gives."""
-    from accel_train.generate import generate_rows, main
+    from accel_train.tools.generate import generate_rows, main
 
     words = ["abcd", "hgfe", "jiabc", "dcb"]
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": f"reverse {words[2]}"}) + "\n" + json.dumps(
@@ -383,20 +383,20 @@ def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, 
     cut = [len(w) >= 3 for w in whole]  # its end of turn did not fit
     assert [r["truncated"] for r in rows] == cut
     assert [r["generation"] for r in rows] == [w[:3] if c else w for w, c in zip(whole, cut)]
-    assert err == (f"accel_train.generate: {sum(cut)} of 4 response(s) cut at --max-new-tokens=3 before their end "
+    assert err == (f"accel-train generate: {sum(cut)} of 4 response(s) cut at --max-new-tokens=3 before their end "
                    "of turn (\"truncated\": true)\n" if any(cut) else "")
 
 
 @pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_generate_refuses_a_runs_random_base(runs, capsys):
     """RUN/base_model is the untrained random base a run saved for its adapter: its answers are noise."""
-    from accel_train.generate import main
+    from accel_train.tools.generate import main
 
     with pytest.raises(SystemExit) as stop:
         main([str(runs["one"] / "base_model"), "--prompt", "reverse abcd"])
     assert stop.value.code == 2
     assert capsys.readouterr().err == (
-        f"accel_train.generate: error: PATH: {runs['one'] / 'base_model'} holds the random weights a run started "
+        f"accel-train generate: error: PATH: {runs['one'] / 'base_model'} holds the random weights a run started "
         f"from, not a trained model (its answers are noise): give the run's folder, {runs['one']}, for its adapter "
         "(or --random-base to generate from these weights anyway)\n")
     main([str(runs["one"] / "base_model"), "--prompt", "reverse abcd", "--random-base", "--max-new-tokens", "2"])
@@ -492,7 +492,7 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
 
     import torch
 
-    from accel_train.config import load_config
+    from accel_train.config.load import load_config
     from accel_train.components import completions as completions_lib
     from accel_train.tasks.grpo.rollouts import Rollouts
 
@@ -527,8 +527,8 @@ def test_grpo_rollouts_sample_from_the_models_logits(tmp_path, monkeypatch):
 
 def test_generate_cli_greedy_is_the_argmax_of_the_logits(tmp_path, capsys):
     """The generate tool decodes as its flags say; --model-defaults as the model's generation_config.json does."""
-    from accel_train.formats import stop_token_ids
-    from accel_train.generate import generate_rows, main
+    from accel_train.data.formats import stop_token_ids
+    from accel_train.tools.generate import generate_rows, main
 
     model, tokenizer = leaky_model(tmp_path / "model")
     stops = stop_token_ids(tokenizer, model.generation_config)
@@ -555,8 +555,8 @@ def test_eval_generation_samples_from_the_models_logits(tmp_path):
     import torch
     from transformers import LogitsProcessorList
 
-    from accel_train.config import load_config
-    from accel_train.generation import eval_generation_config
+    from accel_train.config.load import load_config
+    from accel_train.models.generation import eval_generation_config
 
     model, tokenizer = leaky_model(tmp_path / "model")
     config = eval_generation_config(load_config(overrides=["eval.do_sample=true", "eval.max_new_tokens=6"]),
@@ -573,8 +573,8 @@ def test_eval_generation_samples_from_the_models_logits(tmp_path):
 def test_a_generation_setting_that_cannot_be_switched_off_is_refused(tmp_path):
     from transformers import GenerationConfig
 
-    from accel_train.config import ConfigError
-    from accel_train.generation import generation_config
+    from accel_train.config.sections import ConfigError
+    from accel_train.models.generation import generation_config
 
     model, tokenizer = leaky_model(tmp_path / "model")
     model.generation_config = GenerationConfig(forced_eos_token_id=3, bad_words_ids=[[5]])
@@ -595,7 +595,7 @@ def test_a_merged_adapter_gives_the_adapters_logits_and_leaves_the_weights_as_th
     from peft.tuners.lora.layer import Linear as LoraLinear
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from accel_train.generation import merged_adapter
+    from accel_train.models.generation import merged_adapter
 
     torch.manual_seed(0)
     model = get_peft_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -641,7 +641,7 @@ def test_seeded_sampler_takes_the_token_whose_interval_holds_the_draw():
     mass, never a token of probability 0, nor one top_p removed."""
     import torch
 
-    from accel_train.generation import SeededSampler
+    from accel_train.models.generation import SeededSampler
 
     # token 0 impossible (-inf), token 1 outside top_p 0.5 (probabilities about 0, 0.1, 0.6, 0.3)
     scores = torch.log(torch.tensor([[0.0, 0.1, 0.6, 0.3]])).repeat(4, 1)

@@ -24,12 +24,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import chat_templates as ct
 from tensors import LargestTensors
-from accel_train import data as data_lib
-from accel_train.config import ConfigError, load_config
+from accel_train.data import pipeline as data_lib
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
 from accel_train.components import completions as completions_lib
 from accel_train.components import logprobs
 from accel_train.components import rewards as rewards_lib
-from accel_train.generation import position_ids
+from accel_train.models.generation import position_ids
 from accel_train.tasks.grpo import rollouts as grpo_rollouts
 from accel_train.tasks.grpo import task as grpo
 
@@ -551,7 +552,7 @@ def test_builtin_rewards_score_as_documented():
 
 
 def test_builtin_addition_asks_single_digit_sums():
-    from accel_train.data_sources import builtin_rows
+    from accel_train.data.sources import builtin_rows
 
     rows = builtin_rows("addition", 200)
     for row in rows:
@@ -688,7 +689,7 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     from peft.tuners.lora.layer import Linear as LoraLinear
     from transformers import AutoConfig
 
-    from accel_train.config import CONFIGS_DIR
+    from accel_train.config.schema import CONFIGS_DIR
 
     tiny = CONFIGS_DIR / "model" / "tiny-llama"
     torch.manual_seed(0)
@@ -1018,7 +1019,7 @@ def test_the_shipped_tools_recipe_shows_its_tools_to_qwen_and_runs_their_calls()
     """configs/train/grpo_tools.yaml (not trained here: its model comes from the hub) with Qwen2.5's template
     (vendored): its tool file's schemas are read, the template shows them and TRL parses their calls; a call runs."""
     from accel_train.components import tools as tools_lib
-    from accel_train.formats import stop_token_ids
+    from accel_train.data.formats import stop_token_ids
 
     cfg = load_config("configs/train/grpo_tools.yaml")
     tools_lib.check_static(cfg)
@@ -1042,7 +1043,7 @@ def test_the_shipped_tools_recipe_shows_its_tools_to_qwen_and_runs_their_calls()
 def test_tool_calls_in_each_supported_templates_format_are_run(template, tmp_path):
     """An assistant turn as the real template renders its tool calls (vendored templates, a local tokenizer): each
     call runs, its result (or the error that ended it, or the timeout) comes back as a tool turn."""
-    from accel_train.formats import stop_token_ids
+    from accel_train.data.formats import stop_token_ids
     from accel_train.components import tools as tools_lib
 
     (tmp_path / "tools.py").write_text(TOOLS_PY)

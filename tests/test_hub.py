@@ -11,7 +11,7 @@ import threading
 import pytest
 from conftest import free_port, run
 
-from accel_train.config import ConfigError
+from accel_train.config.sections import ConfigError
 
 
 class HubLike(http.server.BaseHTTPRequestHandler):
@@ -36,7 +36,7 @@ class HubLike(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def online(monkeypatch):
     """Online, with the hub's file URLs pointing at a local server that answers as the hub does."""
-    from accel_train import model_sources
+    from accel_train.models import sources as model_sources
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubLike)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -49,7 +49,7 @@ def online(monkeypatch):
 
 
 def refusal(name: str, revision: str | None = None) -> str:
-    from accel_train.model_sources import check_model
+    from accel_train.models.sources import check_model
 
     with pytest.raises(ConfigError) as e:
         check_model(name, revision)
@@ -59,7 +59,7 @@ def refusal(name: str, revision: str | None = None) -> str:
 # outputs/nope has a hub id's form, but outputs/ exists here: a path
 @pytest.mark.parametrize("name", ["./no-model", "~/no-model", "/no/such/model", "runs/a/b", "outputs/nope"])
 def test_a_local_path_that_does_not_exist_is_refused_without_asking_the_hub(name, tmp_path, monkeypatch):
-    from accel_train import model_sources
+    from accel_train.models import sources as model_sources
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()
@@ -84,7 +84,7 @@ def test_a_missing_revision_names_the_revision_key(online):
 
 
 def test_a_hub_model_that_answers_passes(online):
-    from accel_train.model_sources import check_model
+    from accel_train.models.sources import check_model
 
     check_model("org/fine")
 
@@ -102,7 +102,7 @@ def cache_with(tmp_path, repo_id: str):
 @pytest.mark.parametrize("cached", [False, True])
 def test_no_network_says_whether_the_cache_can_be_used(online, monkeypatch, tmp_path, cached):
     """A refused connection (no retries: at once); with the model cached the way out is HF_HUB_OFFLINE=1."""
-    from accel_train import model_sources
+    from accel_train.models import sources as model_sources
 
     closed = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setattr(model_sources, "hf_hub_url", lambda repo_id, filename, revision=None:
@@ -116,8 +116,8 @@ def test_no_network_says_whether_the_cache_can_be_used(online, monkeypatch, tmp_
 
 
 def test_offline_a_model_not_in_the_cache_is_refused_and_a_cached_one_passes(monkeypatch, tmp_path):
-    from accel_train import model_sources
-    from accel_train.model_sources import check_model
+    from accel_train.models import sources as model_sources
+    from accel_train.models.sources import check_model
 
     monkeypatch.setattr(model_sources.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(model_sources.constants, "HF_HUB_CACHE", str(cache_with(tmp_path, "org/cached")))

@@ -1,4 +1,4 @@
-"""python -m accel_train.inspect: the data as the run will see it, before any training, with nothing written."""
+"""python -m accel-train inspect: the data as the run will see it, before any training, with nothing written."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import python_m
 
 
 def inspect(*args, **kw):
-    return python_m(*args, module="accel_train.inspect", **kw)
+    return python_m(*args, tool="inspect", **kw)
 
 
 def test_shows_loss_tokens_truncation_lengths_and_packing(tmp_path):
@@ -104,8 +104,8 @@ UNSEEN = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "us
 def test_unk_tokens_are_reported_with_the_first_row_and_the_chosen_format(tmp_path):
     """Characters the tiny tokenizer has no token for (uppercase, newline) and samples left with nothing to learn
     are reported by inspect, with the row and the characters lost."""
-    from accel_train import inspect as inspect_lib
-    from accel_train.config import load_config
+    from accel_train.tools import inspect as inspect_lib
+    from accel_train.config.load import load_config
 
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in UNSEEN))

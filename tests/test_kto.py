@@ -18,9 +18,10 @@ from conftest import forked_launch, fresh_accelerator
 from transformers import AutoTokenizer
 
 from accel_train import tasks
-from accel_train.config import ConfigError, load_config
-from accel_train.data_sources import builtin_rows
-from accel_train.formats import IGNORE_INDEX
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
+from accel_train.data.sources import builtin_rows
+from accel_train.data.formats import IGNORE_INDEX
 
 BETA, W_D, W_U = 0.5, 1.5, 0.7
 KTO = [f"kto.beta={BETA}", f"kto.desirable_weight={W_D}", f"kto.undesirable_weight={W_U}", "kto.reference=base",
@@ -54,7 +55,7 @@ def setup(tmp_path_factory):
     """(cfg, task, tokenizer, the 4 tokenized rows, the policy: random tiny model + LoRA with perturbed B)."""
     from accelerate.utils import set_seed
 
-    from accel_train.model import apply_lora, build_model
+    from accel_train.models.build import apply_lora, build_model
 
     path = write_jsonl(tmp_path_factory.mktemp("kto") / "rows.jsonl", unpaired(4))
     cfg = load_config(None, ["task=kto", f"data.path={path}", *KTO])

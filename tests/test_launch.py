@@ -16,9 +16,9 @@ from peft import PeftModel
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from accel_train import data as data_lib
+from accel_train.data import pipeline as data_lib
 from accel_train import launch
-from accel_train.config import load_config
+from accel_train.config.load import load_config
 from accel_train import tasks
 from accel_train.tasks.sft import summed_cross_entropy
 
@@ -153,7 +153,7 @@ def test_plot_compares_runs(tmp_path):
         rows = [{"step": s, "epoch": 0, "loss": scale / s, "lr": 1e-3} for s in range(1, 6)]
         rows.append({"step": 5, "epoch": 0, "eval_loss": scale / 5})
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = python_m(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "ab.png", module="accel_train.plot")
+    proc = python_m(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "ab.png", tool="plot")
     assert proc.returncode == 0, proc.stderr
     assert matplotlib.image.imread(tmp_path / "ab.png").shape[0] > 100
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from accel_train.config import TINY_MODEL
-from accel_train.data import IGNORE_INDEX, PackingCollator
+from accel_train.config.schema import TINY_MODEL
+from accel_train.data.pipeline import IGNORE_INDEX, PackingCollator
 from accel_train.tasks.sft import batch_loss
-from accel_train.loss import loss_head
+from accel_train.models.loss import loss_head
 
 VOCAB = 2048  # larger than the tiny model's 52, so that full logits dwarf every other tensor
 

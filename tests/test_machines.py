@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import forked_launch, launch_environment, python_m, python_script, read_metrics, run
 
-from accel_train.config import load_config
+from accel_train.config.load import load_config
 
 QUICK = ["data.builtin_size=200", "train.max_steps=4", "train.log_every=1", "track.log_with=[]"]
 
@@ -34,7 +34,7 @@ def test_the_cpu_config_hides_every_gpu_from_its_workers(monkeypatch):
 
 
 def test_precision_on_a_cpu_with_and_without_native_bf16(monkeypatch):
-    from accel_train.dist import choose_precision
+    from accel_train.runtime.dist import choose_precision
 
     monkeypatch.setenv("ACCEL_TRAIN_CPU_BF16", "1")
     assert choose_precision("bf16") == ("bf16", None)
@@ -61,7 +61,7 @@ def test_bf16_launch_config_on_a_cpu_without_bf16_trains_in_fp32(tmp_out):
 
 
 def test_nonfinite_policy_under_fp16_loss_scaling():
-    from accel_train.loop import nonfinite_step
+    from accel_train.training.loop import nonfinite_step
 
     native = lambda scale: (scale, 0.0)  # noqa: E731 (loop.loss_scaling: torch's scaler has no floor)
     assert not nonfinite_step(3.0, None) and not nonfinite_step(3.0, native(0.5))
@@ -81,8 +81,8 @@ def test_nonfinite_policy_under_deepspeed_fp16_stops_before_the_engine_raises(mo
     from deepspeed.runtime.fp16 import loss_scaler as ds_scaler
     from accelerate.utils import DistributedType
 
-    from accel_train import loop
-    from accel_train.checkpoint import NonFiniteError, TrainState
+    from accel_train.training import loop
+    from accel_train.runtime.checkpoint import NonFiniteError, TrainState
 
     monkeypatch.setattr(ds_scaler.dist, "get_rank", lambda: 0)  # its overflow log line asks for the rank
     monkeypatch.setattr(loop, "save_checkpoint", lambda *a: "checkpoints/step-0")
@@ -136,8 +136,8 @@ def test_compiled_model_saves_its_adapter_under_the_names_peft_loads(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from accel_train.checkpoint import trainable_state
-    from accel_train.config import TINY_MODEL
+    from accel_train.runtime.checkpoint import trainable_state
+    from accel_train.config.schema import TINY_MODEL
 
     def base():
         torch.manual_seed(0)
@@ -166,8 +166,8 @@ def test_qlora_off_a_gpu_is_one_line_before_any_work(tmp_out):
     # with bitsandbytes installed, the GPU check needs torch: the run's first line (cli.main) comes before it
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("accel_train: starting ")]
     assert len(lines) == 1 and "model.quantization=4bit needs" in lines[0] and "GPU" in lines[0]
-    from accel_train.config import ConfigError
-    from accel_train.model import quantization
+    from accel_train.config.sections import ConfigError
+    from accel_train.models.build import quantization
 
     with pytest.raises(ConfigError, match="needs a GPU"):
         quantization(load_config(None, ["model.quantization=4bit", "model.random_init=false"]), torch.device("cpu"))
@@ -179,8 +179,8 @@ def test_qlora_off_a_gpu_is_one_line_before_any_work(tmp_out):
 
 
 def test_gpu_check_plan_is_complete_and_every_run_is_a_valid_configuration(tmp_path):
-    from accel_train.cli import parse_cli
-    from accel_train.gpu_check import ORDER, plan
+    from accel_train.config.load import parse_cli
+    from accel_train.bench.gpu_check import ORDER, plan
 
     checks = plan(tmp_path)
     assert [c.name for c in checks if c.name != "reference_1gpu"] == ORDER
@@ -193,14 +193,14 @@ def test_gpu_check_plan_is_complete_and_every_run_is_a_valid_configuration(tmp_p
         "quickstart_1gpu": "1gpu.yaml", "quickstart_cpu": "cpu_2proc.yaml", "reference_1gpu": "1gpu.yaml",
         "deepspeed_zero2": "deepspeed_zero2.yaml", "deepspeed_zero3": "deepspeed_zero3.yaml",
         "deepspeed_fp16": "deepspeed_zero2.yaml", "fsdp2": "fsdp2.yaml"}
-    proc = python_m("--out", tmp_path, "--dry-run", "--only", "fsdp2", module="accel_train.gpu_check")
+    proc = python_m("--out", tmp_path, "--dry-run", "--only", "fsdp2", tool="gpu-check")
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2  # the comparison brings its reference
 
 
 def test_gpu_check_verdicts(tmp_path):
     """The judging of finished runs, on runs made here: a comparison within bf16's tolerance passes, one off by
     more fails; a failed process fails with its log; the report lists every check."""
-    from accel_train.gpu_check import judge, plan, report
+    from accel_train.bench.gpu_check import judge, plan, report
 
     checks = {c.name: c for c in plan(tmp_path)}
 

@@ -12,10 +12,11 @@ import pytest
 from datasets import Dataset
 
 import chat_templates as ct
-from accel_train import formats
+from accel_train.data import formats
 from conftest import check_columns, tokenized
-from accel_train.config import ConfigError, load_config
-from accel_train.formats import IGNORE_INDEX
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
+from accel_train.data.formats import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -179,7 +180,7 @@ def test_a_slow_tokenizer_is_masked_through_prefixes():
     are found by tokenizing the text up to them."""
     from transformers import AutoTokenizer
 
-    from accel_train.config import TINY_MODEL
+    from accel_train.config.schema import TINY_MODEL
 
     fast = AutoTokenizer.from_pretrained(TINY_MODEL)
 

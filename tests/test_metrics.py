@@ -17,10 +17,11 @@ import pytest
 import torch
 from conftest import python_m
 
-from accel_train.config import ConfigError, load_config
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
 from accel_train.metrics import BUNDLED, bundled, compute_metrics, greater_is_better, load_metric, scores
-from accel_train.generation import split_prompt
-from accel_train.preflight import check_sharded
+from accel_train.models.generation import split_prompt
+from accel_train.runtime.launched import check_sharded
 
 
 def compute(name, predictions, references, **kwargs):
@@ -117,21 +118,21 @@ BEST = ["save.final=best", "checkpoint.keep_best=true", "eval.metric_for_best=lo
 @pytest.mark.parametrize("variable, kind", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")])
 def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch, variable, kind):
     monkeypatch.setenv("FSDP_VERSION", "2")  # as configs/accelerate/fsdp2.yaml launches it (FSDP1: the next test)
-    from accel_train import tasks
+    from accel_train.config import registry
 
     key = "grpo.generation_batch_size=2"
     lockstep = load_config(None, ["task=grpo", key, "train.gather_for_generation=false"])
-    tasks.info("grpo").check(lockstep)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
+    registry.info("grpo").check(lockstep)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
     monkeypatch.setenv(variable, "true")
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} with "
                                           r"train.gather_for_generation=false \(generation in lock-step"):
-        tasks.info("grpo").check(lockstep)  # grpo's own preflight
+        registry.info("grpo").check(lockstep)  # grpo's own preflight
     # the weights gathered for generation (the default): each rank generates alone, as many calls as it needs
-    tasks.info("grpo").check(load_config(None, ["task=grpo", key]))
+    registry.info("grpo").check(load_config(None, ["task=grpo", key]))
     check_sharded(load_config(None, BEST))  # the best checkpoint's sharded files are read back (recipe.run)
     if variable == "ACCELERATE_USE_DEEPSPEED":  # ZeRO-2 keeps the whole weights on every rank: it may generate
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        tasks.info("grpo").check(lockstep)
+        registry.info("grpo").check(lockstep)
         check_sharded(load_config(None, ["task=grpo"]))
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
         check_sharded(load_config(None, ["task=grpo"]))  # generation in lock-step (sharding.sharded)

@@ -13,7 +13,7 @@ import torch
 from conftest import TRAIN_CONFIGS, forked_launch, python_m, read_metrics, run
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from accel_train.config import TINY_MODEL
+from accel_train.config.schema import TINY_MODEL
 
 QUICK = ["train.max_steps=6", "train.log_every=1", "track.log_with=[]", "data.builtin_size=200"]
 CLASSES = {"positive": ["good", "great", "fun"], "negative": ["bad", "sad", "dull"], "neutral": ["plot", "film"]}
@@ -97,7 +97,7 @@ def test_string_labels_train_predict_and_export_with_their_names(tmp_path):
     assert json.loads((out / "adapter" / "config.json").read_text())["id2label"] == names
     assert json.loads((out / "merged" / "config.json").read_text())["label2id"] == {v: int(k) for k, v in names.items()}
 
-    proc = python_m(out / "adapter", "--text", "good great fun", "--text", "bad sad dull", module="accel_train.predict")
+    proc = python_m(out / "adapter", "--text", "good great fun", "--text", "bad sad dull", tool="predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert all(set(r["probs"]) == set(names.values()) and r["label"] in names.values() for r in rows)
@@ -172,8 +172,9 @@ def test_real_pretrained_model_learns_real_text_and_random_weights_do_not(bbc, t
 
 
 def test_attention_implementation_and_revision_reach_from_pretrained(tmp_path, monkeypatch):
-    from accel_train import model as model_lib
-    from accel_train.config import ConfigError, load_config
+    from accel_train.models import build as model_lib
+    from accel_train.config.load import load_config
+    from accel_train.config.sections import ConfigError
 
     base = pretrained_tiny_classifier(tmp_path / "base")
     cfg = load_config(None, ["task=seq_cls", f"model.name_or_path={base}", "model.attn_implementation=eager",
@@ -206,8 +207,8 @@ def test_a_new_classifier_head_is_one_line_not_a_load_report(tmp_path, caplog):
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
-    from accel_train.config import load_config
-    from accel_train.model import build_model
+    from accel_train.config.load import load_config
+    from accel_train.models.build import build_model
 
     PartialState(cpu=True)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).save_pretrained(tmp_path / "lm")

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from accel_train.config import TINY_MODEL, ConfigError
-from accel_train.data import IGNORE_INDEX, PackingCollator
-from accel_train.model import attention_cost, check_packing
+from accel_train.config.schema import TINY_MODEL
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import IGNORE_INDEX, PackingCollator
+from accel_train.models.build import attention_cost, check_packing
 
 
 def sample(length: int, rng: random.Random) -> dict:

@@ -1,4 +1,4 @@
-"""python -m accel_train.push: a push that cannot work says why in one line before it reads or writes anything, and
+"""python -m accel-train push: a push that cannot work says why in one line before it reads or writes anything, and
 what it uploads loads for whoever pulls it (an adapter on a local base names the hub model, or says it is local)."""
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def test_a_push_that_cannot_work_is_one_line_exit_2_and_changes_nothing(run_dir,
     before = digest(run_dir)
     start = time.monotonic()
     # a fresh interpreter: huggingface_hub reads HF_HUB_OFFLINE, HF_ENDPOINT and HF_HOME when it is imported
-    proc = run([sys.executable, "-m", "accel_train.push", run_dir, "--repo-id", "me/reverse"],
+    proc = run([sys.executable, "-m", "accel_train.tools.push", run_dir, "--repo-id", "me/reverse"],
                env=hub_env(tmp_path, case), timeout=60)
     assert time.monotonic() - start < 10  # no retries, no wait on a timeout
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"accel_train.push: error: {message}"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"accel-train push: error: {message}"), proc.stderr
     assert "Traceback" not in proc.stderr and not proc.stdout
     assert digest(run_dir) == before
 
@@ -63,7 +63,7 @@ def test_a_push_that_cannot_work_is_one_line_exit_2_and_changes_nothing(run_dir,
 @pytest.fixture
 def uploads(monkeypatch):
     """huggingface_hub's upload faked: what create_repo and create_commit were given, each file's uploaded bytes."""
-    from accel_train import push
+    from accel_train.tools import push
 
     sent = {}
 
@@ -105,7 +105,7 @@ def front_matter(card: str) -> dict:
 
 @pytest.mark.parametrize("trained_on", ["random base", "local folder"])
 def test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so(run_dir, tmp_path, uploads, capsys, trained_on):
-    from accel_train import push
+    from accel_train.tools import push
 
     out, base = (run_dir, (run_dir / "base_model").resolve()) if trained_on == "random base" else (
         trained_on_local_folder(run_dir, tmp_path))
@@ -113,7 +113,7 @@ def test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so(run_dir, 
     push.main([str(out), "--repo-id", "me/reverse"])
     std = capsys.readouterr()
     assert std.out == "uploaded: https://huggingface.co/me/reverse/commit/abc\n"
-    assert std.err == (f"accel_train.push: warning: the base model {base} is local, not on the hub: the card says "
+    assert std.err == (f"accel-train push: warning: the base model {base} is local, not on the hub: the card says "
                        "that whoever loads the adapter must supply it\n")
     files = uploads["files"]
     assert sorted(files) == sorted(digest(out / "adapter"))  # every file of the folder, in one commit
@@ -130,7 +130,7 @@ def test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so(run_dir, 
 
 
 def test_an_adapter_on_a_local_copy_of_a_hub_model_is_pushed_naming_the_hub_model(run_dir, tmp_path, uploads, capsys):
-    from accel_train import push
+    from accel_train.tools import push
 
     out, base = trained_on_local_folder(run_dir, tmp_path, hub_name="someone/tiny-llama")
     before = digest(out)
@@ -156,7 +156,7 @@ def test_nothing_pushed_names_a_folder_of_this_machine(run_dir, tmp_path, upload
 
     from conftest import REPO
 
-    from accel_train import push
+    from accel_train.tools import push
 
     out, _ = trained_on_local_folder(run_dir, tmp_path)
     base = tmp_path / "models" / "my-llama"  # a local base outside the run

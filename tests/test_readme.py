@@ -25,7 +25,7 @@ import pytest
 
 from conftest import REPO, python_m, run
 
-from accel_train import tasks
+from accel_train.config import registry
 
 README = REPO / "README.md"
 
@@ -61,7 +61,7 @@ RUN_BY = {
                               ("pairs", "parquet", "pairs"), ("corpus", "txt", "text"))},
     "accel_train task=seq_cls data.path=reviews_train.csv data.eval_path=reviews_eval.csv output_dir=outputs/cls":
         [(OWN_DATA, ["Train on your data"])],
-    "accel_train.inspect data.path=chat_train.jsonl --samples 3":
+    "accel-train inspect data.path=chat_train.jsonl --samples 3":
         [("tests/test_inspect.py::test_shows_loss_tokens_truncation_lengths_and_packing", ["data.path=", '"--samples"'])],
     "accel_train": [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ['"-m", "accel_train"'])],
     "accel_train --config configs/train/tiny_cls.yaml":
@@ -72,24 +72,24 @@ RUN_BY = {
     "accel_train --help": [("tests/test_readme.py::test_config_commands_as_written", ["accel_train --help"])],
     "accel_train --config configs/train/tiny_cls.yaml --print-config train.lr=1e-3":
         [("tests/test_readme.py::test_config_commands_as_written", ["--print-config train.lr=1e-3"])],
-    'accel_train.generate outputs/default --prompt "reverse abcd"':
+    'accel-train generate outputs/default --prompt "reverse abcd"':
         [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
-          ['module="accel_train.generate"', '"--prompt"'])],
-    'accel_train.predict outputs/tiny_cls --text "a great fun film"':
+          ['tool="generate"', '"--prompt"'])],
+    'accel-train predict outputs/tiny_cls --text "a great fun film"':
         [("tests/test_checkpoint.py::test_predict_with_a_classification_adapter",
-          ['module="accel_train.predict"', '"--text"'])],
-    'accel_train.predict outputs/reward --prompt "reverse abcd" --response dcba --response dcb':
+          ['tool="predict"', '"--text"'])],
+    'accel-train predict outputs/reward --prompt "reverse abcd" --response dcba --response dcb':
         [("tests/test_reward.py::test_predict_scores_and_ranks_answers_with_a_reward_model",
-          ['module="accel_train.predict"', '"--prompt"', '"--response"'])],
-    "accel_train.sample outputs/default --out outputs/samples data.path=prompts.jsonl grpo.num_generations=8 "
+          ['tool="predict"', '"--prompt"', '"--response"'])],
+    "accel-train sample outputs/default --out outputs/samples data.path=prompts.jsonl grpo.num_generations=8 "
     "grpo.rewards=[number_match] --threshold 1 [--rank-by model:outputs/reward]":
         [("tests/test_sample.py::test_every_prompt_gets_n_answers_scored_by_the_reward",
-          ['module="accel_train.sample"', '"--out"', '"--threshold"', '"--rank-by"', "grpo.num_generations="])],
-    "accel_train.export outputs/default":
+          ['tool="sample"', '"--out"', '"--threshold"', '"--rank-by"', "grpo.num_generations="])],
+    "accel-train export outputs/default":
         [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
-          ['module="accel_train.export"'])],
-    "accel_train.plot outputs/default outputs/dpo --out runs.png":
-        [("tests/test_launch.py::test_plot_compares_runs", ['module="accel_train.plot"', '"--out"'])],
+          ['tool="export"'])],
+    "accel-train plot outputs/default outputs/dpo --out runs.png":
+        [("tests/test_launch.py::test_plot_compares_runs", ['tool="plot"', '"--out"'])],
     "accel-train launch --config_file configs/accelerate/cpu_2proc.yaml eval.generate=true train.eval_every=100 "
     "eval.metric_for_best=exact_match train.early_stopping_patience=3 checkpoint.save_every=100 "
     "checkpoint.keep_best=true save.final=best":  # the module's `runs` fixture launches it
@@ -110,9 +110,9 @@ RUN_BY = {
         [("tests/test_bench.py::test_bench_grpo_on_a_model_folder",
           ['"--workloads", "grpo", "--model"', '"--prompts"', '"--new-tokens"', '"--warmup"', '"--grpo-steps"',
            '"--precision", "no"'])],
-    "accel_train.study --out outputs/study_tiny --smallest":
+    "python tests/scripts/study.py --out outputs/study_tiny --smallest":
         [("tests/test_study.py::test_every_arm_trains_and_is_scored_on_every_seed",
-          ['module="accel_train.study"', '"--smallest"'])],
+          ['python_script(STUDY', '"--smallest"'])],
 }
 
 # command -> (why not here, [node ids of its CPU equivalent])
@@ -125,7 +125,7 @@ NOT_HERE = {
     "configs/train/grpo_tools.yaml":
         ("2 GPUs, and Qwen2.5-0.5B-Instruct from the hub",
          ["tests/test_grpo.py::test_the_shipped_tools_recipe_shows_its_tools_to_qwen_and_runs_their_calls"]),
-    "accel_train.study --out outputs/study":
+    "python tests/scripts/study.py --out outputs/study":
         ("every arm on a 135M model, 3 seeds: hours; the suite runs every arm on the tiny model (--smallest)",
          ["tests/test_study.py::test_every_arm_trains_and_is_scored_on_every_seed"]),
     "accelerate launch --config_file configs/accelerate/2gpu.yaml accel_train/train.py --config "
@@ -148,7 +148,7 @@ NOT_HERE = {
     "--main_process_port 29500 accel_train/train.py --config configs/train/qwen_lora_sft.yaml "
     "output_dir=$HOME/runs/qwen-2node'":
         ("a SLURM cluster", ["tests/test_multinode.py::test_two_machines"]),
-    "accel_train.push outputs/default --repo-id USER/reverse-lora":
+    "accel-train push outputs/default --repo-id USER/reverse-lora":
         ("the Hugging Face hub and a token",
          ["tests/test_push.py::test_an_adapter_on_a_local_base_is_pushed_with_a_card_that_says_so"]),
     "tensorboard --logdir outputs/default/logs":
@@ -233,7 +233,7 @@ def test_pytest_commands_select_tests_that_exist():
             source, functions = _module(f)
             named = any(n.startswith("test_") and keyword in n for n in functions)
             # or a module parametrized over the registered tasks, selected by one of their names
-            assert named or ("tasks.NAMES" in source and keyword in tasks.NAMES), command
+            assert named or ("registry.NAMES" in source and keyword in registry.NAMES), command
         if "-m" in args:
             marker = args[args.index("-m") + 1].removeprefix("not ")
             assert marker in markers and any(f"mark.{marker}" in p.read_text() for p in (REPO / "tests").glob("*.py"))

@@ -53,7 +53,7 @@ def smollm2(gguf_cache):
     import os
     from unittest import mock
 
-    from accel_train.model_sources import gguf_folder
+    from accel_train.models.sources import gguf_folder
 
     with mock.patch.dict(os.environ, {"ACCEL_TRAIN_CACHE": str(gguf_cache)}):
         return gguf_folder(gguf_file())
@@ -64,8 +64,8 @@ def held_out_loss(model_folder) -> float:
     tokenizes them with (the run evaluates only after training; a fresh LoRA adapter is the base model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from accel_train.config import load_config
-    from accel_train.formats import IGNORE_INDEX, tokenize_causal
+    from accel_train.config.load import load_config
+    from accel_train.data.formats import IGNORE_INDEX, tokenize_causal
 
     cfg = load_config(None, [f"model.name_or_path={model_folder}", *RUN])
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
@@ -100,7 +100,7 @@ def trained(smollm2, gguf_cache, tmp_path_factory):
 def test_the_gguf_gives_a_chatml_chat_model_that_ends_its_turns_with_im_end(smollm2):
     from transformers import AutoTokenizer, GenerationConfig
 
-    from accel_train import formats
+    from accel_train.data import formats
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -130,7 +130,7 @@ def trained_spans(stdout: str) -> list[list[str]]:
 
 
 def test_inspect_shows_exactly_the_assistant_turns_as_trained(smollm2):
-    proc = python_m(f"model.name_or_path={smollm2}", *RUN, "--samples", "4", module="accel_train.inspect")
+    proc = python_m(f"model.name_or_path={smollm2}", *RUN, "--samples", "4", tool="inspect")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (DATA / "train.jsonl").read_text().splitlines()[:4]]
     shown = trained_spans(proc.stdout)
@@ -145,7 +145,7 @@ def test_a_greedy_answer_after_training_stops_at_im_end(trained, smollm2):
 
     prompt = "What's upp?"  # a held-out conversation's first turn
     proc = python_m(trained["out"], "--prompt", prompt, "--max-new-tokens", MAX_NEW_TOKENS,
-                    module="accel_train.generate")
+                    tool="generate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = proc.stdout.strip()
     length = len(AutoTokenizer.from_pretrained(smollm2)(answer)["input_ids"])

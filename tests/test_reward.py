@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from accel_train import tasks
-from accel_train.config import ConfigError, load_config
+from accel_train.config.load import load_config
+from accel_train.config.sections import ConfigError
 
 # The module's training fixtures run once: all its tests on one worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("reward")
@@ -218,7 +219,7 @@ def test_margins_are_read_from_their_column_and_checked():
 
 
 def test_predict_scores_and_ranks_answers_with_a_reward_model(rm, tmp_path):
-    """`accel_train.predict RUN` on a reward run: each answer's score after its prompt (not the softmax of one logit:
+    """`accel_train.tools.predict RUN` on a reward run: each answer's score after its prompt (not the softmax of one logit:
     1.0 for anything), computed here from the saved adapter on its merged base through the chat template; answers
     to one prompt ranked (best-of-n); a text alone, and a file of prompt/response and messages rows. A classifier
     given answers to score, or a reward model given nothing, is one line, exit 2."""
@@ -235,7 +236,7 @@ def test_predict_scores_and_ranks_answers_with_a_reward_model(rm, tmp_path):
 
     answers = ["dcba", "dcb", "abcd"]
     proc = python_m(rm, "--prompt", "reverse abcd", *[a for r in answers for a in ("--response", r)],
-                    "--text", "dcba", module="accel_train.predict")
+                    "--text", "dcba", tool="predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     alone, *scored = rows  # --text rows come first: the text as an answer with no prompt
@@ -253,14 +254,14 @@ def test_predict_scores_and_ranks_answers_with_a_reward_model(rm, tmp_path):
     file.write_text("".join(json.dumps(r) + "\n" for r in [  # a text, turns, and TRL's conversational form
         {"prompt": "reverse hgf", "completion": "fgh"}, {"messages": [*user, {"role": "assistant", "content": "fgha"}]},
         {"prompt": user, "completion": [{"role": "assistant", "content": "fg"}], "response": None}]))
-    proc = python_m(rm, "--file", file, module="accel_train.predict")
+    proc = python_m(rm, "--file", file, tool="predict")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["score"] for r in rows] == pytest.approx(
         [expected([*user, {"role": "assistant", "content": a}]) for a in ("fgh", "fgha", "fg")], abs=1e-4)
     assert sorted(r["rank"] for r in rows) == [1, 2, 3]  # the same prompt, given as a text and as turns
 
-    proc = python_m(rm, module="accel_train.predict")
+    proc = python_m(rm, tool="predict")
     assert proc.returncode == 2 and said(proc.stderr) == [
-        f"accel_train.predict: error: {rm / 'adapter'} holds a reward model: give --prompt and --response "
+        f"accel-train predict: error: {rm / 'adapter'} holds a reward model: give --prompt and --response "
         "(repeatable), --text, or --file"]

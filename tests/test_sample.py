@@ -1,4 +1,4 @@
-"""accel_train.sample: n answers per prompt sampled as grpo's rollouts are, scored by grpo.rewards, written as the
+"""accel-train sample: n answers per prompt sampled as grpo's rollouts are, scored by grpo.rewards, written as the
 tasks read them (sft.jsonl: causal_lm; pairs.jsonl: dpo and reward; kto.jsonl: kto), with pass@k and best-of-n
 recomputed here from the answers; an interruption continued by the same command, and 2 processes under
 `accel-train launch ... sample` (and under FSDP2 and ZeRO-3 launch configs), give the answers of one uninterrupted
@@ -75,7 +75,7 @@ def sampled(setup):
     root, model = setup
     out = root / "one"
     proc = python_m(*args(root, model, out, "chars", "--rank-by", f"{root / 'rewards.py'}:shorter"),
-                    module="accel_train.sample")
+                    tool="sample")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -94,7 +94,7 @@ def test_every_prompt_gets_n_answers_scored_by_the_reward(sampled):
         assert len(row["completions"]) == 4
         assert row["rewards"] == [(len(c) % 3) / 2 for c in row["completions"]]  # the reward, on the decoded text
     assert len({c for r in samples for c in r["completions"]}) > len(PROMPTS)  # sampled, not greedy
-    assert len(said(proc.stderr)) == 2 and said(proc.stderr)[-1].startswith("accel_train.sample: 10 prompts x 4")
+    assert len(said(proc.stderr)) == 2 and said(proc.stderr)[-1].startswith("accel-train sample: 10 prompts x 4")
 
 
 def test_outputs_are_the_best_the_pairs_and_the_labels_recomputed_here(sampled):
@@ -143,12 +143,12 @@ def test_outputs_are_the_best_the_pairs_and_the_labels_recomputed_here(sampled):
     ("reward", "pairs.jsonl", ["reward.margin_field=margin"]), ("distill", "sft.jsonl",
                                                               ["distill.teacher=configs/model/tiny-llama"])])
 def test_each_output_is_read_by_its_task_as_it_is(sampled, setup, task, output, extra):
-    """accel_train.inspect reads, checks and tokenizes the file as the run would: its format found, every row
+    """accel_train.tools.inspect reads, checks and tokenizes the file as the run would: its format found, every row
     kept."""
     out, _ = sampled
     _, model = setup
     proc = python_m(f"task={task}", f"data.path={out / output}", "data.eval_fraction=0", f"model.name_or_path={model}",
-                    *extra, module="accel_train.inspect")
+                    *extra, tool="inspect")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f": {len(rows(out / output))} kept" in proc.stdout, proc.stdout
     if output == "sft.jsonl":  # the sampled answer is what trains, not the data's gold response
@@ -162,15 +162,15 @@ def test_an_interrupted_sampling_is_continued_by_the_same_command(sampled, setup
     out = root / "interrupted"
     cmd = args(root, model, out, "interrupting")
     # call 1: the check of the rewards on the first row before sampling; 2: the first batch's; 3: the second's
-    stopped = python_m(*cmd, module="accel_train.sample", env={"INTERRUPT_AT": "3"})
+    stopped = python_m(*cmd, tool="sample", env={"INTERRUPT_AT": "3"})
     assert stopped.returncode == 130, stopped.stderr[-3000:]
-    assert said(stopped.stderr)[-1].startswith("accel_train.sample: interrupted; the prompts done are kept")
+    assert said(stopped.stderr)[-1].startswith("accel-train sample: interrupted; the prompts done are kept")
     assert "Traceback" not in stopped.stderr
     part = out / "parts" / "rank-0.jsonl"
     assert not (out / "samples.jsonl").exists() and len(rows(part)) == 3
     with open(part, "ab") as f:  # a line cut by a kill, inside a character of two bytes
         f.write('{"index": 3, "prompt": "reverse é'.encode()[:-1])
-    again = python_m(*cmd, module="accel_train.sample")
+    again = python_m(*cmd, tool="sample")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "3 done before" in again.stderr
     keep = ("index", "completions", "rewards")
@@ -183,9 +183,9 @@ def test_a_folder_sampled_with_other_settings_is_refused(sampled, setup):
     out = sampled[0]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     proc = python_m(*args(root, model, out, "chars", "--rank-by", f"{root / 'rewards.py'}:shorter",
-                          "grpo.temperature=0.7"), module="accel_train.sample")
+                          "grpo.temperature=0.7"), tool="sample")
     assert proc.returncode == 2
-    assert said(proc.stderr) == [f"accel_train.sample: error: --out {out} holds answers sampled with other settings "
+    assert said(proc.stderr) == [f"accel-train sample: error: --out {out} holds answers sampled with other settings "
                                  "(grpo.temperature: 1.0 there, 0.7 now): give another --out, or the same settings "
                                  "to continue it"]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -216,7 +216,7 @@ def test_two_processes_under_the_sharding_engines_sample_what_one_does(sampled, 
     and samples its share: one process's answers. (The launcher's own path, `accel-train launch ... sample`: the test above; here its workers, forked.)"""
     root, model = setup
     out = root / f"two-{config.removesuffix('.yaml')}"
-    proc = forked_launch(config, *args(root, model, out), script="accel_train/sample.py")
+    proc = forked_launch(config, *args(root, model, out), script="accel_train/tools/sample.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in (out / "parts").iterdir()} == {"rank-0.jsonl", "rank-1.jsonl"}
     keep = ("index", "completions", "rewards")
@@ -225,13 +225,13 @@ def test_two_processes_under_the_sharding_engines_sample_what_one_does(sampled, 
 
 
 def test_greedy_answers_are_the_generate_tools(setup):
-    """--greedy: one answer per prompt, no noise; the same text `accel_train.generate` answers (greedy, the chat
+    """--greedy: one answer per prompt, no noise; the same text `accel_train.tools.generate` answers (greedy, the chat
     template's generation prompt), so pass@1 is the greedy accuracy."""
-    from accel_train.generate import generate_rows
+    from accel_train.tools.generate import generate_rows
 
     root, model = setup
     out = root / "greedy"
-    proc = python_m(*args(root, model, out, "chars", "--greedy"), module="accel_train.sample")
+    proc = python_m(*args(root, model, out, "chars", "--greedy"), tool="sample")
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = rows(out / "samples.jsonl")
     assert all(len(r["completions"]) == 1 for r in samples)
@@ -272,7 +272,7 @@ def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
     grpo.max_new_tokens, its end of turn not in the text) and is scored and written as the tasks read it."""
     import chat_templates as ct
 
-    from accel_train import formats
+    from accel_train.data import formats
 
     tokenizer = ct.tokenizer_for(template)
     end = formats.end_of_turn(tokenizer)
@@ -285,7 +285,7 @@ def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
     out = tmp_path / "out"
     proc = python_m(model, "--out", out, f"data.path={data}", "data.eval_fraction=0", "grpo.num_generations=2",
                     "grpo.max_new_tokens=8", "grpo.temperature=0.01", "grpo.rewards=[exact_match]",
-                    "grpo.answer_field=answer", module="accel_train.sample")
+                    "grpo.answer_field=answer", tool="sample")
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = rows(out / "samples.jsonl")
     assert [r["completions"] for r in samples] == [["abc", "abc"]] * 2
@@ -302,8 +302,8 @@ def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
      "answers; a multi-turn trajectory (its tool turns) has no place in sft/pairs/kto rows yet")])
 def test_a_key_sample_would_ignore_is_refused_in_one_line(setup, tmp_path, extra, line):
     root, model = setup
-    proc = python_m(*args(root, model, tmp_path / "out", "chars", *extra), module="accel_train.sample")
-    assert proc.returncode == 2 and said(proc.stderr) == [f"accel_train.sample: error: {line}"], proc.stderr
+    proc = python_m(*args(root, model, tmp_path / "out", "chars", *extra), tool="sample")
+    assert proc.returncode == 2 and said(proc.stderr) == [f"accel-train sample: error: {line}"], proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -313,6 +313,6 @@ def test_a_bad_argument_under_accel_train_launch_is_said_once_before_any_process
            *args(root, model, tmp_path / "out", "chars", "train.lr=1")]
     proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert said(proc.stderr) == ["accel_train.sample: error: train.lr: not a key sample reads (data.*, grpo.*, "
+    assert said(proc.stderr) == ["accel-train sample: error: train.lr: not a key sample reads (data.*, grpo.*, "
                                  "model.*, seed)"], proc.stderr
     assert "rank" not in proc.stderr

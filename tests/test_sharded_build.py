@@ -1,4 +1,4 @@
-"""Models built sharded (accel_train/sharding.py): with FSDP2's fsdp_cpu_ram_efficient_loading (configs/accelerate/
+"""Models built sharded (accel_train/runtime/engine.py): with FSDP2's fsdp_cpu_ram_efficient_loading (configs/accelerate/
 fsdp2.yaml) only the main process reads the weights and the others build an empty model that accelerator.prepare
 fills; with ZeRO-3's zero3_init_flag each rank builds its own partition. Either way the run trains as one process
 does, step for step, with the checks that run a forward of the model (model.check_packing, the loss head) after
@@ -16,7 +16,7 @@ import torch
 from conftest import ACCEL_CONFIGS, forked_launch, python_m, save_tiny_model
 from safetensors.torch import load_file
 
-from accel_train.config import load_config
+from accel_train.config.load import load_config
 
 SMALL = ["data.builtin_size=12", "data.eval_fraction=0.125", "train.max_steps=4", "train.log_every=1",
          "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2", "train.mixed_precision=no",
@@ -121,7 +121,7 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
     dtypes and shapes as the main process's model (accelerate broadcasts into them), tied embeddings included."""
     from transformers import GenerationConfig
 
-    from accel_train.model import build_model, build_tokenizer
+    from accel_train.models.build import build_model, build_tokenizer
 
     # the head is the input embeddings (Qwen2.5-0.5B, SmolLM2, the bench's large-vocab); its generation_config.json
     # sets its own sampling and a second stop id (as Qwen2.5-Instruct's): every rank's generate() must read it
@@ -144,7 +144,7 @@ def test_only_the_processes_that_are_not_the_main_one_build_empty_under_ram_effi
     model empty (the main one reads the weights), without it every process builds it whole."""
     from types import SimpleNamespace
 
-    from accel_train.sharding import building
+    from accel_train.runtime.engine import building
 
     def fsdp2(main: bool, ram_efficient: bool):
         plugin = SimpleNamespace(cpu_ram_efficient_loading=ram_efficient)

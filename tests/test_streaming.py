@@ -125,4 +125,4 @@ def test_stream_without_a_target_stops_instead_of_reading_forever(tmp_path, proc
     errors = [line for line in proc.stderr.splitlines() if line.startswith("accel_train: error: ")]
     assert len(errors) == 1 and errors[0].startswith(message), proc.stderr[-3000:]  # said once, by one rank
     assert proc.returncode == (2 if procs == 1 else 1)
-    assert "accel_train/loop.py" not in proc.stderr  # no rank's traceback (the launcher reports the failed ranks)
+    assert "accel_train/training/loop.py" not in proc.stderr  # no rank's traceback (the launcher reports the failed ranks)

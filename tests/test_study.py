@@ -1,4 +1,4 @@
-"""accel_train.study --smallest: every arm of the study (base, SFT, RFT, DPO, KTO, ORPO, SimPO, CPO, the reward model
+"""study --smallest: every arm of the study (base, SFT, RFT, DPO, KTO, ORPO, SimPO, CPO, the reward model
 with its best-of-n, GRPO, RLOO, GRPO on the reward model, and the GRPO arm's model taught as a teacher: RFT on its
 samples and on-policy distillation) trains and is scored, through the real commands, on the tiny model; a rerun reuses every stage; the table is the
 rows' mean and sd, recomputed here.
@@ -10,9 +10,11 @@ import json
 import statistics
 
 import pytest
-from conftest import python_m
+from conftest import REPO, python_script
 
-from accel_train.study import ALL_ARMS, DATA_SEED, PROMPT, SIZES
+STUDY = str(REPO / "tests" / "scripts" / "study.py")
+
+from study import ALL_ARMS, DATA_SEED, PROMPT, SIZES
 
 pytestmark = [pytest.mark.long, pytest.mark.xdist_group("study")]
 
@@ -20,7 +22,7 @@ pytestmark = [pytest.mark.long, pytest.mark.xdist_group("study")]
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    proc = python_m("--out", out, "--smallest", "--seeds", "0", module="accel_train.study", timeout=600)
+    proc = python_script(STUDY, "--out", out, "--smallest", "--seeds", "0", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -71,7 +73,7 @@ def test_held_out_prompts_are_never_trained_on(study):
 
 def test_the_table_is_the_mean_and_sd_over_seeds_and_a_rerun_trains_nothing(study):
     """The table over the seeds present (rows of a second seed written here: the table reads results.jsonl)."""
-    from accel_train.study import table
+    from study import table
 
     out, _ = study
     got = rows(out)
@@ -81,9 +83,9 @@ def test_the_table_is_the_mean_and_sd_over_seeds_and_a_rerun_trains_nothing(stud
         values = [r["accuracy"] for r in got + second if r["arm"] == arm]
         assert f"| {arm} | 2 | {statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f} |" in text
     assert f"| base | 1 | {next(r['accuracy'] for r in got if r['arm'] == 'base'):.3f} |" in text
-    again = python_m("--out", out, "--smallest", "--seeds", "0", module="accel_train.study")
+    again = python_script(STUDY, "--out", out, "--smallest", "--seeds", "0")
     assert again.returncode == 0, again.stderr[-3000:]
     assert rows(out) == got and "seed" not in again.stderr  # no stage run again: every row was there
-    other = python_m("--out", out, "--seeds", "0", module="accel_train.study")  # not --smallest: other sizes
+    other = python_script(STUDY, "--out", out, "--seeds", "0")  # not --smallest: other sizes
     assert other.returncode == 2
-    assert other.stderr.strip().splitlines()[-1].startswith(f"accel_train.study: error: --out {out} holds a study of")
+    assert other.stderr.strip().splitlines()[-1].startswith(f"study: error: --out {out} holds a study of")

@@ -1,4 +1,4 @@
-"""The tools (generate, predict, export, push, inspect, plot, bench): each --help names and explains its arguments
+"""The tools (accel-train TOOL: generate, predict, sample, export, push, inspect, plot, bench, gpu-check): each --help names and explains its arguments
 and answers before torch is imported; a wrong or missing PATH is one line, exit 2, at once; generate and predict
 refuse the other kind of model and name the tool that fits; generate's prompts come from the command line or a
 file."""
@@ -11,19 +11,19 @@ import sys
 import pytest
 from conftest import free_port, python_m, run
 
-TOOLS = ["generate", "predict", "export", "push", "inspect", "plot", "bench"]
+from accel_train.tools import TOOLS
 # each tool's positional argument, as --help names it
 POSITIONAL = {"generate": "PATH", "predict": "PATH", "export": "RUN_DIR", "push": "RUN_DIR", "plot": "RUN_DIR"}
 
 HELP_PROBE = """
-import contextlib, io, json, runpy, sys
+import contextlib, io, json, sys
+from accel_train.cli import cli
 helps = {}
-for tool in sys.argv[1:]:
-    sys.argv = [tool, "--help"]
+for tool in sys.argv[1:]:  # accel-train TOOL --help
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            runpy.run_module(f"accel_train.{tool}", run_name="__main__")
+            cli([tool, "--help"])
         except SystemExit:
             pass
     helps[tool] = out.getvalue()
@@ -47,10 +47,10 @@ def test_every_tool_help_explains_its_arguments_without_importing_torch():
 def test_a_run_folder_that_does_not_exist_is_one_line_at_once(tmp_path):
     """A typo in the run folder, online (no HF_HUB_OFFLINE): it asked the hub for 57 s, then an 83-line OSError."""
     env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
-    proc = run([sys.executable, "-m", "accel_train.generate", "outputs/nope", "--prompt", "hi"], env=env, cwd=tmp_path,
+    proc = run([sys.executable, "-m", "accel_train", "generate", "outputs/nope", "--prompt", "hi"], env=env, cwd=tmp_path,
                timeout=60)
     assert proc.returncode == 2 and not proc.stdout
-    assert proc.stderr == "accel_train.generate: error: PATH: no such folder: outputs/nope\n"
+    assert proc.stderr == "accel-train generate: error: PATH: no such folder: outputs/nope\n"
 
 
 def fake_run(tmp_path, kind: str):
@@ -67,25 +67,24 @@ def fake_run(tmp_path, kind: str):
 
 
 @pytest.mark.parametrize("tool, kind, folder, message", [
-    ("predict", "causal adapter", "adapter", "a causal language model: use python -m accel_train.generate PATH "
+    ("predict", "causal adapter", "adapter", "a causal language model: use accel-train generate PATH "
                                              "--prompt ..."),
-    ("generate", "classifier", "merged", "a sequence classifier: use python -m accel_train.predict PATH --text ..."),
+    ("generate", "classifier", "merged", "a sequence classifier: use accel-train predict PATH --text ..."),
 ])
 def test_the_wrong_kind_of_model_is_refused_naming_the_tool_that_fits(tmp_path, capsys, tool, kind, folder, message):
     """predict on a causal LM run was a 48-line AttributeError."""
-    import importlib
+    from accel_train.cli import cli
 
-    module = importlib.import_module(f"accel_train.{tool}")
     out = fake_run(tmp_path, kind)
     with pytest.raises(SystemExit) as e:
-        module.main([str(out), "--prompt" if tool == "generate" else "--text", "hi"])
+        cli([tool, str(out), "--prompt" if tool == "generate" else "--text", "hi"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == f"accel_train.{tool}: error: {out / folder} holds {message}\n"
+    assert e.value.code == 2 and err == f"accel-train {tool}: error: {out / folder} holds {message}\n"
 
 
 def test_prompts_files_jsonl_and_text(tmp_path):
-    from accel_train.config import ConfigError
-    from accel_train.generate import conversation, read_prompts
+    from accel_train.config.sections import ConfigError
+    from accel_train.tools.generate import conversation, read_prompts
 
     rows = [{"prompt": "reverse abc"}, {"messages": [{"role": "system", "content": "own"},
                                                      {"role": "user", "content": "reverse hij"}]}]
@@ -108,7 +107,7 @@ def test_a_conversation_that_ends_with_its_answer_is_answered_from_its_last_user
     continued after the reference; the rows come back as they were, with the generation."""
     from transformers import AutoTokenizer
 
-    from accel_train.generate import prompt_ids
+    from accel_train.tools.generate import prompt_ids
 
     run_dir = tmp_path / "run"
     proc = python_m("data.builtin_size=100", "train.max_steps=2", "track.log_with=[]", f"output_dir={run_dir}")
@@ -123,21 +122,21 @@ def test_a_conversation_that_ends_with_its_answer_is_answered_from_its_last_user
     assert [prompt_ids(tokenizer, r, None) for r in rows] == [asked] * 4
 
     proc = python_m(run_dir, "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "6", "--output",
-                    tmp_path / "out.jsonl", module="accel_train.generate")
+                    tmp_path / "out.jsonl", tool="generate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [{k: v for k, v in r.items() if k not in ("generation", "truncated")} for r in out] == rows
     assert len({r["generation"] for r in out}) == 1
 
     (tmp_path / "answers.jsonl").write_text(json.dumps({"messages": answer}) + "\n")
-    proc = python_m(run_dir, "--prompts-file", tmp_path / "answers.jsonl", module="accel_train.generate")
+    proc = python_m(run_dir, "--prompts-file", tmp_path / "answers.jsonl", tool="generate")
     assert proc.returncode == 2 and proc.stderr == (
-        f"accel_train.generate: error: --prompts-file {tmp_path / 'answers.jsonl'}, line 1: the conversation has no "
+        f"accel-train generate: error: --prompts-file {tmp_path / 'answers.jsonl'}, line 1: the conversation has no "
         "turn before its assistant turns: nothing to answer\n")
 
 
 def test_sampling_options_without_do_sample_are_refused(capsys):
-    from accel_train.generate import main
+    from accel_train.tools.generate import main
 
     with pytest.raises(SystemExit) as e:
         main(["run", "--prompt", "hi", "--temperature", "0.7"])
@@ -175,7 +174,7 @@ def test_the_load_report_of_a_head_the_adapter_supplies_is_hidden(tmp_path, head
 
     from transformers import AutoModelForSequenceClassification
 
-    from accel_train.model import load_trained
+    from accel_train.models.build import load_trained
 
     adapter = classifier_run(tmp_path, head_in_adapter)
     seen = []
@@ -192,13 +191,13 @@ def test_the_load_report_of_a_head_the_adapter_supplies_is_hidden(tmp_path, head
 
 
 def test_export_in_a_fresh_interpreter_prints_its_answer_alone(tmp_path):
-    """`python -m accel_train.export RUN` started as users start it (a fresh interpreter: the fork server has
+    """`accel-train export RUN` started as users start it (a fresh interpreter: the fork server has
     deepspeed imported already) prints one line: not DeepSpeed's "Setting accelerator to CPU" warning, which
     transformers' import of deepspeed would print on a machine without a GPU."""
     out = tmp_path / "run"
     proc = python_m("train.max_steps=1", "data.builtin_size=40", "track.log_with=[]", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run([sys.executable, "-m", "accel_train.export", str(out)])
+    proc = run([sys.executable, "-m", "accel_train.tools.export", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).splitlines() == [f"merged model written to {out / 'merged'}"]
 
@@ -206,8 +205,8 @@ def test_export_in_a_fresh_interpreter_prints_its_answer_alone(tmp_path):
 def test_a_gguf_folder_gone_from_the_cache_says_to_give_the_gguf_again(tmp_path, monkeypatch):
     """A run from a GGUF records the folder it was read into (config.yaml, the adapter's base): once the cache is
     cleared, a rerun or a tool is told where that folder came from, in one line."""
-    from accel_train.config import ConfigError
-    from accel_train.model_sources import cache_dir, check_model
+    from accel_train.config.sections import ConfigError
+    from accel_train.models.sources import cache_dir, check_model
 
     monkeypatch.setenv("ACCEL_TRAIN_CACHE", str(tmp_path))
     gone = cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1-ac82a801af55"

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from accel_train import data as data_lib
-from accel_train.config import load_config
+from accel_train.data import pipeline as data_lib
+from accel_train.config.load import load_config
 
 # The session's topology runs (conftest.runs) are made once per test worker; test_deepspeed, test_fsdp and test_multinode
 # compare with run C alone, in their own group (ddp_reference).

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from accel_train import tracking
+from accel_train.runtime import tracking
 
 CPU = SimpleNamespace(type="cpu")
 MB = 2**20
@@ -58,7 +58,7 @@ def test_matmul_weights_of_a_llama_leave_the_input_embeddings_out_unless_tied():
     import peft
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from accel_train.model import attention_size, matmul_parameters
+    from accel_train.models.build import attention_size, matmul_parameters
 
     h, inter, layers, vocab = 64, 128, 2, 100
     linear = layers * (4 * h * h + 3 * h * inter)  # q, k, v, o (4 heads x 16, no grouping); gate, up, down
@@ -78,7 +78,7 @@ def test_matmul_weights_of_a_llama_leave_the_input_embeddings_out_unless_tied():
 def test_matmul_weights_of_a_bert_classifier_leave_the_three_embedding_tables_out():
     from transformers import BertConfig, BertForSequenceClassification
 
-    from accel_train.model import attention_size, matmul_parameters
+    from accel_train.models.build import attention_size, matmul_parameters
 
     h, inter, layers = 32, 64, 2
     config = BertConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,

@@ -16,7 +16,7 @@ from accel_train.bench.workloads import batch_of, generated_per_step, measured_s
 
 def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()) -> dict:
     """This toolkit's real entry point, in its own process(es); timings from the run's steps.json."""
-    from accel_train.config import CONFIGS_DIR
+    from accel_train.config.schema import CONFIGS_DIR
 
     tag = f"ours-{workload}-{procs}p" + "".join(f"-{e.split('=')[0].split('.')[-1]}" for e in extra)
     out = wd / "runs" / tag
@@ -66,13 +66,13 @@ def setup_child(spec: dict, tokenize: bool = True):
     set tokenized, or with `tokenize` false its rows as they are (GRPOTrainer applies the chat template itself)."""
     from accelerate.utils import set_seed
 
-    from accel_train import data as data_lib
-    from accel_train.config import load_config
-    from accel_train.model import apply_lora, build_model, build_tokenizer
+    from accel_train.data import pipeline as data_lib
+    from accel_train.config.load import load_config
+    from accel_train.models.build import apply_lora, build_model, build_tokenizer
 
     cfg = load_config(None, spec["overrides"])
     task = tasks.make(cfg)
-    set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.recipe.run
+    set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.training.recipe.run
     tokenizer = build_tokenizer(cfg)
     train_raw, _ = data_lib.load_splits(cfg)
     task.prepare_data(train_raw, None)
@@ -132,7 +132,7 @@ def train_timed(trainer_class, spec: dict, model, targs, kwargs: dict, counting=
     import torch
     from transformers import TrainerCallback
 
-    from accel_train.tracking import reset_peak_memory
+    from accel_train.runtime.tracking import reset_peak_memory
 
     steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0, "rows": 0}
     if counting is not None:  # GRPO's
@@ -180,9 +180,9 @@ def child_bare(spec: dict) -> dict:
     from torch.utils.data import DataLoader, RandomSampler
     from transformers import get_scheduler
 
-    from accel_train import data as data_lib
-    from accel_train.model import attention_cost
-    from accel_train.tracking import reset_peak_memory
+    from accel_train.data import pipeline as data_lib
+    from accel_train.models.build import attention_cost
+    from accel_train.runtime.tracking import reset_peak_memory
 
     cfg, task, tokenizer, ds, model = setup_child(spec)
     t = cfg.train
@@ -221,7 +221,7 @@ def child_bare(spec: dict) -> dict:
 
 
 def child_result(steps: list[tuple], mean_loss: float) -> dict:
-    from accel_train.tracking import peak_memory_mb
+    from accel_train.runtime.tracking import peak_memory_mb
 
     import torch
 

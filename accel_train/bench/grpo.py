@@ -68,11 +68,11 @@ def child_generate(spec: dict) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from accel_train import data as data_lib
-    from accel_train.config import load_config
-    from accel_train.generation import generation_config
-    from accel_train.model import build_tokenizer
-    from accel_train.tracking import reset_peak_memory
+    from accel_train.data import pipeline as data_lib
+    from accel_train.config.load import load_config
+    from accel_train.models.generation import generation_config
+    from accel_train.models.build import build_tokenizer
+    from accel_train.runtime.tracking import reset_peak_memory
 
     cfg = load_config(None, spec["overrides"])
     g, t = cfg.grpo, cfg.train

@@ -7,7 +7,7 @@ import platform
 import statistics
 from pathlib import Path
 
-from accel_train import tasks
+from accel_train.config import registry
 from accel_train.bench.common import (CLASSES, GRPO_MEDIANS, LORA, MEDIANS, TARGETS_AT_MOST, TASK_OF, TRL_OPTIONS, on_cuda,
                                       rounded)
 from accel_train.bench.workloads import model_shape
@@ -17,7 +17,7 @@ def figures(record: dict, warmup: int, flops: tuple[int, int, int], peak_flops: 
     """Throughput over the measured steps (warm-up excluded); MFU at their mean row width, against the peak of
     every device that did the work: `peak_flops` (one GPU, or all the cores) times the processes on GPUs, once on
     a CPU (its processes share the cores the probe used). None (n/a) where that would exceed 1 (tracking.mfu)."""
-    from accel_train.tracking import flops_per_token, mfu
+    from accel_train.runtime.tracking import flops_per_token, mfu
 
     warmup_seconds = sum(record["seconds"][:warmup])  # includes torch.compile's compilation, when on
     seconds, real, computed, rows = (record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens",
@@ -53,12 +53,12 @@ def model_flops(path: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
     import torch
     from transformers import AutoConfig
 
-    from accel_train.config import load_config
-    from accel_train.model import AUTO_CLASS, apply_lora, attention_size, matmul_parameters
+    from accel_train.config.load import load_config
+    from accel_train.models.build import AUTO_CLASS, apply_lora, attention_size, matmul_parameters
 
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(path, num_labels=len(CLASSES))
-        model = AUTO_CLASS[tasks.info(task).head].from_config(config)
+        model = AUTO_CLASS[registry.info(task).head].from_config(config)
     model = apply_lora(load_config(None, [f"task={task}", *LORA]), model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -67,7 +67,7 @@ def model_flops(path: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
 
 def model_figures(path: Path, workloads: list[str]) -> dict:
     """model_flops of each workload's model, built once per head (grpo trains the same causal LM as skewed)."""
-    heads = {w: tasks.info(TASK_OF[w]).head for w in workloads}
+    heads = {w: registry.info(TASK_OF[w]).head for w in workloads}
     built = {h: model_flops(path, next(TASK_OF[w] for w in workloads if heads[w] == h)) for h in set(heads.values())}
     return {w: built[h] for w, h in heads.items()}
 
@@ -169,7 +169,7 @@ def peak_flops(args, wd: Path, precision: str) -> float:
     hidden x vocabulary."""
     import torch
 
-    from accel_train.tracking import matmul_dims, measure_peak_flops
+    from accel_train.runtime.tracking import matmul_dims, measure_peak_flops
 
     device = torch.device("cuda" if on_cuda() else "cpu")
     size = model_shape(args, wd)

@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict | None:
-    from accel_train.tracking import quiet_libraries
+    from accel_train.runtime.tracking import quiet_libraries
 
     args = parse_args(argv)
     quiet_libraries()  # no deprecation lines of the libraries' between the figures
@@ -95,7 +95,7 @@ def main(argv=None) -> dict | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from accel_train.dist import native_bf16
+    from accel_train.runtime.dist import native_bf16
 
     t_start = time.perf_counter()
     precision = {"auto": "bf16" if native_bf16() else "no"}.get(args.precision, args.precision)

@@ -40,7 +40,7 @@ def write_workload(args, wd: Path) -> None:
     or texts with a class name for `cls` (the char tokenizer gives one token per character, no special tokens)."""
     from transformers import AutoTokenizer, LlamaConfig
 
-    from accel_train.config import TINY_MODEL
+    from accel_train.config.schema import TINY_MODEL
 
     if args.model:  # its data is built in (builtin:addition)
         return

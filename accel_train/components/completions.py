@@ -23,10 +23,11 @@ from transformers import LogitsProcessorList
 from accel_train.components import tools as tools_lib
 from accel_train.components.prompts import prompt_rows
 from accel_train.components.rewards import RewardError
-from accel_train.config import Config, ConfigError
-from accel_train.formats import stop_token_ids
-from accel_train.generation import (CACHE_ARG, SeededSampler, generation_config, left_padded, row_seed,
-                                    shared_prompt_cache, until_stop)
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.data.formats import stop_token_ids
+from accel_train.models.generation import (CACHE_ARG, SeededSampler, generation_config, left_padded, row_seed,
+                                           shared_prompt_cache, until_stop)
 
 
 @dataclasses.dataclass

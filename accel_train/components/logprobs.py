@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from accel_train.config import Config
-from accel_train.formats import IGNORE_INDEX
-from accel_train.generation import CACHE_ARG, shared_prompt_cache
-from accel_train.loss import CHUNK_BYTES, loss_head, replaced_head
+from accel_train.config.schema import Config
+from accel_train.data.formats import IGNORE_INDEX
+from accel_train.models.generation import CACHE_ARG, shared_prompt_cache
+from accel_train.models.loss import CHUNK_BYTES, loss_head, replaced_head
 
 
 def token_logps(model, batch: dict) -> torch.Tensor:

@@ -21,11 +21,12 @@ import dataclasses
 import torch
 from datasets import Dataset, IterableDataset
 
-from accel_train import formats
-from accel_train.config import Config, ConfigError, DataConfig
-from accel_train.data import map_rows
-from accel_train.formats import IGNORE_INDEX
-from accel_train.tracking import get_logger
+from accel_train.data import formats
+from accel_train.config.schema import Config, DataConfig
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import map_rows
+from accel_train.data.formats import IGNORE_INDEX
+from accel_train.runtime.tracking import get_logger
 
 logger = get_logger(__name__)
 
@@ -174,7 +175,7 @@ def inspect_pairs(task, train_raw, eval_raw, streamed: bool, tokenizer, samples:
     """`inspect` of a task on pairs (dpo, reward; `task`: its Task): the pairs as the run sees them (prompt, chosen and
     rejected tokens,
     what truncation cuts and drops, how much padding the batches of 2 x per_device_batch_size rows hold)."""
-    from accel_train.views import STREAM_ROWS, distribution, show_tokens
+    from accel_train.components.views import STREAM_ROWS, distribution, show_tokens
 
     cfg = task.cfg
     train = task.tokenize(train_raw, tokenizer)

@@ -14,10 +14,11 @@ import dataclasses
 import torch
 from datasets import Dataset, IterableDataset
 
-from accel_train import formats
-from accel_train.config import Config, ConfigError
-from accel_train.data import file_rows, row_counts
-from accel_train.tracking import get_logger
+from accel_train.data import formats
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import file_rows, row_counts
+from accel_train.runtime.tracking import get_logger
 
 logger = get_logger(__name__)
 
@@ -194,7 +195,7 @@ def inspect_prompts(task, train_raw, eval_raw, streamed: bool, tokenizer, sample
     """`inspect` of a task on prompts, after the task's own first line (`task`: its Task, whose tokenize is shown):
     the rows, the prompts cut to `budget` (`why`: how it is set), the first `samples` prompts as the model continues
     them (template and generation prompt applied), then up to `new_tokens` generated, and their lengths."""
-    from accel_train.views import STREAM_ROWS, distribution
+    from accel_train.components.views import STREAM_ROWS, distribution
 
     train = task.tokenize(train_raw, tokenizer)
     lengths = [len(ids) for ids in train["prompt_ids"]]

@@ -11,9 +11,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from accel_train.config import Config
-from accel_train.model import REFERENCE_ADAPTER
-from accel_train.sharding import frozen_copy, inner_module
+from accel_train.config.schema import Config
+from accel_train.models.build import REFERENCE_ADAPTER
+from accel_train.runtime.engine import frozen_copy, inner_module
 
 
 def reference_model(cfg: Config, model: torch.nn.Module, accelerator) -> torch.nn.Module:

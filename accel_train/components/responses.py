@@ -8,10 +8,10 @@ from __future__ import annotations
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
-from accel_train import data as data_lib
-from accel_train import formats
-from accel_train.config import Config, DataConfig
-from accel_train.formats import IGNORE_INDEX
+from accel_train.data import pipeline as data_lib
+from accel_train.data import formats
+from accel_train.config.schema import Config, DataConfig
+from accel_train.data.formats import IGNORE_INDEX
 
 
 def tokenize_key(cfg: Config, d: DataConfig) -> Config:
@@ -96,7 +96,7 @@ def count_targets(batch: dict):
 
 def inspect(task, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
     """`inspect` of a task on responses (`task`: its Task, whose tokenize and packing are shown)."""
-    from accel_train.views import inspect_token_samples
+    from accel_train.components.views import inspect_token_samples
 
     cfg = task.cfg
     fmt = formats.resolve_format(cfg, data_lib.columns(train_raw))

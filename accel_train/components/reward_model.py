@@ -51,9 +51,9 @@ def reward_model(path: str, dtype: str) -> RewardModel:
     from accelerate import PartialState
     from transformers import AutoModelForSequenceClassification
 
-    from accel_train.model import load_trained
-    from accel_train.sharding import whole_model
-    from accel_train.tracking import get_logger, loaded_line
+    from accel_train.models.build import load_trained
+    from accel_train.runtime.engine import whole_model
+    from accel_train.runtime.tracking import get_logger, loaded_line
 
     with whole_model():  # on every rank, whatever the launch shards
         model, tokenizer = load_trained(path, AutoModelForSequenceClassification,

@@ -43,8 +43,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from accel_train.config import Config, ConfigError
-from accel_train.model_sources import TRAINED_FOLDERS, trained_folder, trained_task
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.models.sources import TRAINED_FOLDERS, trained_folder, trained_task
 
 
 def exact_match(prompts, completions, completion_ids, *, answers, **_) -> list[float]:

@@ -34,7 +34,8 @@ import inspect
 import json
 import threading
 
-from accel_train.config import Config, ConfigError
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
 from accel_train.components.rewards import load_function
 
 DEFAULT_TURNS = 4
@@ -261,7 +262,7 @@ def check_multi_turn(cfg: Config, tokenizer) -> None:
             raise ConfigError("grpo.tools: the tool calls of this chat template cannot be parsed (TRL's "
                               f"add_response_schema knows Qwen2.5, Llama 3.1/3.2, GLM-4, GPT-OSS, ...): {supported}"
                               ) from None
-    from accel_train.formats import stop_token_ids
+    from accel_train.data.formats import stop_token_ids
 
     probe = ([{"role": "tool", "name": "probe", "content": "probe"}] if g.tools else
              [{"role": "user", "content": "probe"}])

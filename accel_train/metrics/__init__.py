@@ -10,8 +10,9 @@ import numbers
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.config import Config, ConfigError, EvalConfig
-from accel_train.tasks import info
+from accel_train.config.schema import Config, EvalConfig
+from accel_train.config.sections import ConfigError
+from accel_train.config.registry import info
 
 if TYPE_CHECKING:
     import evaluate

@@ -13,113 +13,20 @@ free: config loading, --help and preflight import it), and task.py, its `Task` s
 over the components (accel_train/components: preference pairs, prompts, completions, log-probs, the reference,
 rewards, tools) and never import each other (tests/test_entry.py checks it).
 
-The loop (loop.py), the run's stages (recipe.py), the data pipeline (data.py), `inspect` and the bench call a task
-only through `Task`: they never ask which task it is. A new objective is its own module or folder and one
-`REGISTRY` row: config.py adds its section to `Config` from the row, and registering it puts it under the
-conformance suite (tests/test_conformance.py).
-
-This module imports no torch: the registry's cheap facts (`TaskInfo`) answer the checks that run before the
-training code is imported (config, preflight, the model card). The task's module is imported by `make`.
+The loop (training/loop.py), the run's stages (training/recipe.py), the data pipeline (data/pipeline.py),
+`inspect` and the bench call a task only through `Task`: they never ask which task it is. A new objective is its
+own module or folder and one row of `accel_train.config.registry.REGISTRY`: config loading adds its section to
+`Config` from the row, and registering it puts it under the conformance suite (tests/test_conformance.py). The
+registry's cheap facts (`TaskInfo`) answer the checks that run before the training code is imported; the task's
+module is imported by `make`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class TaskInfo:
-    """What the cheap checks need to know of a task, without importing its module."""
-
-    module: str
-    """The module under accel_train/tasks holding its `TASK` class (sft, dpo.task)."""
-    head: str
-    """The model it trains: "causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
-    summary: str
-    """One line for `--help`."""
-    results: tuple[str, ...] | str = ("loss",)
-    """The names of its own evaluation results (eval_ omitted), before those of eval.metrics: what
-    eval.metric_for_best may name; or "module:NAME" of a torch-free tuple of them, or of a function cfg -> them."""
-    metrics: bool = False
-    """Whether it scores its predictions with eval.metrics."""
-    generation: bool = False
-    """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
-    generates: bool | str = False
-    """Whether training samples from the model (under sharded parameters, FSDP2 and ZeRO-3, on weights gathered
-    for it or in lock-step on every rank: preflight.check_sharded, sharding.generating); or "module:function" of a torch-free function cfg -> that (when only some
-    settings sample)."""
-    example: tuple[str, ...] = ()
-    """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on
-    every topology; the built-in data comes from data_sources.BUILTIN)."""
-    config: str | None = None
-    """"module:Class" of its config section (a torch-free dataclass with `resolve` and `check`, sections.py), the
-    `Config` field named for the task; None: it reads the common sections only."""
-    preflight: str | None = None
-    """"module:function" of its own cheap checks (torch-free, cfg -> None), run by preflight; ConfigError on a
-    mistake."""
-
-    def result_names(self, cfg) -> list[str]:
-        if not isinstance(self.results, str):
-            return list(self.results)
-        found = _function(self.results)
-        return list(found(cfg) if callable(found) else found)
-
-    def generating(self, cfg) -> bool:
-        return bool(_function(self.generates)(cfg) if isinstance(self.generates, str) else self.generates)
-
-    def check(self, cfg) -> None:
-        if self.preflight is not None:
-            _function(self.preflight)(cfg)
-
-
-def _function(ref: str):
-    """What "module:NAME" names (imported now: the registry imports no task code of its own)."""
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-REGISTRY: dict[str, TaskInfo] = {
-    "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
-                          results=("loss", "perplexity"), metrics=True, generation=True,
-                          example=("data.path=builtin:reverse",)),
-    "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True,
-                        example=("data.path=builtin:sentiment",)),
-    "dpo": TaskInfo("dpo.task", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
-                    config="accel_train.tasks.dpo.config:DpoConfig", results="accel_train.tasks.dpo.config:RESULTS",
-                    example=("data.path=builtin:reverse_pref", "dpo.reference=base"),
-                    preflight="accel_train.tasks.dpo.config:preflight"),
-    "grpo": TaskInfo("grpo.task", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
-                     config="accel_train.tasks.grpo.config:GrpoConfig", results="accel_train.tasks.grpo.config:results",
-                     generates=True, example=("data.path=builtin:reverse", "grpo.num_generations=4",
-                                              "grpo.max_new_tokens=6", "grpo.rewards=[length_penalty]"),
-                     preflight="accel_train.tasks.grpo.config:preflight"),
-    # the teacher: the embedded tiny model, random from seed + 1 (a real teacher: configs/train/distill_default.yaml)
-    "distill": TaskInfo("distill.task", "causal_lm", "distillation: a teacher's token distributions on the responses "
-                        "(distill.*)", config="accel_train.tasks.distill.config:DistillConfig",
-                        results="accel_train.tasks.distill.config:RESULTS",
-                        generates="accel_train.tasks.distill.config:samples",
-                        example=("data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
-                                 "distill.on_policy=0.5", "distill.max_new_tokens=8"),
-                        preflight="accel_train.tasks.distill.config:preflight"),
-    "reward": TaskInfo("reward.task", "seq_cls", "a reward model (one score per sequence) on chosen/rejected pairs "
-                       "(reward.*)", config="accel_train.tasks.reward.config:RewardConfig",
-                       results="accel_train.tasks.reward.config:RESULTS", example=("data.path=builtin:reverse_pref",)),
-    "kto": TaskInfo("kto.task", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
-                    config="accel_train.tasks.kto.config:KtoConfig", results="accel_train.tasks.kto.config:RESULTS",
-                    example=("data.path=builtin:reverse_pref", "kto.reference=base")),
-}
-NAMES = tuple(REGISTRY)
-
-
-def info(name: str) -> TaskInfo:
-    return REGISTRY[name]
-
-
-def sections() -> dict[str, type]:
-    """The tasks' config sections, by task name (the `Config` field), in registry order."""
-    return {name: _function(task.config) for name, task in REGISTRY.items() if task.config}
+from accel_train.config.registry import REGISTRY
 
 
 def make(cfg) -> "Task":
@@ -247,5 +154,5 @@ class Task:
         return type(self)(dataclasses.replace(self.cfg, data=data))
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
-        """Print what `python -m accel_train.inspect` shows of the data as training sees it; returns its figures."""
+        """Print what `accel-train inspect` shows of the data as training sees it; returns its figures."""
         raise NotImplementedError

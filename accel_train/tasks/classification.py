@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from datasets import ClassLabel, Dataset, IterableDataset, Value
 from transformers import DataCollatorWithPadding
 
-from accel_train import data as data_lib
-from accel_train import formats
-from accel_train.config import Config, ConfigError, DataConfig
+from accel_train.data import pipeline as data_lib
+from accel_train.data import formats
+from accel_train.config.schema import Config, DataConfig
+from accel_train.config.sections import ConfigError
 from accel_train.metrics import compute_metrics, load_metrics
 from accel_train.tasks import Task
 
@@ -152,7 +153,7 @@ class Classification(Task):
     # ------------------------------------------------------------------------------------------------ inspect
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
-        from accel_train.views import inspect_token_samples
+        from accel_train.components.views import inspect_token_samples
 
         d, labels = self.cfg.data, self.labels
 

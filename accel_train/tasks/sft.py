@@ -16,16 +16,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from accel_train import data as data_lib
+from accel_train.data import pipeline as data_lib
 from accel_train.components import responses
-from accel_train.config import Config
-from accel_train.dist import gather_setup
-from accel_train.sharding import built_sharded, zero3
-from accel_train.formats import IGNORE_INDEX
-from accel_train.loss import loss_head
+from accel_train.config.schema import Config
+from accel_train.runtime.dist import gather_setup
+from accel_train.runtime.engine import built_sharded, zero3
+from accel_train.data.formats import IGNORE_INDEX
+from accel_train.models.loss import loss_head
 from accel_train.metrics import compute_metrics, load_metrics
 from accel_train.tasks import Task
-from accel_train.tracking import main_logger
+from accel_train.runtime.tracking import main_logger
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ class SFT(Task):
         return train_ds, eval_ds
 
     def start(self, job, tokenizer, eval_ds) -> None:
-        from accel_train.generation import setup_generation
+        from accel_train.models.generation import setup_generation
 
         if built_sharded(job.accelerator):  # whole only now: checked on every rank at once (a collective forward)
             head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
@@ -115,7 +115,7 @@ class SFT(Task):
     @torch.no_grad()
     def evaluate(self, job) -> dict:
         """Loss and perplexity over every eval target, `evaluate` metrics on argmax tokens, generated answers."""
-        from accel_train.generation import evaluate_generations
+        from accel_train.models.generation import evaluate_generations
 
         cfg, accelerator, model = self.cfg, job.accelerator, job.model
         model.eval()

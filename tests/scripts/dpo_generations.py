@@ -13,7 +13,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from accel_train.model import load_trained
+from accel_train.models.build import load_trained
 
 
 def fresh_words(n: int = 300, seed: int = 999) -> list[str]:

@@ -57,7 +57,7 @@ def save_model(folder: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from accel_train.bench.common import SIZES
-    from accel_train.config import TINY_MODEL
+    from accel_train.config.schema import TINY_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """`python -m accel_train ARGS` (or one of its tools, or a script of tests/scripts/) without paying its imports in
 every test: conftest.python_m and python_script fork each run from a server process that has imported the training
-code once (multiprocessing's forkserver, preloading accel_train.recipe and what a run imports later). The child is a
+code once (multiprocessing's forkserver, preloading accel_train.training.recipe and what a run imports later). The child is a
 fresh process as far as the run can tell: its own pid, environment, working directory, stdout and stderr, exit
 status and signals; it then runs the module as `python -m` does (runpy: `__main__`, sys.argv[0] the module's file),
 or the script as `python PATH` does. What only a real interpreter start can show (the import graph, sys.path,
@@ -63,7 +63,7 @@ def child(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr
         runpy.run_path(target, run_name="__main__")
         return
     sys.argv = [sys.executable, *args]  # runpy replaces argv[0] with the module's file, as python -m does
-    # a module the server preloaded (accel_train.plot) runs again as __main__, as in a fresh interpreter: runpy's
+    # a module the server preloaded (accel_train.runtime.plot) runs again as __main__, as in a fresh interpreter: runpy's
     # warning that it was imported before is about the server, not the run
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     runpy.run_module(target, run_name="__main__", alter_sys=True)

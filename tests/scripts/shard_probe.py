@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from accel_train import data as data_lib  # noqa: E402
+from accel_train.data import pipeline as data_lib  # noqa: E402
 from accel_train import tasks  # noqa: E402
-from accel_train.config import load_config  # noqa: E402
+from accel_train.config.load import load_config  # noqa: E402
 from accel_train.cli import exit_process  # noqa: E402
-from accel_train.dist import epoch_batches, make_accelerator, prepare_dataloaders, shard_stream, teardown  # noqa: E402
+from accel_train.runtime.dist import (epoch_batches, make_accelerator, prepare_dataloaders, shard_stream, teardown)  # noqa: E402
 
 PROBE_KEYS = {"lengths": "one", "shards": "4"}
 

@@ -4,11 +4,11 @@
 
 SmolLM2 is a ChatML model whose own template shows no tools; Qwen2.5's template is ChatML too, shows the tools in its
 system turn and writes calls as <tool_call>{json}</tool_call>, which TRL's response schemas parse: the model here is
-the study's base (accel_train.study: SmolLM2-135M-Instruct from the wheel's GGUF) with Qwen2.5's template as its
+the study's base (study: SmolLM2-135M-Instruct from the wheel's GGUF) with Qwen2.5's template as its
 chat_template (tests/data/chat_templates/qwen2.5.json). It never calls a tool as it is, so it is first taught to, by
 SFT on transcripts of the study's 128 training sums (user: the question; assistant: a call of add(a, b); tool: the
 result; assistant: the number), the tools in each row's `tools` column, every assistant turn trained. Stages, each
-the real command forked from this process (accel_train.study.stage), logs in DIR/logs:
+the real command forked from this process (study.stage), logs in DIR/logs:
 
     base       GRPO's evaluation with configs/tools/arithmetic.py's add and multiply of the model as it is (after one
                step at lr 1e-12: LoRA's B moved by about 1e-12 from 0; its eval_reward is the held-out greedy
@@ -81,7 +81,7 @@ def common(out: Path, seed: int) -> list[str]:
 
 
 def grpo(model: Path, data: Path, out: Path, seed: int, evaluate_only: bool) -> list[str]:
-    from accel_train.study import SIZES
+    from study import SIZES
 
     size = SIZES["full"]
     return [*common(out, seed), "task=grpo", f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}",
@@ -108,7 +108,7 @@ def measures(run: Path) -> dict:
 def main() -> None:
     import os
 
-    from accel_train.study import SIZES, base_model, stage, write_data
+    from study import SIZES, base_model, stage, write_data
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -120,7 +120,7 @@ def main() -> None:
     for folder in (logs, runs):
         folder.mkdir(parents=True, exist_ok=True)
     write_data(data, SIZES["full"])
-    import accel_train.recipe  # noqa: F401  (imported once for the forked stages)
+    import accel_train.training.recipe  # noqa: F401  (imported once for the forked stages)
 
     if not (out / "models" / "base" / "config.json").is_file():
         stage(base_model, [out, False], logs / "base_model.log")

@@ -1,15 +1,15 @@
 """TRL's GRPOTrainer on the study's grpo arm's exact job, beside accel_train's (issue 44, item 4).
 
-    python tests/scripts/trl_grpo.py --study DIR [--seeds 0 1 2]      # DIR: a full study's folder (accel_train.study)
+    python tests/scripts/trl_grpo.py --study DIR [--seeds 0 1 2]      # DIR: a full study's folder (study)
 
-The job of `accel_train.study`'s grpo arm (its RL overrides and COMMON): the study's base model (SmolLM2-135M-Instruct
+The job of `study`'s grpo arm (its RL overrides and COMMON): the study's base model (SmolLM2-135M-Instruct
 from the wheel's GGUF, fp32), LoRA r 16, alpha 32, no dropout, every linear layer, drawn from the seed; the 128
 training sums in the order the arm's run of the same seed read them (its rollouts.jsonl: the same prompts at each
 step), 1 epoch of 8 prompts x 8 completions a step (16 steps), temperature 0.7, top-p 1, 16 new tokens, the DAPO loss,
 beta 0, epsilon 0.2, advantages scaled by the group's std, lr 2e-4 decaying linearly to 0 without warmup, AdamW
 (weight decay 0), gradient norm clipped at 1, one optimizer step per generation; the reward the study's
 number_match (the same function, from accel_train.components.rewards). The trained adapter is merged and evaluated by
-the study's own greedy evaluation (accel_train.sample --greedy on the 100 held-out sums). Rows go to
+the study's own greedy evaluation (accel_train.tools.sample --greedy on the 100 held-out sums). Rows go to
 DIR/trl_results.jsonl as each seed ends (a rerun skips them); the end prints the side-by-side table: held-out
 accuracy, mean sampled reward over steps 1-8 and 9-16, and seconds, for TRL and for the study's grpo arm (its rows
 in DIR/results.jsonl and its per-step rewards in DIR/runs/grpo-sS/metrics.jsonl).
@@ -36,7 +36,7 @@ def train(study: Path, seed: int, out: Path, max_steps: int = -1) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from accel_train.components.rewards import number_match
-    from accel_train.study import SIZES
+    from study import SIZES
 
     from transformers import set_seed
 
@@ -88,14 +88,14 @@ def halves(rewards: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    from accel_train.study import SIZES, Study, read_results, stage
+    from study import SIZES, Study, read_results, stage
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     if json.loads((args.study / "study.json").read_text()) != {"smallest": False, **SIZES["full"]}:
-        sys.exit(f"{args.study} is not a full study (its study.json): run python -m accel_train.study --out DIR first")
+        sys.exit(f"{args.study} is not a full study (its study.json): run python -m study --out DIR first")
     study = Study(args.study, SIZES["full"], smallest=False)
     results = args.study / "trl_results.jsonl"
     done = {r["seed"]: r for r in map(json.loads, results.read_text().splitlines())} if results.is_file() else {}

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from accel_train.config import TINY_MODEL, load_config
-from accel_train.dist import make_accelerator
-from accel_train.sharding import generating
+from accel_train.config.schema import TINY_MODEL
+from accel_train.config.load import load_config
+from accel_train.runtime.dist import make_accelerator
+from accel_train.runtime.engine import generating
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from accel_train.sections import ConfigError, positive
+from accel_train.config.sections import ConfigError, positive
 
 # distill's evaluation results (task.py's evaluate)
 RESULTS = ("loss", "cross_entropy", "perplexity")
@@ -56,8 +56,8 @@ def samples(cfg) -> bool:
 def preflight(cfg) -> None:
     """The teacher is a model folder with weights (or the embedded tiny model, random), or a hub model this machine
     can load. Its tokenizer is compared with the student's when the run starts (task.py)."""
-    from accel_train.config import is_embedded_tiny_model
-    from accel_train.model_sources import check_model, check_weights
+    from accel_train.config.schema import is_embedded_tiny_model
+    from accel_train.models.sources import check_model, check_weights
 
     teacher = cfg.distill.teacher
     if not teacher:

@@ -58,19 +58,20 @@ from datasets import Dataset, IterableDataset
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessorList
 
-from accel_train import data as data_lib
+from accel_train.data import pipeline as data_lib
 from accel_train.components import responses
 from accel_train.components.prompts import (PromptBudget, PromptCollator, inspect_prompts, prompt_column,
                                             tokenize_prompts)
-from accel_train.config import Config, ConfigError, is_embedded_tiny_model
-from accel_train.sharding import built_sharded, gathers, generating, lockstep, whole_model, zero3
-from accel_train.formats import IGNORE_INDEX
-from accel_train.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
-                                    until_stop)
-from accel_train.loss import HeadLoss, chunk_bytes, loss_head, replaced_head
-from accel_train.model import build_model
-from accel_train.model_sources import one_line
-from accel_train.tracking import get_logger, loaded_line
+from accel_train.config.schema import Config, is_embedded_tiny_model
+from accel_train.config.sections import ConfigError
+from accel_train.runtime.engine import built_sharded, gathers, generating, lockstep, whole_model, zero3
+from accel_train.data.formats import IGNORE_INDEX
+from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
+                                           until_stop)
+from accel_train.models.loss import HeadLoss, chunk_bytes, loss_head, replaced_head
+from accel_train.models.build import build_model
+from accel_train.models.sources import one_line
+from accel_train.runtime.tracking import get_logger, loaded_line
 from accel_train.tasks import Task
 
 logger = get_logger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from accel_train.sections import ConfigError, non_negative, padded_pairs, positive
+from accel_train.config.sections import ConfigError, non_negative, padded_pairs, positive
 
 # dpo.loss_type values that compare the policy's own log-probs, with no reference model (task.py)
 REFERENCE_FREE_LOSSES = ("orpo", "simpo", "cpo")
@@ -85,7 +85,7 @@ class DpoConfig:
 def preflight(cfg) -> None:
     """dpo.precompute_ref runs the model over the training pairs before accelerator.prepare: not where the launch
     builds it sharded (sharding.py), before any model loads."""
-    from accel_train.preflight import built_sharded_launch
+    from accel_train.runtime.launched import built_sharded_launch
 
     how = built_sharded_launch()
     if cfg.dpo.precompute_ref and how:

@@ -51,14 +51,14 @@ import torch.nn.functional as F
 from accelerate.utils import send_to_device
 from datasets import Dataset
 
-from accel_train import faults
+from accel_train.runtime import faults
 from accel_train.components.logprobs import sequence_logps, token_logps
 from accel_train.components.pairs import PairCollator, inspect_pairs, pair_columns, tokenize_pairs
 from accel_train.components.reference import reference_mode, reference_model
-from accel_train.config import Config
-from accel_train.data import columns as data_columns
-from accel_train.dist import gather_setup
-from accel_train.formats import IGNORE_INDEX
+from accel_train.config.schema import Config
+from accel_train.data.pipeline import columns as data_columns
+from accel_train.runtime.dist import gather_setup
+from accel_train.data.formats import IGNORE_INDEX
 from accel_train.tasks import Task
 from accel_train.tasks.dpo.config import METRICS, REFERENCE_FREE_LOSSES
 

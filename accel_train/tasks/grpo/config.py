@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from accel_train.sections import ConfigError, non_negative, positive
+from accel_train.config.sections import ConfigError, non_negative, positive
 
 
 @dataclass
@@ -175,7 +175,7 @@ def preflight(cfg) -> None:
     (train.gather_for_generation=false), nothing that makes ranks call generate a different number of times."""
     from accel_train.components.rewards import check_rewards
     from accel_train.components.tools import check_static
-    from accel_train.preflight import sharded_launch
+    from accel_train.runtime.launched import sharded_launch
 
     kind, g = sharded_launch(), cfg.grpo
     for key, on, why in (

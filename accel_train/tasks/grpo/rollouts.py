@@ -21,16 +21,17 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 
-from accel_train.checkpoint import StoppedWithCheckpoint, StopTogether
+from accel_train.runtime.checkpoint import StoppedWithCheckpoint, StopTogether
 from accel_train.components.completions import CompletionSampler, Completions
 from accel_train.components.rewards import weighted_total
 from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
 from accel_train.components.rewards import RewardError, Rewards
-from accel_train.config import Config, ConfigError
-from accel_train.sharding import gathers, generating, lockstep, sharded, zero3
-from accel_train.formats import IGNORE_INDEX
-from accel_train.generation import left_padded, merged_adapter, position_ids
-from accel_train.tracking import get_logger
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.runtime.engine import gathers, generating, lockstep, sharded, zero3
+from accel_train.data.formats import IGNORE_INDEX
+from accel_train.models.generation import left_padded, merged_adapter, position_ids
+from accel_train.runtime.tracking import get_logger
 
 logger = get_logger(__name__)
 

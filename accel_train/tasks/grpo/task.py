@@ -71,11 +71,12 @@ from accel_train.components.prompts import (PromptBudget, PromptCollator, inspec
                                              tokenize_prompts)
 from accel_train.components.reference import reference_mode, reference_model
 from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test, weighted_total
-from accel_train.config import Config, ConfigError
-from accel_train.data import columns as data_columns
-from accel_train.sharding import generating, sharded, zero3
-from accel_train.formats import IGNORE_INDEX
-from accel_train.generation import merged_adapter
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import columns as data_columns
+from accel_train.runtime.engine import generating, sharded, zero3
+from accel_train.data.formats import IGNORE_INDEX
+from accel_train.models.generation import merged_adapter
 from accel_train.tasks import Task
 from accel_train.tasks.grpo.rollouts import ROLLOUTS_FILE, Rollouts, stop_together
 

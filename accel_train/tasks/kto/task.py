@@ -40,15 +40,16 @@ import torch
 from accelerate.logging import get_logger
 from datasets import Dataset, IterableDataset
 
-from accel_train import formats
+from accel_train.data import formats
 from accel_train.components.logprobs import sequence_logps
 from accel_train.components.pairs import (conversation, fit_prompt_first, pad_rows, pair_conversations,
                                           prompt_and_response)
 from accel_train.components.reference import reference_mode, reference_model
-from accel_train.config import Config, ConfigError, DataConfig
-from accel_train.data import columns as data_columns
-from accel_train.data import map_rows
-from accel_train.formats import IGNORE_INDEX
+from accel_train.config.schema import Config, DataConfig
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import columns as data_columns
+from accel_train.data.pipeline import map_rows
+from accel_train.data.formats import IGNORE_INDEX
 from accel_train.tasks import Task
 from accel_train.tasks.kto.config import METRICS, KtoConfig
 
@@ -335,7 +336,7 @@ class KTO(Task):
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
         """task kto: the rows as the run sees them (pairs unpaired), each with its mismatched pair, what truncation
         cuts and drops, and the padding of the batches."""
-        from accel_train.views import STREAM_ROWS, distribution, show_tokens
+        from accel_train.components.views import STREAM_ROWS, distribution, show_tokens
 
         cfg, report = self.cfg, {}
         train = self.tokenize(train_raw, tokenizer, report)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from accel_train.sections import ConfigError, non_negative, padded_pairs
+from accel_train.config.sections import ConfigError, non_negative, padded_pairs
 
 # reward's logged means and evaluation results besides loss (task.py's loss): pairwise accuracy, mean r_chosen -
 # r_rejected, mean score

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from accel_train.components.pairs import PairCollator, inspect_pairs, pair_columns, tokenize_pair, tokenize_pairs
-from accel_train.config import Config, ConfigError
-from accel_train.data import columns as data_columns
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.data.pipeline import columns as data_columns
 from accel_train.tasks import Task
 from accel_train.tasks.reward.config import METRICS, RewardConfig
 

@@ -1,0 +1,430 @@
+"""The run configuration's tree of typed dataclasses: the common sections, and `Config`, which adds each registered
+task's own section (tasks/NAME/config.py) after `eval`. Each field's docstring is its help text (`--help`); each
+section's `resolve` and `check` run on load (sections.py). Loading from YAML and overrides: load.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from accel_train.config import registry
+from accel_train.config.sections import ConfigError, non_negative, positive
+
+TASK_NAMES = registry.NAMES
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+# Editable installs and checkouts keep configs/ beside the package; wheels carry it inside.
+CONFIGS_DIR = next(
+    (p for p in (PACKAGE_DIR / "configs", PACKAGE_DIR.parent / "configs") if p.is_dir()), PACKAGE_DIR.parent / "configs"
+)
+TINY_MODEL = str(CONFIGS_DIR / "model" / "tiny-llama")
+
+
+def is_embedded_tiny_model(name_or_path: str) -> bool:
+    """The tiny model shipped with accel_train: a config and a tokenizer, no weights (it is always random)."""
+    return Path(name_or_path).expanduser().resolve() == Path(TINY_MODEL).resolve()
+
+
+YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = TINY_MODEL
+    """Local model folder or Hugging Face hub id, loaded with `AutoModelFor...` and its pretrained weights."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) of the model and tokenizer; None: the default branch."""
+    random_init: Optional[bool] = None
+    """true: build the model from its config.json with random weights instead of loading its weights. None (the
+    default): pretrained weights, except for the embedded tiny model, whose folder holds none (it is random)."""
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    """Attention kernel. auto: flash_attention_2 on a GPU when flash-attn is installed and the weights are
+    bf16/fp16, else transformers' default (sdpa where the model supports it)."""
+    num_labels: Optional[int] = None
+    """Classes for seq_cls; None reads them from the dataset's label column."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Dtype the weights are loaded in; mixed precision is chosen separately (train.mixed_precision)."""
+    quantization: Optional[Literal["4bit", "8bit"]] = None
+    """QLoRA: load the frozen base quantized by bitsandbytes (4bit: NF4 with double quantization, computing in
+    bf16) and train a LoRA adapter on it; GPUs only."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository (only for models that need it)."""
+    adapter_from: Optional[str] = None
+    """A LoRA adapter folder (a run's output_dir/adapter) to continue training instead of a fresh adapter; its own
+    adapter_config.json (r, alpha, targets) applies, lora.r etc. are not used. model.name_or_path must be its base."""
+
+    def resolve(self, cfg) -> None:
+        if self.random_init is None:  # resolved here, so config.yaml records what the run did
+            self.random_init = is_embedded_tiny_model(self.name_or_path)
+
+    def check(self, cfg) -> None:
+        positive({}, {"model.num_labels": self.num_labels})
+        if self.quantization and not cfg.lora.enabled:
+            raise ConfigError(f"model.quantization={self.quantization} trains a LoRA adapter on a frozen "
+                              "quantized base: it needs lora.enabled=true")
+        if self.quantization and self.random_init:
+            raise ConfigError(f"model.quantization={self.quantization} quantizes pretrained weights: it cannot "
+                              "be used with random weights (model.random_init)")
+        if self.adapter_from and not cfg.lora.enabled:
+            raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    """Train a LoRA adapter (peft); false means full fine-tuning."""
+    r: int = 8
+    """LoRA rank."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt; ["all-linear"] means every linear layer but the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full and saved with the adapter (e.g. a classifier head)."""
+
+    def check(self, cfg) -> None:
+        positive({"lora.r": self.r})
+        non_negative({"lora.dropout": self.dropout})
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:reverse"
+    """A data file (.jsonl, .json, .csv, .tsv, .parquet, .arrow, .txt: read by the datasets builder its suffix
+    names), a `save_to_disk` folder, a folder of data files, a hub dataset, a builder (json, csv, parquet, text)
+    with data.data_files, or builtin:NAME."""
+    train_split: str = "train"
+    """Split used for training."""
+    eval_split: Optional[str] = None
+    """Split of data.path used for evaluation; None: data.eval_path, else eval_fraction of the training split."""
+    eval_path: Optional[str] = None
+    """A data file (the suffixes of data.path) or `save_to_disk` folder to evaluate on; not with data.eval_split."""
+    eval_fraction: float = 0.1
+    """Share of the training split held out for evaluation when neither data.eval_split nor data.eval_path is set
+    (0 disables eval)."""
+    prompt_field: str = "prompt"
+    """causal_lm: column with the prompt (used with response_field)."""
+    response_field: str = "response"
+    """causal_lm: column with the target text; loss is computed on these tokens only."""
+    messages_field: str = "messages"
+    """causal_lm: column with chat messages ([{role, content}, ...], OpenAI style, or ShareGPT's from/value)."""
+    instruction_field: str = "instruction"
+    """causal_lm, format alpaca: column with the instruction (input_field, if present and not empty, follows it)."""
+    input_field: str = "input"
+    """causal_lm, format alpaca: column with the optional input appended to the instruction."""
+    output_field: str = "output"
+    """causal_lm, format alpaca: column with the target answer."""
+    format: Literal["auto", "prompt_response", "messages", "alpaca", "text"] = "auto"
+    """causal_lm data format. auto: from the columns (messages_field or `conversations`, then prompt/response,
+    then instruction/output, then text). text: continued pre-training on text_field, loss on every token."""
+    train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
+    """causal_lm conversations: the loss covers the last assistant turn, every assistant turn, or every token."""
+    text_field: str = "text"
+    """seq_cls: column with the input text; causal_lm format text: the text to train on."""
+    label_field: str = "label"
+    """seq_cls: column with the class label: an integer, or a name (strings are mapped to ids in sorted order,
+    saved as id2label/label2id with the model)."""
+    name: Optional[str] = None
+    """Dataset configuration (subset) name given to load_dataset, e.g. data.path=glue data.name=sst2."""
+    data_files: Optional[Union[list[str], dict[str, list[str]]]] = None
+    """Files given to load_dataset (globs allowed): a list (the train split) or {split: [files]}; data.path is then
+    the builder (json, csv, parquet, text), a folder or a hub dataset (for one file: data.path=FILE)."""
+    revision: Optional[str] = None
+    """Hub dataset revision (branch, tag or commit); None: the default branch."""
+    max_length: int = 512
+    """Sequences are truncated to this many tokens (causal_lm conversations: as data.truncation says)."""
+    truncation: Literal["prompt_first", "right"] = "prompt_first"
+    """causal_lm conversations longer than data.max_length. prompt_first: drop the oldest tokens (the prompt and
+    earlier turns) and keep the last trained answer whole, with its end-of-turn token; a sample whose answer alone
+    does not fit is dropped. right: cut the end (the answer loses its end and its end-of-turn token); a sample left
+    with no trained token is dropped. Cut and dropped samples are counted in the log, summary.json and inspect.
+    (task dpo always cuts the prompt first; seq_cls texts and format text chunks are cut at max_length.)"""
+    max_samples: Optional[int] = None
+    """Use at most this many training samples (handy for quick runs)."""
+    builtin_size: int = 3000
+    """Number of samples a builtin:NAME dataset generates."""
+    packing: bool = True
+    """causal_lm training: pack each micro-batch's sequences into rows as long as its longest one (position_ids
+    restart per sequence, so none attends to another): the same samples and loss, without computing padding.
+    task dpo pads its pairs (chosen and rejected rows of one batch): there it is set to false."""
+    group_by_length: Optional[bool] = None
+    """Padded batches of samples of similar lengths: each epoch's seeded shuffle is cut into groups of 50
+    optimizer steps, each group sorted by length and its steps put in a new random order (evaluation batches are
+    sorted by length). The order depends on the effective batch only, not on its split over processes and
+    accumulation. None: true for seq_cls, whose batches are padded (causal_lm batches are packed)."""
+    pad_to_multiple_of: Optional[int] = None
+    """Round each training batch's width up to a multiple of this, so that kernels meet fewer distinct shapes;
+    None: under bf16/fp16 32 for packed rows and 8 for padded batches (oneDNN on CPUs and tensor cores on GPUs
+    reuse their kernels; data.width_multiple has the measurements), 1 in fp32."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    streaming: bool = False
+    """Read the training split as a stream (datasets IterableDataset): memory independent of the data's size.
+    Each rank reads its own shards of the files (or every N-th sample); needs train.max_steps; evaluates on
+    data.eval_split or data.eval_path only."""
+    shuffle_buffer: int = 10000
+    """streaming: samples held in the shuffle buffer (reshuffled every epoch)."""
+
+    def resolve(self, cfg) -> None:
+        if self.group_by_length is None:
+            self.group_by_length = cfg.task == "seq_cls"
+
+    def check(self, cfg) -> None:
+        positive({"data.max_length": self.max_length, "data.builtin_size": self.builtin_size,
+                  "data.shuffle_buffer": self.shuffle_buffer},
+                 {"data.max_samples": self.max_samples, "data.pad_to_multiple_of": self.pad_to_multiple_of})
+        non_negative({"data.num_workers": self.num_workers})
+        if self.eval_split is not None and self.eval_path:
+            raise ConfigError(f"data.eval_split={self.eval_split} and data.eval_path={self.eval_path} both "
+                              "name the evaluation data; pass one of them")
+        if self.streaming and cfg.train.max_steps is None:
+            raise ConfigError("data.streaming=true needs train.max_steps: a stream's length is unknown until read")
+        if self.streaming and cfg.task == "seq_cls" and cfg.model.num_labels is None:
+            raise ConfigError("data.streaming=true with task seq_cls needs model.num_labels (it cannot be read "
+                              "from a stream without reading all of it)")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class TrainConfig:
+    per_device_batch_size: int = 16
+    """Samples per micro-batch on each process."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step. Effective batch = per_device_batch_size x grad_accum_steps x processes."""
+    global_batch_size: Optional[int] = 16
+    """Samples per optimizer step over all processes (in per_device_batch_size's unit: prompts for grpo): each
+    process takes global_batch_size / processes of them, in micro-batches of at most per_device_batch_size
+    (grad_accum_steps follows), so that 1, 2 or N processes run the same optimisation; refused when the processes
+    do not divide it; a run's config.yaml, which records its split, is split again on another number of processes.
+    None: per_device_batch_size x grad_accum_steps x processes (accelerate's arithmetic), which is also what a
+    config that sets per_device_batch_size or grad_accum_steps and not this key gets."""
+    epochs: int = 10
+    """Passes over the training data."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (overrides epochs when set)."""
+    lr: float = 3e-3
+    """Peak learning rate (reached after warmup)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = 10
+    """Optimizer steps of linear warmup."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value; None disables clipping."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """Autocast precision. auto: the launcher's bf16/fp16 if it sets one, else bf16 where the hardware computes
+    it natively (recent GPUs, CPUs with AVX512-BF16/AMX), else fp32. no: fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile the model (inductor, dynamic shapes), through accelerate: faster steps once compiled; the
+    compilation is paid in the first steps (their times are in output_dir/steps.json)."""
+    log_every: int = 10
+    """Log the training loss every N optimizer steps."""
+    eval_every: Optional[int] = None
+    """Evaluate every N optimizer steps (and always at the end); None evaluates only at the end."""
+    eval_batch_size: int = 64
+    """Samples per evaluation batch on each process."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A step whose global gradient norm is inf/NaN: skip it (no update, counted) or stop with a checkpoint."""
+    max_nonfinite_steps: int = 3
+    """With skip: stop (checkpoint of the last good state, message naming the step) after this many in a row."""
+    dist_timeout_s: int = 600
+    """Timeout of the process group's collectives, in seconds (torchrun's default is ten minutes)."""
+    gather_for_generation: Optional[bool] = None
+    """Under sharded weights (FSDP2, DeepSpeed ZeRO-3), how the model generates (grpo's rollouts, distill's on-policy
+    samples, eval.generate). true (None: the default): the weights are gathered whole on every rank for the
+    generation phase (one all-gather), then each rank generates alone (TRL's ds3_gather_for_generation): the whole
+    model's weights once per device meanwhile. false: in lock-step on the sharded weights, every token's forward
+    gathering each layer again (transformers' synced_gpus): slower, for a model too large to hold whole on one
+    device; there grpo's tools and environments, which make ranks generate a different number of times, are
+    refused. Elsewhere the weights are whole already: a value given is said to do nothing."""
+    debug_collectives: bool = False
+    """Check that all ranks issue matching collectives (ACCELERATE_DEBUG_MODE, TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    early_stopping_patience: Optional[int] = None
+    """Stop (a normal end: adapter saved, exit 0) after this many evaluations in a row without improvement of
+    eval.metric_for_best; None: never stop early. Needs train.eval_every."""
+    early_stopping_threshold: float = 0.0
+    """An evaluation improves on the best only by more than this (in the metric's units)."""
+
+    def check(self, cfg) -> None:
+        positive({"train.per_device_batch_size": self.per_device_batch_size,
+                  "train.grad_accum_steps": self.grad_accum_steps, "train.epochs": self.epochs, "train.lr": self.lr,
+                  "train.log_every": self.log_every, "train.eval_batch_size": self.eval_batch_size,
+                  "train.dist_timeout_s": self.dist_timeout_s, "train.max_nonfinite_steps": self.max_nonfinite_steps},
+                 {"train.max_steps": self.max_steps, "train.eval_every": self.eval_every,
+                  "train.max_grad_norm": self.max_grad_norm, "train.global_batch_size": self.global_batch_size,
+                  "train.early_stopping_patience": self.early_stopping_patience})
+        non_negative({"train.warmup_steps": self.warmup_steps, "train.weight_decay": self.weight_decay,
+                      "train.early_stopping_threshold": self.early_stopping_threshold})
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: Optional[int] = None
+    """Save a resumable checkpoint every N optimizer steps (one is also saved on SIGTERM/SIGINT); None: never."""
+    keep_last: int = 2
+    """Complete checkpoints kept in output_dir/checkpoints; older ones are deleted once a newer one is complete."""
+    keep_best: bool = False
+    """Also keep the checkpoint of the best evaluation by eval.metric_for_best (saved when an evaluation improves
+    on the best), whatever keep_last says."""
+
+    def check(self, cfg) -> None:
+        positive({"checkpoint.keep_last": self.keep_last}, {"checkpoint.save_every": self.save_every})
+
+
+@dataclass
+class SaveConfig:
+    final: Literal["last", "best"] = "last"
+    """Which weights go to output_dir/adapter (or model): those of the last step, or of the best evaluation by
+    eval.metric_for_best (read from its checkpoint: needs checkpoint.keep_best)."""
+
+
+@dataclass
+class TrackConfig:
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers, through accelerate: tensorboard, wandb, mlflow, trackio, ...; [] for none."""
+    project: str = "accel_train"
+    """Project name given to the trackers (TensorBoard writes to output_dir/logs/PROJECT)."""
+
+
+@dataclass
+class EvalConfig:
+    metrics: list[str] = field(default_factory=lambda: ["accuracy"])
+    """`evaluate` metrics on argmax predictions (tokens for causal_lm, classes for seq_cls); bundled ones
+    (accel_train/metrics) load offline, other names load from the hub."""
+    generate: bool = False
+    """causal_lm: also generate an answer to each eval sample's prompt (everything before its last trained
+    response) and score it against that response with eval.generation_metrics."""
+    generation_metrics: list[str] = field(default_factory=lambda: ["exact_match", "rouge", "sacrebleu", "chrf"])
+    """`evaluate` metrics on the generated texts (eval.generate); bundled: exact_match, rouge, sacrebleu, chrf."""
+    metric_kwargs: dict[str, dict[str, Union[bool, int, float, str, list[str]]]] = field(default_factory=dict)
+    """Keyword arguments of each metric's compute, by metric name, e.g. {f1: {average: macro}}."""
+    max_new_tokens: int = 64
+    """eval.generate: tokens generated at most per answer."""
+    num_beams: int = 1
+    """eval.generate: beam search with this many beams (1: greedy, or sampling with do_sample)."""
+    do_sample: bool = False
+    """eval.generate: sample (with temperature and top_p) instead of greedy decoding."""
+    temperature: float = 1.0
+    """eval.generate with do_sample: softmax temperature."""
+    top_p: float = 1.0
+    """eval.generate with do_sample: nucleus sampling's probability mass."""
+    metric_for_best: Optional[str] = None
+    """Evaluation result that defines the best evaluation (early stopping, checkpoint.keep_best, save.final=best):
+    loss, perplexity (causal_lm), a result of eval.metrics (or of eval.generation_metrics with eval.generate), or
+    one of a task's own results (dpo's rewards/margin, kto's kl, grpo's reward, ...: TaskInfo.results); checked
+    before training."""
+    greater_is_better: Optional[bool] = None
+    """Whether a larger metric_for_best is better; None: inferred for known metrics (loss, perplexity: no)."""
+
+    def check(self, cfg) -> None:
+        positive({"eval.max_new_tokens": self.max_new_tokens, "eval.num_beams": self.num_beams,
+                  "eval.temperature": self.temperature, "eval.top_p": self.top_p})
+
+
+def _with_task_sections(after: str):
+    """The class's fields with each registered task's config section (registry.sections(): its own dataclass, from its
+    config.py) added after the field `after`, as a field named for the task: adding a task adds its section."""
+
+    def add(cls):
+        annotations = {}
+        for name, hint in cls.__dict__["__annotations__"].items():
+            annotations[name] = hint
+            if name == after:
+                for task, section in registry.sections().items():
+                    annotations[task] = section
+                    setattr(cls, task, field(default_factory=section))
+        cls.__annotations__ = annotations
+        return cls
+
+    return add
+
+
+@dataclass
+@_with_task_sections(after="eval")
+class Config:
+    task: Literal[TASK_NAMES] = "causal_lm"
+    """The objective: one of the tasks listed below it (accel_train/tasks); a task with settings of its own reads
+    the section named for it (dpo.*, grpo.*, ...)."""
+    output_dir: str = "outputs/default"
+    """Where the adapter, config.yaml and logs are written."""
+    seed: int = 42
+    """Seed for weights, LoRA init, data order and dropout."""
+    resume_from: Optional[str] = None
+    """Continue a run: "latest" (newest complete checkpoint in output_dir) or a checkpoint folder."""
+    overwrite: bool = False
+    """Delete what output_dir holds and start afresh (without it, an existing run is never touched)."""
+    merge: bool = False
+    """After training, also write output_dir/merged: base + LoRA merged, loadable without peft."""
+    log_level: Literal["info", "debug"] = "info"
+    """Console. info: accel_train's lines and the libraries' warnings, but for the known-harmless ones
+    (tracking.HARMLESS_WARNINGS); debug: also those, the libraries' INFO lines (accelerate's, a few per checkpoint)
+    and their progress bars (datasets' maps, transformers' loads and saves)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
+
+    def __post_init__(self):
+        """Every section resolves its defaults that depend on other keys, then checks itself against the run (in
+        field order: the common values' ranges before a task's combinations of them), then the combinations left to
+        the whole config: data.truncation where no task section refused it first, and _check_best."""
+        sections = [getattr(self, f.name) for f in dataclasses.fields(self)
+                    if dataclasses.is_dataclass(getattr(self, f.name))]
+        for section in sections:
+            if hasattr(section, "resolve"):
+                section.resolve(self)
+        for section in sections:
+            if hasattr(section, "check"):
+                section.check(self)
+        self._check_truncation()
+        self._check_best()
+
+    def _check_truncation(self):
+        """data.truncation=right cuts a conversation's end: not text chunks, nor seq_cls texts (tasks that cut the
+        prompt first say so in their own section's check, which runs before)."""
+        d = self.data
+        if d.truncation != "prompt_first" and (d.format == "text" or self.task == "seq_cls"):
+            raise ConfigError(f"data.truncation={d.truncation} is for causal_lm conversations: "
+                              + ("seq_cls texts are cut at max_length" if self.task == "seq_cls" else
+                                 "format text is split into max_length chunks"))
+
+    def _check_best(self):
+        """Generation, early stopping and the best checkpoint: the combinations that can work."""
+        if self.eval.generate and not registry.info(self.task).generation:
+            raise ConfigError("eval.generate=true is for task causal_lm (seq_cls is scored on its predicted classes)")
+        if self.eval.generate and (self.data.train_on == "all" or self.data.format == "text"):
+            raise ConfigError("eval.generate=true needs a prompt to answer: not with data.format=text or "
+                              "data.train_on=all, where every token is trained")
+        unknown = set(self.eval.metric_kwargs) - set(self.eval.metrics) - set(self.eval.generation_metrics)
+        if unknown:
+            raise ConfigError(f"eval.metric_kwargs: {', '.join(sorted(unknown))} is not in eval.metrics or "
+                              "eval.generation_metrics")
+        no_eval = (self.data.eval_split is None and not self.data.eval_path
+                   and (self.data.eval_fraction == 0 or self.data.streaming))
+        users = [name for name, on in (("train.early_stopping_patience", self.train.early_stopping_patience),
+                                       ("checkpoint.keep_best", self.checkpoint.keep_best),
+                                       ("save.final=best", self.save.final == "best")) if on]
+        for user in users:
+            if self.eval.metric_for_best is None:
+                raise ConfigError(f"{user} needs eval.metric_for_best (e.g. eval.metric_for_best=loss)")
+            if self.train.eval_every is None:
+                raise ConfigError(f"{user} needs train.eval_every: the best is chosen among evaluations")
+            if no_eval:
+                raise ConfigError(f"{user} needs evaluation data (data.eval_path, data.eval_split, or "
+                                  "data.eval_fraction > 0 without streaming)")
+        if self.save.final == "best" and not self.checkpoint.keep_best:
+            raise ConfigError("save.final=best needs checkpoint.keep_best=true: the best weights are read from the "
+                              "best checkpoint")

@@ -1,0 +1,310 @@
+"""Model and tokenizer: `AutoModelFor...` from a local folder or hub id, optionally wrapped in a peft LoRA adapter."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from contextlib import nullcontext
+
+import peft
+import torch
+from accelerate import init_empty_weights
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
+from transformers.utils import GENERATION_CONFIG_NAME
+
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.models.sources import check_model, trained_folder
+from accel_train.runtime.tracking import get_logger, quiet_libraries
+
+logger = get_logger(__name__)
+
+# by the model a task trains (tasks.TaskInfo.head)
+AUTO_CLASS = {"causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification}
+PEFT_TASK = {"causal_lm": peft.TaskType.CAUSAL_LM, "seq_cls": peft.TaskType.SEQ_CLS}
+
+
+def head_of(cfg: Config) -> str:
+    """The model the run's task trains: causal_lm or seq_cls."""
+    from accel_train.config.registry import info
+
+    return info(cfg.task).head
+
+
+def build_tokenizer(cfg: Config):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:  # not a model folder, unknown hub id, or the hub is out of reach
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path}: {first}") from e
+    if tokenizer.pad_token is None:
+        # Padding positions are masked out of attention and loss, so any token will do; eos is the convention.
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning(f"tokenizer has no pad token; using eos token {tokenizer.eos_token!r} for padding")
+    return tokenizer
+
+
+def model_width(cfg: Config) -> int | None:
+    """Hidden size from the model's config.json (None when it has none), without building the model."""
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                            trust_remote_code=cfg.model.trust_remote_code)
+    except OSError:
+        return None  # build_tokenizer reports an unreachable model in one line
+    return getattr(config.get_text_config(), "hidden_size", None)
+
+
+def attn_implementation(cfg: Config) -> dict:
+    """model.attn_implementation for from_pretrained/from_config; auto picks flash-attn 2 where it can run."""
+    choice = cfg.model.attn_implementation
+    if choice == "auto":
+        usable = (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+                  and cfg.model.dtype in ("bfloat16", "float16"))
+        return {"attn_implementation": "flash_attention_2"} if usable else {}  # transformers' default: sdpa
+    if choice == "flash_attention_2" and not torch.cuda.is_available():
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs a GPU; use sdpa on this machine")
+    return {"attn_implementation": choice}
+
+
+def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights_from=None,
+                device: torch.device | None = None, empty: bool = False) -> torch.nn.Module:
+    """The base model: from `weights_from` when given (a run's saved random base), else as model.* says:
+    pretrained weights (quantized on `device` with model.quantization), or random ones built from the config
+    (model.random_init). `head_kwargs`: the task's (tasks.Task.model_kwargs: a classifier's labels). `empty`: its
+    parameters' shapes only, on the meta device, no weights read (sharding.building: another process's are broadcast into it)."""
+    m = cfg.model
+    auto = AUTO_CLASS[head_of(cfg)]
+    extra = {**(head_kwargs or {}), **attn_implementation(cfg)}
+    dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
+    if weights_from is not None:
+        model = auto.from_pretrained(weights_from, dtype=dtype, **extra)
+    elif m.random_init or empty:
+        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
+                                            **extra)
+        if dtype == "auto":  # as from_pretrained reads it: the config's, else fp32
+            saved = getattr(config.get_text_config(), "dtype", None) or torch.float32
+            dtype = getattr(torch, saved) if isinstance(saved, str) else saved
+        with init_empty_weights() if empty else nullcontext():  # parameters on meta, buffers computed
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+        if empty:
+            model.tie_weights()  # on meta, transformers 5.24 leaves tie_word_embeddings' head untied
+            try:  # generate()'s defaults and stop ids as from_pretrained reads them on the main process
+                model.generation_config = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
+            except OSError:
+                pass  # none saved: from_config's, as from_pretrained's
+    else:
+        # A pretrained classifier with another number of classes, or a causal LM, gets a new head: said in one line,
+        # not transformers' LOAD REPORT table (held back when the head is all it lacks)
+        classifier = head_of(cfg) == "seq_cls"
+        mismatch = {"ignore_mismatched_sizes": True} if classifier else {}
+        with held_load_report() as held:
+            model, loading = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
+                                                  trust_remote_code=m.trust_remote_code, **extra, **mismatch,
+                                                  **quantization(cfg, device), output_loading_info=True)
+            new = sorted(set(loading["missing_keys"]) | {key for key, *_ in loading["mismatched_keys"]})
+            if classifier and new and supplied_by(list(CLASSIFIER_HEADS), loading):
+                held.drop = True
+                logger.info(f"model: a new classification head ({', '.join(new)}) on {m.name_or_path}, trained "
+                            "from scratch")
+        if m.quantization:
+            # Casts norms and the head to fp32 and makes the frozen embeddings' output require grad, so that
+            # gradients reach the adapter through checkpointed layers.
+            model = peft.prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_pad_token_id(model, tokenizer)
+    return model
+
+
+def quantization(cfg: Config, device: torch.device | None) -> dict:
+    """from_pretrained arguments for QLoRA (model.quantization): bitsandbytes weights placed on this rank's GPU."""
+    if not cfg.model.quantization:
+        return {}
+    if device is None or device.type != "cuda":
+        raise ConfigError(f"model.quantization={cfg.model.quantization} needs a GPU (bitsandbytes); this run is on "
+                          f"{device or 'cpu'}: train without it (LoRA on the full-precision base)")
+    from transformers import BitsAndBytesConfig
+
+    if cfg.model.quantization == "4bit":
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    else:
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": bnb, "device_map": {"": device.index or 0}}
+
+
+REFERENCE_ADAPTER = "reference"  # with model.adapter_from: the adapter as training starts, frozen (a reference)
+
+
+def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = False) -> torch.nn.Module:
+    """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained): a fresh one, or
+    the one model.adapter_from names, trained further (with `reference_adapter`, loaded a second time as the
+    task's frozen reference: tasks.Task.frozen_reference_adapter)."""
+    if not cfg.lora.enabled:
+        return model
+    if cfg.model.adapter_from:
+        model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
+        if reference_adapter:
+            # the same adapter, frozen (adapter-sized: the base is shared); reference.reference_mode switches to it (TRL's
+            # ref_adapter_name)
+            model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        return model
+    targets = cfg.lora.target_modules
+    lora = peft.LoraConfig(
+        task_type=PEFT_TASK[head_of(cfg)],
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        modules_to_save=cfg.lora.modules_to_save or None,
+    )
+    try:
+        return peft.get_peft_model(model, lora)
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                         if isinstance(mod, torch.nn.Linear)})
+        raise ConfigError(f"lora.target_modules {targets} match no module of the model; its linear layers are: "
+                          f"{', '.join(linear)} (or use [all-linear])") from None
+
+
+def whole_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape, whole: ZeRO-3 leaves each rank an empty tensor, and the shape in ds_shape."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def numel(p: torch.nn.Parameter) -> int:
+    return whole_shape(p).numel()
+
+
+def attention_size(model: torch.nn.Module) -> int:
+    """layers x heads x head_dim, from the model's config: attention's FLOPs per token are proportional to it
+    and to the sequence width."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * c.num_attention_heads * head_dim
+
+
+def attention_cost(model: torch.nn.Module) -> float:
+    """Attention's FLOPs per token and per unit of sequence width, relative to the linear layers' FLOPs per token
+    (QK^T and AV: 4 x width x heads x head_dim per layer; linear layers: 2 x their weights), for the packer."""
+    linear = sum(numel(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 4 * attention_size(model) / (2 * linear)
+
+
+def matmul_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) weights that multiply activations: every parameter of 2 or more dimensions (linear and
+    Conv1D weights, the output head, LoRA's A and B) but the embedding tables, which are looked up (token,
+    position and token-type embeddings), unless tied to the output head. Biases and norms (adds, elementwise
+    products) are left out."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = {id(head.weight)} if head is not None else set()
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - tied
+    weights = [p for p in model.parameters() if len(whole_shape(p)) >= 2 and id(p) not in looked_up]
+    return sum(map(numel, weights)), sum(numel(p) for p in weights if p.requires_grad)
+
+
+@torch.no_grad()
+def check_packing(model: torch.nn.Module, low_precision: bool = False) -> None:
+    """Refuse data.packing for a model whose attention lets packed sequences see each other: the logits of two
+    short sequences packed in one row (position_ids restarting) must equal their logits alone (`low_precision`: the
+    prepared model computes in bf16/fp16 whatever its weights' dtype)."""
+    was_training, model_dtype = model.training, next(model.parameters()).dtype
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    a, b = (torch.randint(vocab, (1, n), generator=g).to(model.device) for n in (5, 3))
+    alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1).float()
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
+    packed = model(input_ids=torch.cat([a, b], dim=1), position_ids=positions, use_cache=False).logits.float()
+    model.train(was_training)
+    tolerance = (1e-4 if model_dtype == torch.float32 and not low_precision else 2e-2) * (1 + alone.abs().max())
+    if not torch.allclose(alone, packed, rtol=0, atol=float(tolerance)):
+        raise ConfigError(f"data.packing: {type(model).__name__} lets packed sequences attend to each other "
+                          f"(its attention ignores position_ids restarts; max logit difference "
+                          f"{float((alone - packed).abs().max()):.3g}); set data.packing=false")
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    return trainable, sum(map(numel, model.parameters()))
+
+
+def load_trained(path, auto_cls, **kw):
+    """(model, tokenizer) from a run's output_dir (merged/, model/ or adapter/, first found) or such a folder;
+    `kw` go to from_pretrained. An adapter is loaded on its run's base_model/ when the run saved one (a random
+    base), else on the base it names, with the head it was trained with: the adapter folder's config.json
+    (num_labels, id2label) when there is one, so a hub base with another number of classes still fits; and with
+    the adapter folder's generation_config.json (where generation stops), which peft leaves unread."""
+    path = trained_folder(path)
+    quiet_libraries()  # the tools' output is their answer: no "Loading weights" bar, no known-harmless warnings
+    if (path / "adapter_config.json").is_file():
+        saved_base = path.parent / "base_model"
+        adapter_config = peft.PeftConfig.from_pretrained(path)
+        base = saved_base if saved_base.is_dir() else adapter_config.base_model_name_or_path
+        check_model(str(base), key=f"{path / 'adapter_config.json'}: base_model_name_or_path")
+        config = AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
+        # the head's weights come from the adapter (modules_to_save): a base head of another size is replaced
+        with held_load_report() as held:
+            base_model, loading = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True,
+                                                           output_loading_info=True, **kw)
+            held.drop = supplied_by(adapter_config.modules_to_save, loading)
+        if (path / GENERATION_CONFIG_NAME).is_file():
+            base_model.generation_config = GenerationConfig.from_pretrained(path)
+        model = peft.PeftModel.from_pretrained(base_model, path)
+    else:
+        model = auto_cls.from_pretrained(path, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model.eval()
+    set_pad_token_id(model, tokenizer)
+    return model, tokenizer
+
+
+# The output heads of transformers' *ForSequenceClassification models (peft's SEQ_CLS modules_to_save).
+CLASSIFIER_HEADS = ("classifier", "score")
+
+
+class held_load_report:
+    """Holds back transformers' LOAD REPORT of one from_pretrained (a warning table of the weights the checkpoint
+    lacks, "MISSING ... Consider training on your downstream task"): a trained classifier's head is missing from
+    its base and comes from the adapter right after. Dropped when `drop` is set true; otherwise, and on any error,
+    it is logged as transformers would have."""
+
+    LOGGER = "transformers.modeling_utils"
+
+    def __enter__(self):
+        self.records, self.drop = [], False
+        logging.getLogger(self.LOGGER).addFilter(self.hold)
+        return self
+
+    def hold(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+    def __exit__(self, *exc):
+        logger_ = logging.getLogger(self.LOGGER)
+        logger_.removeFilter(self.hold)
+        for record in () if self.drop and exc[0] is None else self.records:
+            logger_.handle(record)
+
+
+def supplied_by(modules_to_save: list[str] | None, loading: dict) -> bool:
+    """Whether every weight the base checkpoint lacked (missing, or replaced for another size) belongs to a module
+    the adapter saves in full (peft's modules_to_save: a classifier's head), so that loading the adapter fills
+    it."""
+    lacking = set(loading["missing_keys"]) | {key for key, *_ in loading["mismatched_keys"]}
+    modules = modules_to_save or []
+    return all(any(f".{m}." in f".{key}" for m in modules) for key in lacking)
+
+
+def set_pad_token_id(model, tokenizer) -> None:
+    """Sequence classification pools the last non-pad token, so a batch of several texts needs pad_token_id;
+    many base configs (Llama 3, ...) have none."""
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

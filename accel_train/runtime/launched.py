@@ -1,0 +1,75 @@
+"""What the launcher asked for, read from its environment before torch is imported: how many processes, which
+one this is, and whether the accelerate config shards the weights (FSDP, DeepSpeed ZeRO-3) or builds them sharded.
+The cheap checks (training/preflight.py, the tasks' own) ask here; the running process asks its `Engine`
+(engine.py), which reads the same facts from the prepared Accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
+from accel_train.config import registry
+
+
+def launched_world_size() -> int:
+    """Processes the launcher (accelerate launch, torchrun, notebook_launcher) started, from its environment."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def first_process() -> bool:
+    """Whether this is the launch's first process (rank 0 of all machines, or the only one)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def is_local_main() -> bool:
+    """Whether this is the first process the launcher started on this machine (or the only one)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def launcher_asks(variable: str) -> bool:
+    """Whether accelerate launch set this flag from its config (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED)."""
+    return os.environ.get(variable, "false").lower() == "true"
+
+
+def sharded_launch() -> str | None:
+    """The engine of a launch that shards the weights (FSDP, DeepSpeed ZeRO-3), from accelerate launch's
+    environment; None for DDP and ZeRO-1/2, which keep the whole weights on every rank."""
+    if launcher_asks("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # set by accelerate launch from the config
+    if launcher_asks("ACCELERATE_USE_DEEPSPEED") and stage not in ("0", "1", "2"):
+        return "DEEPSPEED"
+    return None
+
+
+def built_sharded_launch() -> str | None:
+    """The accelerate config's key under which a launch builds the model sharded (sharding.built_sharded, from
+    accelerate launch's environment), or None."""
+    if sharded_launch() == "DEEPSPEED" and launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        return "zero3_init_flag"
+    if (sharded_launch() == "FSDP" and os.environ.get("FSDP_VERSION", "1") == "2"
+            and launcher_asks("FSDP_CPU_RAM_EFFICIENT_LOADING")):
+        return "fsdp_cpu_ram_efficient_loading"
+    return None
+
+
+def check_sharded(cfg: Config, say: bool = True) -> None:
+    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs on the weights gathered for it, or
+    in lock-step on every rank (train.gather_for_generation=false, sharding.lockstep), built for FSDP2; what would
+    make ranks call generate a different number of times in lock-step is the task's own preflight's to refuse
+    (grpo's multi-turn rollouts). Said before any rank loads anything, rather than hang or fail at the end."""
+    generates = registry.info(cfg.task).generating(cfg)
+    # said by the first rank (`say`: not by accel-train launch's own process, whose ranks say it), before the run's
+    # logging is set up: as preflight's other lines (the last-resort handler)
+    if cfg.train.gather_for_generation is not None and not sharded_launch() and say and first_process():
+        logging.getLogger(__name__).warning(
+            f"train.gather_for_generation={str(cfg.train.gather_for_generation).lower()} does nothing under this "
+            "launch: the weights are whole on every rank (it applies to FSDP2 and DeepSpeed ZeRO-3)")
+    if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
+            generates or cfg.eval.generate):
+        key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
+        raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
+                          "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")

@@ -1,0 +1,345 @@
+"""One fine-tuning job, per rank, as named stages (`run` reads them in order):
+
+    make_accelerator (dist.py: rank environment, device, precision, process group)
+    -> start_run_dir -> setup_data -> setup_model -> setup_loaders -> setup_optimization
+    -> prepare (accelerate wraps model, optimizer, loaders; resume) -> fit (loop.py) -> save_model
+    -> final_evaluation (loop.py; save.final=best: save_model again with the best weights) -> report
+    -> teardown (dist.py, in `finally`)
+
+The command line (cli.py) checks the configuration and calls `run`; nothing here imports the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from datasets import IterableDataset
+from transformers import get_scheduler
+
+from accel_train.data import pipeline as data_lib
+from accel_train import tasks
+from accel_train.runtime import faults
+from accel_train.models.card import write_cards
+from accel_train.runtime.checkpoint import (StopTogether, TrainState, checkpoints_dir, load_checkpoint, load_trainable,
+                                            plain_name, register_hooks, save_checkpoint, set_aside_later,
+                                            trainable_state)
+from accel_train.config.schema import Config, is_embedded_tiny_model
+from accel_train.config.load import save_config
+from accel_train.config.sections import ConfigError
+from accel_train.runtime.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
+                                      make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main)
+from accel_train.models.merge import merge_adapter
+from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
+from accel_train.training.loop import TrainingJob, final_evaluation, fit
+from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
+                                      check_packing, count_parameters, matmul_parameters, model_width, quantization)
+from accel_train.runtime.engine import building, built_sharded
+from accel_train.training.preflight import BASE_MODEL, make_output_dir, saved_random_base
+from accel_train.runtime.launched import launched_world_size
+from accel_train.runtime.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
+                                          peak_memory_mb, reset_peak_memory, truncate_log, write_summary)
+
+
+def run(cfg: Config, resume: Path | None) -> dict:
+    """One training job on this rank; returns the final metrics. `resume`: the checkpoint preflight resolved."""
+    accelerator, t_start = None, time.perf_counter()
+    try:
+        configure_console(cfg)
+        accelerator = make_accelerator(cfg, model_width(cfg))
+        check_split(cfg, accelerator.num_processes)
+        quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
+        start_run_dir(cfg, accelerator)
+        tokenizer = build_tokenizer(cfg)
+        task = tasks.make(cfg)
+        data_report = {}  # what tokenizing cut, dropped and refused, per split (summary.json)
+        train_ds, eval_ds = setup_data(cfg, accelerator, task, tokenizer, data_report)
+        model = setup_model(cfg, accelerator, task, tokenizer, resume)
+        faults.inject_start(accelerator.process_index)
+        train_dl, eval_dl = setup_loaders(cfg, accelerator, task, tokenizer, model, train_ds, eval_ds)
+        total_steps = count_steps(cfg, accelerator, task, train_ds)
+        optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
+        job = prepare(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
+        task.start(job, tokenizer, eval_ds)
+        describe(cfg, job, train_ds, eval_ds)
+
+        t0 = time.perf_counter()
+        try:
+            try:
+                job.preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
+                results = fit(cfg, job)
+            except StopTogether as e:  # raised on every rank at the same point: they save together, then stop
+                raise e.with_checkpoint(save_checkpoint(accelerator, cfg, job.state)) from None
+            finally:
+                job.preemption.restore()
+            results.update(job.run_log.timing())
+            train_seconds = time.perf_counter() - t0
+            results.update(task.summary(accelerator, train_seconds))  # a collective, on every rank
+            training_memory = round(peak_memory_mb(accelerator.device), 1)
+            # The last weights are written before the final evaluation: nothing that fails after training loses them.
+            target = save_model(cfg, accelerator, task, job.model, tokenizer)
+            results["memory_mb"] = {"setup": list(job.setup_memory_mb),  # every rank's, gathered once the weights are
+                                    "training": gather_setup(accelerator, training_memory)}  # saved
+            try:
+                results = final_evaluation(cfg, job, results)
+            except Exception:
+                main_logger().error(f"the evaluation after training failed; the trained weights (step "
+                                    f"{job.state.step}) are saved in {target}", main_process_only=False)
+                raise
+        finally:
+            job.run_log.close()
+        best = cfg.save.final == "best" and job.state.best_metric is not None
+        saved_step = job.state.best_step if best else job.state.step
+        if saved_step != job.state.step:  # save.final=best: the best evaluation's weights, from its checkpoint
+            best_dir = checkpoints_dir(cfg.output_dir) / f"step-{saved_step}"
+            if (best_dir / "model.safetensors").is_file():  # the trainable weights, by name (checkpoint.register_hooks)
+                load_trainable(accelerator.unwrap_model(job.model, keep_torch_compile=False),
+                               best_dir / "model.safetensors")
+            else:  # FSDP's or DeepSpeed's own files of the whole model, sharded: read back by every rank
+                accelerator.load_state(str(best_dir))
+            target = save_model(cfg, accelerator, task, job.model, tokenizer)  # consolidated, as the last weights
+        results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
+                       effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
+        if accelerator.is_main_process:
+            if cfg.merge and cfg.lora.enabled:
+                faults.inject_phase("merge", accelerator.process_index)
+                merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
+            write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
+            write_cards(cfg.output_dir)
+        # The others wait for the main process's merge and summary outside train.dist_timeout_s (a merge loads the
+        # base on the CPU), and all ranks end together: torchrun's agents on other machines wait at most 300 s.
+        wait_for_main(accelerator)
+        return results
+    finally:
+        teardown(accelerator)
+
+
+def check_split(cfg: Config, processes: int) -> None:
+    """train.global_batch_size was split (preflight) over the processes the launcher said it started: a launcher
+    that does not say (WORLD_SIZE) would have every process take the whole global batch."""
+    t = cfg.train
+    if t.global_batch_size and t.per_device_batch_size * t.grad_accum_steps * processes != t.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size}: split for {launched_world_size()} "
+                          f"process(es) (WORLD_SIZE), but the group has {processes}; launch with accelerate launch, "
+                          "accel-train launch or torchrun")
+
+
+def start_run_dir(cfg: Config, accelerator) -> None:
+    """Seed; with overwrite=true, the old run is deleted before any rank writes."""
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    if cfg.overwrite and accelerator.is_main_process and out.exists():
+        shutil.rmtree(out)  # asked for explicitly, and preflight checked it holds a run
+    wait_for_main(accelerator)
+
+
+def setup_data(cfg: Config, accelerator, task, tokenizer, report: dict) -> tuple:
+    """(train, eval) tokenized by the task: once per machine (its main process first, the others then read
+    datasets' cache). Both splits' columns are checked first, and the task sees the raw splits (seq_cls resolves its
+    classes, grpo tries its rewards). A streamed train set is split per rank here. `report` gets what tokenizing
+    cut, dropped and refused, per split."""
+    with local_main_process_first(accelerator):  # the others wait for it outside train.dist_timeout_s
+        faults.inject_phase("setup", accelerator.process_index)
+        train_raw, eval_raw = data_lib.load_splits(cfg)
+        chosen = task.columns(data_lib.columns(train_raw), cfg.data.path)
+        if chosen:
+            data_lib.logger.info(f"data: {chosen}")
+        if eval_raw is not None:  # checked now: an evaluation that fails after training would come too late
+            eval_chosen = task.columns(data_lib.columns(eval_raw),
+                                       cfg.data.eval_path or f"{cfg.data.path} (evaluation split)")
+            if eval_chosen and eval_chosen != chosen:  # another file, or split, in another format: said, not silent
+                data_lib.logger.info(f"data (evaluation, {cfg.data.eval_path or cfg.data.eval_split}): {eval_chosen}")
+        task.prepare_data(train_raw, eval_raw)
+        train_ds = task.tokenize(train_raw, tokenizer, report=report.setdefault("train", {}))
+        eval_ds = (task.tokenize(eval_raw, tokenizer, report=report.setdefault("eval", {}), split="eval")
+                   if eval_raw is not None else None)
+    batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
+    if isinstance(train_ds, IterableDataset):
+        return shard_stream(accelerator, train_ds, cfg), eval_ds
+    if len(train_ds) == 0:
+        raise ConfigError(f"data: no training sample keeps a target token after truncation to "
+                          f"data.max_length={cfg.data.max_length}; raise it")
+    if math.ceil(len(train_ds) / batch) < procs:
+        raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
+                          f"train.per_device_batch_size={batch} for each of the {procs} processes")
+    return train_ds, eval_ds
+
+
+def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) -> torch.nn.Module:
+    """The base model with its LoRA adapter (or alone, for full fine-tuning). A random base is saved into
+    output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
+    base = Path(cfg.output_dir) / BASE_MODEL
+    reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
+    # whole, or sharded as the accelerate config says (sharding.py); a random base is saved whole (below)
+    random_base = cfg.lora.enabled and cfg.model.random_init and not resume
+    if random_base and built_sharded(accelerator) == "zero3_init_flag":
+        main_logger().info("model: built whole on each process despite zero3_init_flag: true (model.random_init "
+                           "under LoRA saves its random base, output_dir/base_model); accelerator.prepare shards it")
+    with building(accelerator, whole=random_base) as empty:
+        empty = empty and not cfg.model.quantization  # accelerate broadcasts no quantized weights: every rank reads
+        model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
+                            device=accelerator.device, empty=empty)
+    if built_sharded(accelerator) == "fsdp_cpu_ram_efficient_loading":  # the broadcast's tensors, alike on every rank
+        built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
+        if any(b != built[0] for b in built):
+            raise ConfigError("fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has other "
+                              "parameters (names, dtypes or shapes) than the one the main process read; set "
+                              "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
+    # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
+    random_base = copy.deepcopy(model) if random_base else None
+    model = apply_lora(cfg, model, task.frozen_reference_adapter())
+    if cfg.data.packing and task.packs and not built_sharded(accelerator):
+        check_packing(model)  # before any expensive work: one forward of 8 tokens (built sharded: after prepare)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if accelerator.is_main_process:
+        make_output_dir(cfg.output_dir)
+        if random_base is not None:
+            random_base.save_pretrained(base)
+            tokenizer.save_pretrained(base)
+    return model
+
+
+def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, eval_ds) -> tuple:
+    """(train, eval) dataloaders, not yet sharded, through the task's collator (packed where it packs). The task
+    sets up what needs the bare model first (dpo.precompute_ref adds the reference log-probs to the data)."""
+    train_ds, eval_ds = task.setup(accelerator, model, tokenizer, train_ds, eval_ds)
+    pack = cfg.data.packing and task.packs
+    batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
+    collate = task.collator(tokenizer, pack, attention_cost(model),
+                            data_lib.width_multiple(cfg, accelerator.mixed_precision, pack))
+    train_dl = data_lib.make_dataloader(train_ds, collate, cfg, batch, shuffle=True,
+                                        step_samples=batch * cfg.train.grad_accum_steps * procs,
+                                        balance_ranks=procs if task.balance_ranks else 1)
+    eval_dl = (data_lib.make_dataloader(eval_ds, task.collator(tokenizer), cfg, cfg.train.eval_batch_size,
+                                        shuffle=False) if eval_ds is not None and len(eval_ds) else None)
+    return train_dl, eval_dl
+
+
+def count_steps(cfg: Config, accelerator, task, train_ds) -> int:
+    """Optimizer steps of the run: train.max_steps, else epochs x the steps of one epoch over all ranks."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    micro_batches = math.ceil(len(train_ds) / cfg.train.per_device_batch_size)  # over all ranks, per epoch
+    steps = math.ceil(micro_batches / (accelerator.num_processes * cfg.train.grad_accum_steps)) * cfg.train.epochs
+    return steps * task.steps_per_batch
+
+
+def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tuple:
+    """AdamW over the trainable parameters and the learning-rate schedule."""
+    # Fused AdamW updates all parameters in one kernel (Trainer's default too); FSDP's sharded DTensor
+    # parameters take the default implementation.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                  weight_decay=cfg.train.weight_decay, fused=not accelerator.is_fsdp2)
+    schedule = {"constant": "constant_with_warmup"}.get(cfg.train.lr_scheduler, cfg.train.lr_scheduler)
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
+                              num_training_steps=total_steps)
+    return optimizer, scheduler
+
+
+def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
+            resume: Path | None) -> TrainingJob:
+    """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
+    is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
+    train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
+    if cfg.data.packing and task.packs and built_sharded(accelerator):  # its weights are whole only now
+        check_packing(accelerator.unwrap_model(model, keep_torch_compile=False),  # a collective: every rank
+                      low_precision=accelerator.mixed_precision != "no")
+    procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
+    state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
+    accelerator.register_for_checkpointing(state)
+    register_hooks(accelerator)
+    if resume:
+        load_checkpoint(accelerator, resume, state)
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        if resume:
+            for log in ("metrics.jsonl", PREDICTIONS_FILE, *task.log_files):  # drop what the interrupted run logged later
+                truncate_log(out / log, state.step)
+            set_aside_later(out, state.step)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    unwrapped = accelerator.unwrap_model(model)
+    model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
+    # MFU's denominator: every rank measures at once (on a CPU each its share of the cores, as they train; on GPUs
+    # each its device), with the model's matmul shapes (ZeRO-3 keeps a shard's real shape in ds_shape); the peak
+    # memory then starts over, so that the probe's matrices are not counted in it.
+    wait_for_main(accelerator)
+    dims = matmul_dims([tuple(getattr(p, "ds_shape", p.shape)) for p in unwrapped.parameters()])
+    setup_memory = round(peak_memory_mb(accelerator.device), 1)  # building and sharding the model, before the probe
+    peaks, setup_memory = zip(*gather_setup(accelerator, (
+        measure_peak_flops(accelerator.device, dtype, inner_dims=dims), setup_memory)))
+    reset_peak_memory(accelerator.device)
+    run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, list(peaks), task.progress)
+    return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, task, state, total_steps,
+                       run_log, Preemption(), setup_memory)
+
+
+def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
+    """The run's first line: where it runs, in which precision, from which weights, on what, for how many steps."""
+    accelerator, (trainable, total) = job.accelerator, count_parameters(job.model)
+    batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
+    weights = ("random weights (the built-in tiny model)" if cfg.model.random_init and is_embedded_tiny_model(
+        cfg.model.name_or_path) else "random weights (model.random_init=true)" if cfg.model.random_init
+               else f"the random base saved by an earlier run ({cfg.model.name_or_path})"
+               if saved_random_base(cfg.model.name_or_path) else f"pretrained weights from {cfg.model.name_or_path}")
+    main_logger().info(
+        f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
+        f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
+        f"{weights}; {trainable:,} of {total:,} parameters trainable; "
+        f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
+        f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
+        f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
+        + (f" (train.global_batch_size split over {procs} process(es), in micro-batches of at most "
+           "train.per_device_batch_size)" if cfg.train.global_batch_size else "")
+        + job.task.batch_unit()
+        + f"; {job.total_steps} steps")
+    warmup = cfg.train.warmup_steps
+    if warmup * 2 > job.total_steps and job.state.step == 0:
+        main_logger().warning(
+            f"train.warmup_steps={warmup} covers {'all' if warmup >= job.total_steps else 'most'} of the run's "
+            f"{job.total_steps} steps: the learning rate " + (f"never reaches train.lr={cfg.train.lr:g}" if
+            warmup >= job.total_steps else f"reaches train.lr={cfg.train.lr:g} only at step {warmup}")
+            + "; lower train.warmup_steps")
+
+
+def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
+    """The trained adapter (or full model) into output_dir: written by the main process, gathered by all."""
+    out = Path(cfg.output_dir)
+    target = out / ("adapter" if cfg.lora.enabled else "model")
+    if cfg.lora.enabled and accelerator.is_fsdp2:
+        # Gather the adapter's shards only (a collective per tensor): get_state_dict would gather the whole
+        # model, frozen base included, into rank 0's memory.
+        state = trainable_state(accelerator.unwrap_model(model, keep_torch_compile=False))
+    else:  # a collective under FSDP/DeepSpeed: every rank must call it (ZeRO-3 returns the weights on rank 0 only)
+        state = {plain_name(k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        if cfg.lora.enabled:
+            # The base the adapter loads on: the copy saved before training for a random base (it cannot be
+            # re-downloaded), an absolute path for a local folder (the adapter may be loaded from anywhere).
+            local = Path(cfg.model.name_or_path).expanduser()
+            base = out / BASE_MODEL if cfg.model.random_init else local if local.is_dir() else None
+            if base is not None:
+                unwrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
+        # the trained adapter only (dpo may hold a frozen reference adapter beside it: model.REFERENCE_ADAPTER)
+        only_trained = {"selected_adapters": ["default"]} if cfg.lora.enabled else {}
+        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
+        tokenizer.save_pretrained(target)
+        if task.info.head == "causal_lm":
+            # eos_token_id: the template's end of turn too, so generate() stops where training taught it to (peft
+            # loads the base's own generation config, not an adapter's: model.load_trained applies this one)
+            stopping_config(unwrapped, tokenizer).save_pretrained(target)
+        if cfg.lora.enabled and task.info.head == "seq_cls":
+            # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be
+            # loaded on a base whose own config says otherwise: model.load_trained reads it.
+            unwrapped.get_base_model().config.save_pretrained(target)
+    wait_for_main(accelerator)
+    return target
