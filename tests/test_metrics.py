@@ -1,9 +1,10 @@
-"""The bundled `evaluate` metrics against the documented examples of the hub's versions and against references
-computed by hand on a few strings (in-process, offline), how their results are named, and which direction is better
-for eval.metric_for_best.
+"""The built-in metrics (accel_train/metrics/builtin.py) against the libraries they wrap (the expected numbers
+computed here from scikit-learn, rouge_score and sacrebleu), against the documented examples of the hub's metrics of
+the same names and against references computed by hand on a few strings (in-process, offline), how their results
+are named, and which direction is better for eval.metric_for_best.
 
-The hub's examples are copied with their documented outputs from the docstrings of huggingface/evaluate
-metrics/NAME/NAME.py at v0.4.6, the scripts evaluate 0.4.6 loads from the hub (and the bundled copies hold).
+The hub's examples are its documented inputs and outputs, from the docstrings of huggingface/evaluate
+metrics/NAME/NAME.py at v0.4.6, the scripts evaluate 0.4.6 loads from the hub for these names.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import re
 import evaluate
 import numpy as np
 import pytest
+import sacrebleu
 import torch
 from conftest import python_m
+from rouge_score import rouge_scorer
+from sacrebleu.metrics import CHRF
+from sklearn.metrics import accuracy_score, f1_score
 
 from accel_train.config.load import load_config
 from accel_train.config.sections import ConfigError
-from accel_train.metrics import BUNDLED, bundled, compute_metrics, greater_is_better, load_metric, scores
+from accel_train.metrics import (bundled, check_metrics, compute_metrics, greater_is_better, load_metric,
+                                 load_metrics, results_of, scores)
+from accel_train.metrics import builtin
 from accel_train.models.generation import split_prompt
 from accel_train.runtime.launched import check_sharded
 
@@ -215,7 +222,7 @@ def test_f1_per_class_and_chosen_labels():
     assert f1.compute(**F1_MULTICLASS, labels=[2, 0], average=None)["f1"].tolist() == [0.0, 0.8]
     assert f1.compute(**F1_MULTICLASS, labels=[0, 2], average="macro") == {"f1": pytest.approx(0.4)}
     # one label with average=None: its single score as a float (the hub's script means this, and raises TypeError
-    # with numpy 2.4: accel_train/metrics/f1/f1.py)
+    # with numpy 2.4; builtin.F1 gives the float)
     assert f1.compute(**F1_MULTICLASS, labels=[0], average=None) == {"f1": pytest.approx(0.8)}
 
 
@@ -237,7 +244,7 @@ def test_f1_refuses_what_the_hub_refuses():
 def test_multilabel_configurations_as_documented_by_the_hub():
     # eval.metrics names no configuration, so the product loads the default one; "multilabel" is the hub's other
     def multilabel(name):
-        return evaluate.load(str(BUNDLED / name / f"{name}.py"), "multilabel", keep_in_memory=True)
+        return builtin.METRICS[name](config_name="multilabel", keep_in_memory=True)
 
     inputs = dict(predictions=[[0, 1, 1], [1, 1, 0]], references=[[0, 1, 1], [0, 1, 0]])
     assert round(multilabel("f1").compute(**inputs, average="macro")["f1"], 2) == 0.67  # f1.py, example 5
@@ -364,3 +371,174 @@ def test_generation_under_fsdp1_is_refused_before_loading(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     check_sharded(load_config(None, ["eval.generate=true"]))
     check_sharded(load_config(None, ["task=grpo"]))
+
+
+# The built-in metrics against the libraries they wrap, with the keyword arguments users give in eval.metric_kwargs:
+# the expected numbers computed here from scikit-learn, rouge_score and sacrebleu directly.
+LABELS = dict(predictions=[0, 2, 1, 1, 0, 2, 2, 1], references=[0, 1, 1, 2, 0, 2, 1, 1])
+WEIGHTS = [1, 0.5, 2, 1, 3, 1, 0.25, 1]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"normalize": False}, {"sample_weight": WEIGHTS},
+                                    {"normalize": False, "sample_weight": WEIGHTS}])
+def test_accuracy_is_scikit_learns(kwargs):
+    want = accuracy_score(LABELS["references"], LABELS["predictions"], **kwargs)
+    assert compute("accuracy", **LABELS, **kwargs) == {"accuracy": float(want)}
+
+
+@pytest.mark.parametrize("kwargs", [{"average": "macro"}, {"average": "micro"}, {"average": "weighted"},
+                                    {"average": "macro", "labels": [1, 2]},
+                                    {"average": "weighted", "sample_weight": WEIGHTS}])
+def test_f1_is_scikit_learns(kwargs):
+    want = f1_score(LABELS["references"], LABELS["predictions"], **kwargs)
+    assert compute("f1", **LABELS, **kwargs) == {"f1": float(want)}
+
+
+def test_f1_binary_and_per_class_are_scikit_learns():
+    binary = dict(predictions=[1, 0, 1, 1, 0], references=[1, 1, 0, 1, 0])
+    for pos_label in (0, 1):  # the default average: binary
+        want = f1_score(binary["references"], binary["predictions"], pos_label=pos_label)
+        assert compute("f1", **binary, pos_label=pos_label) == {"f1": float(want)}
+    per_class = compute("f1", **LABELS, average=None)["f1"]
+    np.testing.assert_array_equal(per_class, f1_score(LABELS["references"], LABELS["predictions"], average=None))
+
+
+PHRASES = dict(predictions=["The cat sat.", "Agent 007!", "the dog", "Yelling", "cat"],
+               references=["the cat sat", "agent 7", "The dog.", "YELLING!!", "cat"])
+
+
+@pytest.mark.parametrize("kwargs, matches", [
+    ({}, [0, 0, 0, 0, 1]),
+    ({"ignore_case": True}, [0, 0, 0, 0, 1]),  # "the cat sat." != "the cat sat", "yelling" != "yelling!!"
+    ({"ignore_punctuation": True}, [0, 0, 0, 0, 1]),  # "The cat sat" != "the cat sat"
+    ({"ignore_case": True, "ignore_punctuation": True}, [1, 0, 1, 1, 1]),  # "agent 007" != "agent 7"
+    ({"ignore_case": True, "ignore_punctuation": True, "ignore_numbers": True}, [1, 1, 1, 1, 1]),  # "agent "
+    ({"regexes_to_ignore": ["^[Tt]he "], "ignore_punctuation": True}, [1, 0, 1, 0, 1]),  # "cat sat", "dog"
+    # the regexes are removed before the case is ignored: "^the " leaves "The cat sat." and "The dog." whole
+    ({"regexes_to_ignore": ["^the "], "ignore_case": True, "ignore_punctuation": True}, [0, 0, 0, 1, 1]),
+])
+def test_exact_match_is_the_share_of_equal_normalised_texts(kwargs, matches):
+    assert compute("exact_match", **PHRASES, **kwargs) == {"exact_match": sum(matches) / len(matches)}
+
+
+def test_exact_match_normalises_in_order():
+    assert builtin.normalise("The Agent 007!", regexes_to_ignore=["The ", r"\d"]) == "Agent !"
+    assert builtin.normalise("The Agent 007!", ignore_case=True, ignore_punctuation=True, ignore_numbers=True) == (
+        "the agent ")
+    assert builtin.normalise("a.b-c", ignore_punctuation=True) == "abc"
+
+
+TEXTS = dict(predictions=["the cats were sitting on the mat", "a quick brown fox jumps over dogs", "Hello there"],
+             references=["the cat sat on the mat", "the quick brown fox jumped over the dog", "hello there general"])
+ROUGE_TYPES = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
+
+
+def rouge_score_fmeasures(rouge_types, use_stemmer, predictions, references):
+    scorer = rouge_scorer.RougeScorer(rouge_types, use_stemmer=use_stemmer)
+    each = [scorer.score_multi(r, p) if isinstance(r, list) else scorer.score(r, p)
+            for p, r in zip(predictions, references)]
+    return {t: [s[t].fmeasure for s in each] for t in rouge_types}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"use_stemmer": True}, {"rouge_types": ["rougeLsum", "rouge1"],
+                                                                "use_stemmer": True}])
+def test_rouge_is_rouge_scores_mean_f_measure(kwargs):
+    types = kwargs.get("rouge_types", ROUGE_TYPES)
+    fmeasures = rouge_score_fmeasures(types, kwargs.get("use_stemmer", False), **TEXTS)
+    result = compute("rouge", **TEXTS, **kwargs)
+    assert list(result) == types and result == {t: float(np.mean(f)) for t, f in fmeasures.items()}
+
+
+def test_rouge_stems_keeps_each_sample_and_takes_the_best_reference():
+    plain, stemmed = compute("rouge", **TEXTS), compute("rouge", **TEXTS, use_stemmer=True)
+    assert stemmed["rouge1"] > plain["rouge1"]  # cats/cat, sitting/sat: the stemmer reaches rouge_score
+    assert compute("rouge", **TEXTS, use_aggregator=False) == rouge_score_fmeasures(ROUGE_TYPES, False, **TEXTS)
+    several = dict(predictions=TEXTS["predictions"], references=[[r, "on the mat"] for r in TEXTS["references"]])
+    want = rouge_score_fmeasures(["rouge2"], True, **several)
+    assert compute("rouge", **several, rouge_types=["rouge2"], use_stemmer=True, use_aggregator=False) == want
+
+
+# two reference streams (sacrebleu's layout): the first reference of every text, then the second
+STREAMS = [["The cat is sitting on the mat.", "It is raining cats and dogs.", "我很喜欢猫"],
+           ["A cat sat on the mat.", "It's pouring!", "我爱猫"]]
+TRANSLATIONS = dict(predictions=["The cat sat on the mat.", "It's raining cats and dogs!", "我喜欢猫"],
+                    references=[list(refs) for refs in zip(*STREAMS)])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tokenize": "char"}, {"tokenize": "zh"}, {"tokenize": "none",
+                                                                                 "lowercase": True},
+                                    {"tokenize": "intl", "smooth_method": "floor", "smooth_value": 0.2},
+                                    {"use_effective_order": True, "smooth_method": "add-k"}])
+def test_sacrebleu_is_sacrebleus_corpus_bleu(kwargs):
+    bleu = sacrebleu.corpus_bleu(TRANSLATIONS["predictions"], STREAMS, **kwargs)
+    assert compute("sacrebleu", **TRANSLATIONS, **kwargs) == {
+        "score": bleu.score, "counts": bleu.counts, "totals": bleu.totals, "precisions": bleu.precisions,
+        "bp": bleu.bp, "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
+
+
+def test_sacrebleus_tokenizer_is_the_one_asked_for():
+    scores_by_tokenizer = {t: compute("sacrebleu", **TRANSLATIONS, tokenize=t)["score"] for t in ("13a", "char", "zh")}
+    assert len(set(scores_by_tokenizer.values())) == 3
+    assert compute("sacrebleu", **TRANSLATIONS)["score"] == scores_by_tokenizer["13a"]  # sacrebleu's default
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"word_order": 2}, {"char_order": 4, "beta": 1, "lowercase": True},
+                                    {"whitespace": True, "eps_smoothing": True}])
+def test_chrf_is_sacrebleus_chrf(kwargs):
+    chrf = CHRF(**kwargs).corpus_score(TRANSLATIONS["predictions"], STREAMS)
+    assert compute("chrf", **TRANSLATIONS, **kwargs) == {"score": chrf.score, "char_order": chrf.char_order,
+                                                          "word_order": chrf.word_order, "beta": chrf.beta}
+
+
+@pytest.mark.parametrize("name, kwargs, reported", [
+    ("accuracy", {"normalize": False}, ["accuracy"]), ("f1", {"average": "macro"}, ["f1"]),
+    ("exact_match", {"ignore_case": True}, ["exact_match"]),
+    ("rouge", {"use_stemmer": True}, ["rouge1", "rouge2", "rougeL", "rougeLsum"]),
+    ("rouge", {"rouge_types": ["rougeL", "rouge2"]}, ["rougeL", "rouge2"]),
+    ("sacrebleu", {"tokenize": "char"}, ["sacrebleu"]), ("chrf", {"word_order": 2}, ["chrf"]),
+])
+def test_the_builtin_metrics_results_as_reported(name, kwargs, reported):
+    """As a run reports them (load_metrics, then compute_metrics: eval_KEY), and as preflight expects them
+    (results_of: what eval.metric_for_best may name)."""
+    inputs = LABELS if name in ("accuracy", "f1") else {"predictions": TEXTS["predictions"],
+                                                         "references": TEXTS["references"]}
+    metrics = load_metrics([name], {name: kwargs}, *inputs.values(), "eval.metrics")
+    results = compute_metrics(metrics, {name: kwargs}, **inputs)
+    assert list(results) == [f"eval_{n}" for n in reported] and list(results_of(name, kwargs)) == reported
+    assert all(type(v) is float for v in results.values())
+
+
+def test_the_builtin_metrics_load_without_evaluate_load(monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError(f"evaluate.load{args}")
+
+    monkeypatch.setattr(evaluate, "load", no_load)
+    assert bundled() == sorted(builtin.METRICS) == ["accuracy", "chrf", "exact_match", "f1", "rouge", "sacrebleu"]
+    for name in bundled():
+        metric = load_metric(name)
+        assert type(metric) is builtin.METRICS[name] and metric.name == name and metric.keep_in_memory
+
+
+def test_a_name_not_built_in_loads_with_evaluate(tmp_path):
+    script = tmp_path / "mean_prediction.py"  # a user's own metric script, loaded as evaluate.load loads it
+    script.write_text("import datasets\nimport evaluate\n\n\nclass MeanPrediction(evaluate.Metric):\n"
+                      "    def _info(self):\n"
+                      "        value = datasets.Value('float32')\n"
+                      "        return evaluate.MetricInfo(description='', citation='', features=datasets.Features(\n"
+                      "            {'predictions': value, 'references': value}))\n\n"
+                      "    def _compute(self, predictions, references):\n"
+                      "        return {'mean_prediction': sum(predictions) / len(predictions)}\n")
+    metric = load_metric(str(script))
+    assert not isinstance(metric, tuple(builtin.METRICS.values()))
+    assert metric.compute(predictions=[1, 2], references=[0, 0]) == {"mean_prediction": 1.5}
+
+
+def test_an_unknown_metric_is_refused_before_any_is_computed(monkeypatch):
+    computed = []
+    monkeypatch.setattr(builtin.Accuracy, "_compute", lambda self, **inputs: computed.append(inputs) or {})
+    with pytest.raises(ConfigError, match=r"^eval.metrics: cannot load metric 'no_such_metric' \(bundled: accuracy, "
+                                          r"chrf, exact_match, f1, rouge, sacrebleu; other names load from the hub"):
+        check_metrics(["accuracy", "no_such_metric"])  # preflight
+    with pytest.raises(FileNotFoundError, match="no_such_metric"):  # every metric is loaded before any is tried
+        load_metrics(["accuracy", "no_such_metric"], {}, [0, 1], [1, 0], "eval.metrics")
+    assert computed == []

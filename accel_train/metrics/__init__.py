@@ -1,13 +1,13 @@
-"""`evaluate` metrics by name: bundled modules (offline) first, then the hub; the results each reports, and which
-direction is better for each.
+"""`evaluate` metrics by name: the built-in ones (builtin.py, offline: `evaluate.Metric` subclasses of the project's
+own over scikit-learn, rouge_score and sacrebleu) first, then any other name with `evaluate.load` (the hub, or a
+local script); the results each reports, and which direction is better for each.
 
-`evaluate` (which imports torch) is imported only when a metric is loaded: preflight reads the bundled names here.
+`evaluate` (which imports torch) is imported only when a metric is loaded: preflight reads the built-in names here.
 """
 
 from __future__ import annotations
 
 import numbers
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config.schema import Config, EvalConfig
@@ -17,20 +17,22 @@ from accel_train.config.registry import info
 if TYPE_CHECKING:
     import evaluate
 
-BUNDLED = Path(__file__).parent
-
 
 def bundled() -> list[str]:
-    """Names of the metrics shipped here (metrics/NAME/NAME.py): they load without the network."""
-    return sorted(p.parent.name for p in BUNDLED.glob("*/*.py") if p.stem == p.parent.name)
+    """Names of the built-in metrics (builtin.METRICS, the keys of RESULTS): they load without the network."""
+    return sorted(RESULTS)
 
 
 def load_metric(name: str) -> evaluate.EvaluationModule:
+    """A built-in metric by name, else `evaluate.load(name)`: a metric of the hub, or a local script's path."""
+    # keep_in_memory: every rank computes from the same gathered values; no shared cache file to race on.
+    if name in RESULTS:
+        from accel_train.metrics.builtin import METRICS
+
+        return METRICS[name](keep_in_memory=True)
     import evaluate
 
-    script = BUNDLED / name / f"{name}.py"
-    # keep_in_memory: every rank computes from the same gathered values; no shared cache file to race on.
-    return evaluate.load(str(script) if script.is_file() else name, keep_in_memory=True)
+    return evaluate.load(name, keep_in_memory=True)
 
 
 def scores(name: str, result: dict) -> dict:
@@ -69,7 +71,7 @@ def compute_metrics(metrics: dict, kwargs: dict, **inputs) -> dict:
     return results
 
 
-# The results each bundled metric reports, as `scores` names them (eval_ omitted): what eval.metric_for_best may
+# The results each built-in metric reports, as `scores` names them (eval_ omitted): what eval.metric_for_best may
 # name. A metric from the hub is taken to report one result named after itself, as most do (bleu, meteor, ter).
 RESULTS = {"accuracy": ("accuracy",), "f1": ("f1",), "exact_match": ("exact_match",),
            "rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"), "sacrebleu": ("sacrebleu",), "chrf": ("chrf",)}
@@ -119,7 +121,7 @@ def _source(cfg: Config, name: str) -> str:
         return ""
     if not task.metrics:
         return f" ({name} is a result of metric {metric}: task {cfg.task} computes no eval.metrics)"
-    # the default generation metrics are the bundled ones that score texts
+    # the default generation metrics are the built-in ones that score texts
     where = ("eval.generation_metrics, with eval.generate=true" if task.generation
              and metric in EvalConfig().generation_metrics else "eval.metrics")
     return f" ({name} is a result of metric {metric}: add it to {where})"
@@ -152,8 +154,8 @@ def greater_is_better(key: str, given: bool | None) -> bool:
 
 
 def check_metrics(names: list[str], key: str = "eval.metrics") -> None:
-    """Every name is bundled or loads from the hub (a check run by preflight: it imports evaluate only for names
-    that are not bundled)."""
+    """Every name is built in or loads with evaluate (a check run by preflight: it imports evaluate only for names
+    that are not built in)."""
     for name in names:
         if name in bundled():
             continue
