@@ -325,3 +325,156 @@ def test_the_recipes_after_sft_tiny(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if "loss" in r] == [1, 2] and records[-1]["eval_loss"] > 0
+
+
+# --- the study's figures, recomputed from their committed rows ----------------------------------------------------
+# README's study table and its TRL comparison state means ± sd over seeds (statistics.stdev: the sample sd, as
+# tests/scripts/study.py's own table), medians of seconds and seed counts; each is recomputed here from the rows.
+SCRIPTS = REPO / "tests" / "scripts"
+STUDY_HEADER = "| arm | accuracy | s | | arm | accuracy | s |"
+# a table row's label (its start) -> the study arms behind it (two: the lr 5e-5 arm / the lr 2e-4 arm)
+STUDY_LABELS = {
+    "base": ["base"], "SFT on the gold answers": ["sft"], "RFT (its own correct answers)": ["rft"],
+    "dpo, lr 5e-5 / 2e-4": ["dpo", "dpo_lr2e-4"], "kto (pairs unpaired), lr 5e-5 / 2e-4": ["kto", "kto_lr2e-4"],
+    "cpo, lr 5e-5 / 2e-4": ["cpo", "cpo_lr2e-4"], "orpo, lr 5e-5": ["orpo", "orpo_lr2e-4"],
+    "simpo, lr 5e-5": ["simpo", "simpo_lr2e-4"], "reward model:": ["reward"], "grpo (true reward)": ["grpo"],
+    "rloo": ["rloo"], "grpo on the reward model": ["grpo_rm"],
+    "**two stages: grpo, then RFT on its samples**": ["teacher_rft"],
+    "on-policy distillation from the grpo model": ["distill"],
+}
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@cache
+def _study_arms() -> dict[str, list[dict]]:
+    arms: dict[str, list[dict]] = {}
+    for row in _jsonl(SCRIPTS / "study_results.jsonl"):
+        arms.setdefault(row["arm"], []).append(row)
+    return {arm: sorted(rows, key=lambda r: r["seed"]) for arm, rows in arms.items()}
+
+
+def _readme_prose() -> str:
+    return " ".join(README.read_text().split())
+
+
+def _mean_sd(values) -> tuple[str, str]:
+    import statistics
+    return f"{statistics.fmean(values):.2f}", f"{statistics.stdev(values):.2f}"
+
+
+def _median_s(rows) -> str:
+    import statistics
+    return f"{statistics.median(r['seconds'] for r in rows):.0f}"
+
+
+def _study_table() -> list[tuple[str, str, str]]:
+    """(label, accuracy, seconds) of each half of each row of README's study table."""
+    lines = README.read_text().splitlines()
+    at = lines.index(STUDY_HEADER) + 2
+    cells = []
+    while at < len(lines) and lines[at].startswith("|"):
+        row = [c.strip() for c in lines[at].strip().strip("|").split("|")]
+        assert len(row) == 7 and row[3] == "", lines[at]  # two halves of (arm, accuracy, s), an empty column between
+        cells += [tuple(row[:3]), tuple(row[4:])]
+        at += 1
+    return cells
+
+
+def test_readme_study_table_is_what_its_committed_rows_give():
+    arms, seen = _study_arms(), []
+    seeds = re.search(r"mean ± sd over seeds (\d+)-(\d+)", _readme_prose())
+    all_seeds = list(range(int(seeds[1]), int(seeds[2]) + 1))
+    for label, accuracy, seconds in _study_table():
+        matched = [names for start, names in STUDY_LABELS.items() if label.startswith(start)]
+        assert len(matched) == 1, f"a study table row no test maps to its arms: {label!r}"
+        names = matched[0]
+        seen += names
+        # per arm (5e-5 / 2e-4 where two): the seeds, said where fewer than all
+        parts = label.split(" / ") if len(names) == 2 else [label]
+        for name, part in zip(names, parts):
+            said = re.search(r"\((\d+) seeds\)", part)
+            got = [r["seed"] for r in arms[name]]
+            assert (len(got) == int(said[1])) if said else got == all_seeds, (label, name, got)
+        # accuracy: mean ± sd (sample sd), a bare mean only where the seeds agree
+        if names != ["reward"]:
+            for name, cell in zip(names, accuracy.strip("*").split(" / "), strict=True):
+                mean, sd = _mean_sd([r["accuracy"] for r in arms[name]])
+                assert cell == (f"{mean} ± {sd}" if sd != "0.00" or "±" in cell else mean), (label, name, cell)
+        # seconds: the median over seeds of each arm (a "+": on top of the grpo arm's, which it starts from)
+        assert seconds.lstrip("+").split(" / ") == [_median_s(arms[n]) for n in names], (label, seconds)
+    assert sorted(seen) == sorted(arms), "every arm of the rows in the table, once"
+
+
+def test_readme_study_reward_model_and_sampling_figures_are_the_rows():
+    import statistics
+    arms, prose = _study_arms(), _readme_prose()
+    reward = arms["reward"]
+    label = next(label for label, _, _ in _study_table() if label.startswith("reward model:"))
+    found = re.fullmatch(r"reward model: held-out pairs ([\d.]+) ± ([\d.]+) \(of ([\d, ]+) pairs\); best-of-8 "
+                         r"([\d.]+) ± ([\d.]+) \(pass@1 ([\d.]+), pass@8 ([\d.]+)\)", label)
+    assert found, label
+    assert found.group(1, 2) == _mean_sd([r["eval_pair_accuracy"] for r in reward])
+    assert found.group(4, 5) == _mean_sd([r["best_of_n"] for r in reward])
+    assert found[6] == f"{statistics.fmean(r['pass@1'] for r in reward):.2f}"
+    assert found[7] == f"{statistics.fmean(r['pass@8'] for r in reward):.2f}"
+    # held-out pairs: one per held-out prompt with a right and a wrong answer among its 8 (number_match: 0 or 1),
+    # the prompts pass@8 counts (the same seeded sampling of the same base); each seed's accuracy is k of them
+    prompts = int(re.search(r"greedy accuracy on (\d+) held-out ones", prose)[1])
+    pairs = [round(r["pass@8"] * prompts) for r in reward]
+    for row, n in zip(reward, pairs):
+        assert abs(row["eval_pair_accuracy"] * n - round(row["eval_pair_accuracy"] * n)) < 1e-4, (row, n)
+    assert [int(n) for n in found[3].split(",")] == pairs
+    # the sampling the preference arms read (rft's rows: one per seed), and the grpo model's (the two-stage row)
+    sampled = re.search(r"\(8 answers at T 0.7: pass@1 ([\d.]+), pass@8 ([\d.]+)\)", prose)
+    assert sampled.group(1, 2) == tuple(f"{statistics.fmean(r[f'sampled_pass@{k}'] for r in arms['rft']):.2f}"
+                                        for k in (1, 8))
+    two_stage = next(label for label, _, _ in _study_table() if label.startswith("**two stages"))
+    teacher = statistics.fmean(r["teacher_pass@8"] for r in arms["teacher_rft"])
+    assert f"(pass@8 {teacher:.2f})" in two_stage
+    # distillation carries its teacher's gain seed by seed
+    by_seed = re.search(r"seed by seed \(([\d./]+) against ([\d./]+)\)", prose)
+    assert by_seed.group(1, 2) == tuple("/".join(f"{r['accuracy']:.2f}" for r in arms[a]) for a in ("distill", "grpo"))
+
+
+def test_readme_trl_comparison_is_what_its_committed_rows_give():
+    import statistics
+    trl = sorted(_jsonl(SCRIPTS / "trl_grpo_results.jsonl"), key=lambda r: r["seed"])
+    grpo = _study_arms()["grpo"]
+    assert [r["seed"] for r in trl] == [r["seed"] for r in grpo]  # the same jobs, seed for seed
+    found = re.search(r"GRPOTrainer on the grpo arm's exact job \(same prompts per step\): ([\d.]+) ± ([\d.]+), "
+                      r"sampled reward ([\d.]+) → ([\d.]+) \(steps 1-8 → 9-16\), in ([\d.]+)× the time \(medians: "
+                      r"(\d+) s, `train\(\)` alone; (\d+) s, the arm's whole run", _readme_prose())
+    assert found, "README's TRL comparison line, in the form this test reads"
+    assert found.group(1, 2) == _mean_sd([r["accuracy"] for r in trl])
+    halves = [(statistics.fmean(r["rewards"][:8]), statistics.fmean(r["rewards"][8:16])) for r in trl]
+    assert all(len(r["rewards"]) == 16 for r in trl)
+    assert found.group(3, 4) == tuple(f"{statistics.fmean(h[i] for h in halves):.2f}" for i in (0, 1))
+    trl_s, grpo_s = (statistics.median(r["seconds"] for r in rows) for rows in (trl, grpo))
+    assert found.group(6, 7) == (f"{trl_s:.0f}", f"{grpo_s:.0f}")
+    assert found[5] == f"{trl_s / grpo_s:.1f}"
+    grpo_cell = next(s for label, _, s in _study_table() if label == "grpo (true reward)")
+    assert grpo_cell == found[7]  # the table's grpo seconds are the ones the ratio divides by
+
+
+def test_readme_pairs_are_a_right_answer_against_a_wrong_one(tmp_path):
+    """README: the model's own pairs are "each a right answer against a wrong one": sample writes a pair only where
+    the best answer beats the worst, and number_match scores 0 or 1."""
+    from accel_train.components.rewards import number_match
+    from accel_train.tools.sample import write_outputs
+
+    assert "own pairs (each a right answer against a wrong one)" in _readme_prose()
+    answers = ["12", "12", "the answer is 12", "13", "", "1 2", "12.0", "7"]
+    scores = number_match(None, answers, None, answers=["12"] * len(answers))
+    assert set(scores) == {0.0, 1.0}
+    rows = [{"prompt": f"p{k}", "completions": answers[k:] + answers[:k], "rewards": scores[k:] + scores[:k],
+             "truncated": [False] * 8, "tokens": [1] * 8} for k in range(8)]
+    rows += [{"prompt": "all wrong", "completions": ["1", "2"], "rewards": [0.0, 0.0], "truncated": [False] * 2,
+              "tokens": [1] * 2}]
+    write_outputs(tmp_path, rows, 1.0, {"n": 8})
+    pairs = _jsonl(tmp_path / "pairs.jsonl")
+    assert len(pairs) == 8 and all(p["margin"] == 1.0 for p in pairs)
+    for pair in pairs:
+        assert number_match(None, [pair["chosen"], pair["rejected"]], None, answers=["12", "12"]) == [1.0, 0.0]
