@@ -81,19 +81,20 @@ def test_deepspeed_gets_our_batch_accumulation_and_clipping(name):
 def test_dpo_precompute_ref_is_refused_where_the_model_is_built_sharded():
     """dpo.precompute_ref runs the model over the data before accelerator.prepare: where the launch builds it
     sharded (zero3_init_flag: true, as deepspeed_zero3.yaml ships; fsdp_cpu_ram_efficient_loading: true, as
-    fsdp2.yaml) it is refused by dpo's own preflight, before any rank loads anything, naming both ways out."""
+    fsdp2.yaml) it is refused by the launch's check of what the task needs (launched.check_engine), before any rank loads
+    anything, naming both ways out."""
     from conftest import launch_environment as launched
 
-    from accel_train.config import registry
     from accel_train.config.sections import ConfigError
+    from accel_train.runtime.launched import check_engine
 
     cfg = load_config(None, ["task=dpo", "dpo.precompute_ref=true"])
     for config, key in (("deepspeed_zero3.yaml", "zero3_init_flag"), ("fsdp2.yaml", "fsdp_cpu_ram_efficient_loading")):
         with patch_environment(**launched(config)[0]), pytest.raises(ConfigError) as refused:
-            registry.info("dpo").check(cfg)
+            check_engine(cfg)
         assert str(refused.value) == (
             "dpo.precompute_ref=true runs the whole model over the training pairs before accelerator.prepare, but the "
             f"accelerate config's {key}: true builds it sharded; set dpo.precompute_ref=false (the reference is then "
             f"computed at each step), or {key}: false")
     with patch_environment(**launched("cpu_deepspeed_zero3.yaml")[0]):
-        registry.info("dpo").check(cfg)  # built whole, then sharded: the reference log-probs precomputed first
+        check_engine(cfg)  # built whole, then sharded: the reference log-probs precomputed first

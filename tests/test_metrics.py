@@ -28,7 +28,7 @@ from accel_train.metrics import (bundled, check_metrics, compute_metrics, greate
                                  load_metrics, results_of, scores)
 from accel_train.metrics import builtin
 from accel_train.models.generation import split_prompt
-from accel_train.runtime.launched import check_sharded
+from accel_train.runtime.launched import check_engine
 
 
 def compute(name, predictions, references, **kwargs):
@@ -125,34 +125,32 @@ BEST = ["save.final=best", "checkpoint.keep_best=true", "eval.metric_for_best=lo
 @pytest.mark.parametrize("variable, kind", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")])
 def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch, variable, kind):
     monkeypatch.setenv("FSDP_VERSION", "2")  # as configs/accelerate/fsdp2.yaml launches it (FSDP1: the next test)
-    from accel_train.config import registry
-
     key = "grpo.generation_batch_size=2"
     lockstep = load_config(None, ["task=grpo", key, "train.gather_for_generation=false"])
-    registry.info("grpo").check(lockstep)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
+    check_engine(lockstep)  # a DDP launch (accelerate launch sets the flags only for sharded configs)
     monkeypatch.setenv(variable, "true")
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} with "
                                           r"train.gather_for_generation=false \(generation in lock-step"):
-        registry.info("grpo").check(lockstep)  # grpo's own preflight
+        check_engine(lockstep)  # what grpo states it needs (registry: uneven_generation)
     # the weights gathered for generation (the default): each rank generates alone, as many calls as it needs
-    registry.info("grpo").check(load_config(None, ["task=grpo", key]))
-    check_sharded(load_config(None, BEST))  # the best checkpoint's sharded files are read back (recipe.run)
+    check_engine(load_config(None, ["task=grpo", key]))
+    check_engine(load_config(None, BEST))  # the best checkpoint's sharded files are read back (recipe.run)
     if variable == "ACCELERATE_USE_DEEPSPEED":  # ZeRO-2 keeps the whole weights on every rank: it may generate
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        registry.info("grpo").check(lockstep)
-        check_sharded(load_config(None, ["task=grpo"]))
+        check_engine(lockstep)
+        check_engine(load_config(None, ["task=grpo"]))
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
-        check_sharded(load_config(None, ["task=grpo"]))  # generation in lock-step (sharding.sharded)
-        check_sharded(load_config(None, ["eval.generate=true"]))
+        check_engine(load_config(None, ["task=grpo"]))  # generation in lock-step (Engine.shards_weights)
+        check_engine(load_config(None, ["eval.generate=true"]))
 
 
 def test_gather_for_generation_given_where_the_weights_are_whole_says_it_does_nothing(monkeypatch, caplog,
                                                                                        tmp_path):
     """A key given and ignored is said: under DDP (or ZeRO-2) the weights are whole on every rank already."""
     caplog.set_level("INFO")
-    check_sharded(load_config(None, ["task=grpo"]))  # left at its default: nothing said
+    check_engine(load_config(None, ["task=grpo"]))  # left at its default: nothing said
     assert "gather_for_generation" not in caplog.text
-    check_sharded(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))
+    check_engine(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))
     assert [r.getMessage() for r in caplog.records if "gather_for_generation" in r.getMessage()] == [
         "train.gather_for_generation=false does nothing under this launch: the weights are whole on every rank (it "
         "applies to FSDP2 and DeepSpeed ZeRO-3)"]
@@ -162,7 +160,7 @@ def test_gather_for_generation_given_where_the_weights_are_whole_says_it_does_no
     assert proc.returncode == 0 and proc.stderr.count("does nothing under this launch") == 1, proc.stderr[-2000:]
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    check_sharded(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))
+    check_engine(load_config(None, ["task=grpo", "train.gather_for_generation=false"]))
     assert "gather_for_generation" not in caplog.text
 
 
@@ -367,10 +365,10 @@ def test_generation_under_fsdp1_is_refused_before_loading(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     for overrides, key in ((["eval.generate=true"], "eval.generate=true"), (["task=grpo"], "task=grpo (it generates)")):
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under FSDP1 .*fsdp_version: 2"):
-            check_sharded(load_config(None, overrides))
+            check_engine(load_config(None, overrides))
     monkeypatch.setenv("FSDP_VERSION", "2")
-    check_sharded(load_config(None, ["eval.generate=true"]))
-    check_sharded(load_config(None, ["task=grpo"]))
+    check_engine(load_config(None, ["eval.generate=true"]))
+    check_engine(load_config(None, ["task=grpo"]))
 
 
 # The built-in metrics against the libraries they wrap, with the keyword arguments users give in eval.metric_kwargs:

@@ -70,7 +70,7 @@ class CompletionSampler:
 
     def __init__(self, cfg: Config, model, tokenizer, device, synced: bool = False):
         """`model`: the unwrapped model, whose generation_config.json is read (and overridden: generation.py);
-        `synced`: its weights are sharded and not gathered for generation (sharding.lockstep): every rank generates
+        `synced`: its weights are sharded and not gathered for generation (Engine.generates_in_lockstep): every rank generates
         in lock-step, one generate call per micro-batch."""
         self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))

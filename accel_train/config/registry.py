@@ -23,6 +23,9 @@ class TaskInfo:
     """The model it trains: "causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
     summary: str
     """One line for `--help`."""
+    scores: bool = False
+    """Whether its model (a sequence classifier) gives one score per sequence (a reward model) rather than classes:
+    what `accel-train predict` reads of a trained run."""
     results: tuple[str, ...] | str = ("loss",)
     """The names of its own evaluation results (eval_ omitted), before those of eval.metrics: what
     eval.metric_for_best may name; or "module:NAME" of a torch-free tuple of them, or of a function cfg -> them."""
@@ -32,7 +35,7 @@ class TaskInfo:
     """Whether it scores generated answers with eval.generation_metrics under eval.generate (generation.py)."""
     generates: bool | str = False
     """Whether training samples from the model (under sharded parameters, FSDP2 and ZeRO-3, on weights gathered
-    for it or in lock-step on every rank: preflight.check_sharded, sharding.generating); or "module:function" of a torch-free function cfg -> that (when only some
+    for it or in lock-step on every rank: runtime.launched.check_engine, runtime.engine.Engine.generating); or "module:function" of a torch-free function cfg -> that (when only some
     settings sample)."""
     example: tuple[str, ...] = ()
     """Overrides of a small run on built-in data that trains something (tests/test_conformance.py runs it on
@@ -40,6 +43,14 @@ class TaskInfo:
     config: str | None = None
     """"module:Class" of its config section (a torch-free dataclass with `resolve` and `check`, sections.py), the
     `Config` field named for the task; None: it reads the common sections only."""
+    before_prepare: str | None = None
+    """"module:function" of a torch-free function cfg -> (the setting, what it reads, the way out) where the task
+    runs the whole model over data before accelerator.prepare, else None: refused where the launch builds the model
+    sharded (runtime.launched.check_engine)."""
+    uneven_generation: str | None = None
+    """"module:function" of a torch-free function cfg -> (the setting, why) where ranks may call generate a
+    different number of times, else None: refused where generation runs in lock-step on sharded weights
+    (runtime.launched.check_engine)."""
     preflight: str | None = None
     """"module:function" of its own cheap checks (torch-free, cfg -> None), run by preflight; ConfigError on a
     mistake."""
@@ -52,6 +63,12 @@ class TaskInfo:
 
     def generating(self, cfg) -> bool:
         return bool(_function(self.generates)(cfg) if isinstance(self.generates, str) else self.generates)
+
+    def runs_model_before_prepare(self, cfg) -> tuple[str, str, str] | None:
+        return _function(self.before_prepare)(cfg) if self.before_prepare else None
+
+    def generates_unevenly(self, cfg) -> tuple[str, str] | None:
+        return _function(self.uneven_generation)(cfg) if self.uneven_generation else None
 
     def check(self, cfg) -> None:
         if self.preflight is not None:
@@ -73,10 +90,11 @@ REGISTRY: dict[str, TaskInfo] = {
     "dpo": TaskInfo("dpo.task", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
                     config="accel_train.tasks.dpo.config:DpoConfig", results="accel_train.tasks.dpo.config:RESULTS",
                     example=("data.path=builtin:reverse_pref", "dpo.reference=base"),
-                    preflight="accel_train.tasks.dpo.config:preflight"),
+                    before_prepare="accel_train.tasks.dpo.config:before_prepare"),
     "grpo": TaskInfo("grpo.task", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
                      config="accel_train.tasks.grpo.config:GrpoConfig", results="accel_train.tasks.grpo.config:results",
-                     generates=True, example=("data.path=builtin:reverse", "grpo.num_generations=4",
+                     generates=True, uneven_generation="accel_train.tasks.grpo.config:uneven_generation",
+                     example=("data.path=builtin:reverse", "grpo.num_generations=4",
                                               "grpo.max_new_tokens=6", "grpo.rewards=[length_penalty]"),
                      preflight="accel_train.tasks.grpo.config:preflight"),
     # the teacher: the embedded tiny model, random from seed + 1 (a real teacher: configs/train/distill_default.yaml)
@@ -88,7 +106,7 @@ REGISTRY: dict[str, TaskInfo] = {
                                  "distill.on_policy=0.5", "distill.max_new_tokens=8"),
                         preflight="accel_train.tasks.distill.config:preflight"),
     "reward": TaskInfo("reward.task", "seq_cls", "a reward model (one score per sequence) on chosen/rejected pairs "
-                       "(reward.*)", config="accel_train.tasks.reward.config:RewardConfig",
+                       "(reward.*)", scores=True, config="accel_train.tasks.reward.config:RewardConfig",
                        results="accel_train.tasks.reward.config:RESULTS", example=("data.path=builtin:reverse_pref",)),
     "kto": TaskInfo("kto.task", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
                     config="accel_train.tasks.kto.config:KtoConfig", results="accel_train.tasks.kto.config:RESULTS",

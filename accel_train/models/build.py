@@ -73,7 +73,7 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
     """The base model: from `weights_from` when given (a run's saved random base), else as model.* says:
     pretrained weights (quantized on `device` with model.quantization), or random ones built from the config
     (model.random_init). `head_kwargs`: the task's (tasks.Task.model_kwargs: a classifier's labels). `empty`: its
-    parameters' shapes only, on the meta device, no weights read (sharding.building: another process's are broadcast into it)."""
+    parameters' shapes only, on the meta device, no weights read (Engine.building: another process's are broadcast into it)."""
     m = cfg.model
     auto = AUTO_CLASS[head_of(cfg)]
     extra = {**(head_kwargs or {}), **attn_implementation(cfg)}

@@ -47,7 +47,7 @@ from transformers.generation import utils as generation_utils
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.engine import gathers, generating, lockstep
+from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX, stop_token_ids
 from accel_train.metrics import compute_metrics, load_metrics
 
@@ -252,12 +252,13 @@ def evaluate_generations(cfg: Config, accelerator, model, gen: GenerationEval, s
     indices, tokens = [], []
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # Sampling draws from its own generator state: the training's random streams (dropout) are left as they were.
-    with torch.random.fork_rng(devices=devices), generating(model, gathers(cfg, accelerator)), \
+    engine = Engine(accelerator, cfg)
+    with torch.random.fork_rng(devices=devices), engine.generating(model), \
             accelerator.autocast():
         torch.manual_seed(cfg.seed + accelerator.process_index)
         for batch in gen.loader:
             out = unwrapped.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     generation_config=config, synced_gpus=lockstep(cfg, accelerator))
+                                     generation_config=config, synced_gpus=engine.generates_in_lockstep)
             new = out[:, batch["input_ids"].shape[1]:]  # the answer, without the prompt
             # Answers end at different lengths on different ranks: one width before gathering.
             new = accelerator.pad_across_processes(new, dim=1, pad_index=gen.tokenizer.pad_token_id)

@@ -122,7 +122,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         _store = torch.distributed.distributed_c10d._get_default_store()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
-    # What sharded parameters rule out was refused before (preflight.check_sharded): a launch asking for FSDP or
+    # What sharded parameters rule out was refused before (launched.check_engine): a launch asking for FSDP or
     # DeepSpeed either gets it or stops in check_launch.
     return accelerator
 

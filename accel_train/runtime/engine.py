@@ -1,7 +1,11 @@
-"""Models where the weights are sharded over the ranks (FSDP2, DeepSpeed ZeRO-3): how they are built before
-`accelerator.prepare`, how a frozen model (a full fine-tuning's reference) is placed beside the policy, and how a
-prepared model generates. Every forward of a sharded model is a collective: the loop's padded window (loop.fit) gives
-every rank the same ones, and generation runs in lock-step (`sharded`).
+"""The engine that runs the job (one process, DDP, FSDP2, DeepSpeed ZeRO-2/3), as tasks and components ask it:
+`Engine` answers what they need (is every forward a collective, is the output head's weight whole outside its
+module's forward, how to build a model, place a frozen copy, generate) and none of them asks which engine runs. The
+refusals that depend on the launch are decided before any model loads, in one place too (launched.check_engine).
+
+Where the weights are sharded over the ranks (FSDP2, DeepSpeed ZeRO-3) every forward is a collective: the loop's
+padded window (loop.fit) gives every rank the same ones, and generation runs on weights gathered for it or in
+lock-step.
 
 Built whole or sharded, by the accelerate config:
     built whole (the default)            every process builds the whole model, `prepare` shards it: host memory of
@@ -10,7 +14,7 @@ Built whole or sharded, by the accelerate config:
     fsdp_cpu_ram_efficient_loading: true the main process reads the weights, the others build an empty model (on the
                                          meta device) that `prepare` fills from the main process's (a broadcast)
 A model built sharded has no whole weights before `prepare`: the checks that run a forward of the model
-(model.check_packing, loss.loss_head) run after it (recipe.prepare, Task.start), on every rank at once.
+(models.build.check_packing, models.loss.loss_head) run after it (Task.start), on every rank at once.
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ def generating(model, gather: bool = False):
     """Around generate() on the unwrapped model of a prepared `model` (a DeepSpeed engine, an FSDP2 module, or
     whole weights: nothing to do). A collective under sharded weights: every rank enters it together.
 
-    `gather` (sharding.gathers): the weights are gathered whole for the block and sharded again after; generation
+    `gather` (Engine.gathers_for_generation): the weights are gathered whole for the block and sharded again after; generation
     then issues no collective, and each rank generates alone. FSDP2: every shard group unsharded, none resharded
     after its forward meanwhile; ZeRO-3: deepspeed.zero.GatheredParameters over all the parameters, with the
     engine's hooks (which gather and release each module's around its forward) removed meanwhile, as TRL's
@@ -217,7 +221,7 @@ def zero3_engine(engine) -> bool:
 
 @contextmanager
 def _gathered_zero3(engine):
-    """A ZeRO-3 engine's parameters whole on every rank, its modules' gathering hooks off (sharding.generating)."""
+    """A ZeRO-3 engine's parameters whole on every rank, its modules' gathering hooks off (`generating`)."""
     import deepspeed
 
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
@@ -238,3 +242,58 @@ def _gathered_zero3(engine):
         finally:
             pre_hooks[start] = start_hook  # first again, before the module hooks registered now
             offload._register_deepspeed_module(offload.module)
+
+
+class Engine:
+    """What the engine running this job supports, for the task, the components and the recipe to ask (built from
+    the Accelerator; `cfg` for the choices a run makes: train.gather_for_generation)."""
+
+    def __init__(self, accelerator: Accelerator, cfg=None):
+        self.accelerator, self.cfg = accelerator, cfg
+
+    @property
+    def shards_weights(self) -> bool:
+        """Every forward of the trained model is a collective (FSDP, ZeRO-3): each rank runs as many as the others."""
+        return sharded(self.accelerator)
+
+    @property
+    def builds_sharded(self) -> str | None:
+        """The accelerate config's key under which the model is built sharded (no whole weights before prepare: a
+        check that runs its forward waits for Task.start), or None."""
+        return built_sharded(self.accelerator)
+
+    @property
+    def head_whole_only_in_forward(self) -> bool:
+        """The output head's weight is whole only while its module runs (ZeRO-3 gathers a module's parameters around
+        its forward): a loss that calls the head outside the model's forward goes through the module, and recomputes
+        its chunks in the head's backward (models.loss.HeadLoss)."""
+        return zero3(self.accelerator)
+
+    @property
+    def gathers_for_generation(self) -> bool:
+        """Generation runs on weights gathered whole for it (sharded weights, train.gather_for_generation not false):
+        each rank generates alone."""
+        return gathers(self.cfg, self.accelerator)
+
+    @property
+    def generates_in_lockstep(self) -> bool:
+        """Generation runs on sharded weights, every rank running forwards until every rank's rows are done (the same
+        number of generate calls on every rank)."""
+        return lockstep(self.cfg, self.accelerator)
+
+    def building(self, whole: bool = False):
+        """Around building a model before prepare (`building`)."""
+        return building(self.accelerator, whole)
+
+    def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy of the not yet prepared `model`, placed as the policy will be (`frozen_copy`)."""
+        return frozen_copy(self.accelerator, model)
+
+    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model placed beside the policy (`prepare_frozen`)."""
+        return prepare_frozen(self.accelerator, model)
+
+    def generating(self, model):
+        """Around generate() on the unwrapped model of the prepared `model` (`generating`), gathered or in lock-step
+        as the run chose."""
+        return generating(model, self.gathers_for_generation)

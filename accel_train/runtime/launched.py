@@ -46,7 +46,7 @@ def sharded_launch() -> str | None:
 
 
 def built_sharded_launch() -> str | None:
-    """The accelerate config's key under which a launch builds the model sharded (sharding.built_sharded, from
+    """The accelerate config's key under which a launch builds the model sharded (Engine.builds_sharded, from
     accelerate launch's environment), or None."""
     if sharded_launch() == "DEEPSPEED" and launcher_asks("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
         return "zero3_init_flag"
@@ -56,12 +56,14 @@ def built_sharded_launch() -> str | None:
     return None
 
 
-def check_sharded(cfg: Config, say: bool = True) -> None:
-    """Sharded parameters (an FSDP or DeepSpeed ZeRO-3 launch): generation runs on the weights gathered for it, or
-    in lock-step on every rank (train.gather_for_generation=false, sharding.lockstep), built for FSDP2; what would
-    make ranks call generate a different number of times in lock-step is the task's own preflight's to refuse
-    (grpo's multi-turn rollouts). Said before any rank loads anything, rather than hang or fail at the end."""
-    generates = registry.info(cfg.task).generating(cfg)
+def check_engine(cfg: Config, say: bool = True) -> None:
+    """What the launch's engine cannot do for the task, decided here from what the task states it needs (registry's
+    TaskInfo: it generates, it runs the model before accelerator.prepare, its ranks may generate unevenly), said
+    before any rank loads anything rather than hang or fail at the end. Sharded parameters (an FSDP or DeepSpeed
+    ZeRO-3 launch): generation runs on the weights gathered for it, or in lock-step on every rank
+    (train.gather_for_generation=false, Engine.generates_in_lockstep), built for FSDP2."""
+    info = registry.info(cfg.task)
+    generates = info.generating(cfg)
     # said by the first rank (`say`: not by accel-train launch's own process, whose ranks say it), before the run's
     # logging is set up: as preflight's other lines (the last-resort handler)
     if cfg.train.gather_for_generation is not None and not sharded_launch() and say and first_process():
@@ -73,3 +75,15 @@ def check_sharded(cfg: Config, say: bool = True) -> None:
         key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
         raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
                           "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
+    how = built_sharded_launch()
+    before = info.runs_model_before_prepare(cfg)
+    if before and how:
+        key, data, way_out = before
+        raise ConfigError(f"{key} runs the whole model over {data} before accelerator.prepare, but the accelerate "
+                          f"config's {how}: true builds it sharded; {way_out}, or {how}: false")
+    uneven, kind = info.generates_unevenly(cfg), sharded_launch()
+    if uneven and kind and cfg.train.gather_for_generation is False:
+        key, why = uneven
+        raise ConfigError(f"{key} is not supported under {kind} with train.gather_for_generation=false (generation "
+                          f"in lock-step on sharded weights: {why}); gather the weights for generation "
+                          "(train.gather_for_generation=true, the default) or turn it off")

@@ -20,7 +20,7 @@ from accel_train.data import pipeline as data_lib
 from accel_train.components import responses
 from accel_train.config.schema import Config
 from accel_train.runtime.dist import gather_setup
-from accel_train.runtime.engine import built_sharded, zero3
+from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.loss import loss_head
 from accel_train.metrics import compute_metrics, load_metrics
@@ -89,16 +89,18 @@ class SFT(Task):
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
         # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
-        if not built_sharded(accelerator):
-            self.head = choose_loss_head(model, zero3(accelerator))
+        engine = Engine(accelerator)
+        if not engine.builds_sharded:
+            self.head = choose_loss_head(model, engine.head_whole_only_in_forward)
         return train_ds, eval_ds
 
     def start(self, job, tokenizer, eval_ds) -> None:
         from accel_train.models.generation import setup_generation
 
-        if built_sharded(job.accelerator):  # whole only now: checked on every rank at once (a collective forward)
+        engine = Engine(job.accelerator)
+        if engine.builds_sharded:  # whole only now: checked on every rank at once (a collective forward)
             head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
-                                    zero3(job.accelerator), job.accelerator.mixed_precision != "no")
+                                    engine.head_whole_only_in_forward, job.accelerator.mixed_precision != "no")
             # one choice for all ranks (under ZeRO-3 the chunked loss gathers the head again in the backward)
             self.head = head if all(gather_setup(job.accelerator, head is not None)) else None
         cfg = self.cfg  # tried on token ids, as the run gives them

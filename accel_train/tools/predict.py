@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from accel_train.config import registry
 from accel_train.config.sections import ConfigError
 from accel_train.data.sources import jsonl_rows
 from accel_train.models.sources import PATH_HELP, check_task, trained_folder
@@ -26,10 +27,11 @@ MAX_LENGTH, BATCH = 1024, 16  # a reward model's tokens kept and sequences a for
 
 def is_reward_model(folder: Path) -> bool:
     """Whether a trained sequence classifier gives one score (task reward) rather than classes: its run's
-    config.yaml says task reward, or its config.json has one label. No weights read."""
+    config.yaml names a task that scores (registry.TaskInfo.scores), or its config.json has one label. No weights
+    read."""
     task = run_config(folder).get("task")
-    if task in ("reward", "seq_cls"):
-        return task == "reward"
+    if task in registry.REGISTRY and registry.info(task).head == "seq_cls":
+        return registry.info(task).scores
     config = folder / "config.json"
     return config.is_file() and len(json.loads(config.read_text()).get("id2label") or {}) == 1
 

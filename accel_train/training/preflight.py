@@ -20,7 +20,7 @@ from accel_train.config import registry
 from accel_train.data.sources import check_data_source
 from accel_train.models.sources import check_gguf, check_model, check_weights, gguf_folder, is_gguf, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
-from accel_train.runtime.launched import check_sharded, first_process, is_local_main, launched_world_size
+from accel_train.runtime.launched import check_engine, first_process, is_local_main, launched_world_size
 from accel_train.runtime.tracking import check_trackers
 
 
@@ -37,7 +37,7 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
     check_trackers(cfg)
     check_metric_for_best(cfg)  # before check_metrics, which loads a metric that is not bundled
     check_metrics(cfg.eval.metrics)
-    check_sharded(cfg, say=split)
+    check_engine(cfg, say=split)
     registry.info(cfg.task).check(cfg)  # the task's own cheap checks
     if cfg.eval.generate:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")

@@ -39,7 +39,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import building, built_sharded
+from accel_train.runtime.engine import Engine
 from accel_train.training.preflight import BASE_MODEL, make_output_dir, saved_random_base
 from accel_train.runtime.launched import launched_world_size
 from accel_train.runtime.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
@@ -175,16 +175,17 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     output_dir/base_model once the adapter is known to fit it: it cannot be rebuilt from the hub."""
     base = Path(cfg.output_dir) / BASE_MODEL
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
-    # whole, or sharded as the accelerate config says (sharding.py); a random base is saved whole (below)
+    # whole, or sharded as the accelerate config says (runtime/engine.py); a random base is saved whole (below)
     random_base = cfg.lora.enabled and cfg.model.random_init and not resume
-    if random_base and built_sharded(accelerator) == "zero3_init_flag":
+    engine = Engine(accelerator)
+    if random_base and engine.builds_sharded == "zero3_init_flag":
         main_logger().info("model: built whole on each process despite zero3_init_flag: true (model.random_init "
                            "under LoRA saves its random base, output_dir/base_model); accelerator.prepare shards it")
-    with building(accelerator, whole=random_base) as empty:
+    with engine.building(whole=random_base) as empty:
         empty = empty and not cfg.model.quantization  # accelerate broadcasts no quantized weights: every rank reads
         model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
                             device=accelerator.device, empty=empty)
-    if built_sharded(accelerator) == "fsdp_cpu_ram_efficient_loading":  # the broadcast's tensors, alike on every rank
+    if engine.builds_sharded == "fsdp_cpu_ram_efficient_loading":  # the broadcast's tensors, alike on every rank
         built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
         if any(b != built[0] for b in built):
             raise ConfigError("fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has other "
@@ -193,7 +194,7 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if random_base else None
     model = apply_lora(cfg, model, task.frozen_reference_adapter())
-    if cfg.data.packing and task.packs and not built_sharded(accelerator):
+    if cfg.data.packing and task.packs and not engine.builds_sharded:
         check_packing(model)  # before any expensive work: one forward of 8 tokens (built sharded: after prepare)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -249,7 +250,7 @@ def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_d
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
-    if cfg.data.packing and task.packs and built_sharded(accelerator):  # its weights are whole only now
+    if cfg.data.packing and task.packs and Engine(accelerator).builds_sharded:  # its weights are whole only now
         check_packing(accelerator.unwrap_model(model, keep_torch_compile=False),  # a collective: every rank
                       low_precision=accelerator.mixed_precision != "no")
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps

@@ -64,7 +64,7 @@ from accel_train.components.prompts import (PromptBudget, PromptCollator, inspec
                                             tokenize_prompts)
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.engine import built_sharded, gathers, generating, lockstep, whole_model, zero3
+from accel_train.runtime.engine import Engine, whole_model
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
                                            until_stop)
@@ -346,10 +346,10 @@ def prompts_of(batch: dict) -> list[list[int]]:
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, step: int, autocast,
-                     prepared=None, synced: bool = False, gather: bool = False) -> list[list[int]]:
+                     prepared, engine: Engine) -> list[list[int]]:
     """The student's response to each prompt, sampled with its own noise (generation.SeededSampler), up to and with
-    its stop token. `model`: unwrapped; `prepared`, accelerate's (sharding.generating: under sharded weights, the
-    weights gathered for it where `gather`, else in lock-step with the other ranks where `synced`)."""
+    its stop token. `model`: unwrapped; `prepared`, accelerate's (Engine.generating: under sharded weights, the
+    weights gathered for it, or in lock-step with the other ranks)."""
     d, device = cfg.distill, next(model.parameters()).device
     config = generation_config(model, tokenizer, d.max_new_tokens)  # greedy: the sampler picks the token
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
@@ -358,9 +358,10 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
     sampler = SeededSampler(noise, input_ids.shape[1], d.temperature, 1.0)
     was_training = model.training
     model.eval()
-    with generating(prepared if prepared is not None else model, gather), autocast():
+    with engine.generating(prepared), autocast():
         new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([sampler]), synced_gpus=synced)
+                             logits_processor=LogitsProcessorList([sampler]),
+                             synced_gpus=engine.generates_in_lockstep)
     new = new[:, input_ids.shape[1]:].tolist()
     model.train(was_training)
     return [until_stop(t, config.eos_token_id, keep=True) for t in new]
@@ -425,14 +426,14 @@ class Distill(Task):
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
         self.teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
         checked_head(self.teacher, f"distill.teacher={self.cfg.distill.teacher}")
-        if not built_sharded(accelerator):  # checked before wrapping (one forward); the wrappers keep the head
+        if not Engine(accelerator).builds_sharded:  # checked before wrapping (one forward); the wrappers keep the head
             self.start_distillation(model, accelerator)
         return train_ds, eval_ds
 
     def start_distillation(self, student, accelerator, low_precision: bool = False) -> None:
         head = checked_head(student, f"model.name_or_path={self.cfg.model.name_or_path}", low_precision)
         self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast,
-                                         sharded=zero3(accelerator))
+                                         sharded=Engine(accelerator).head_whole_only_in_forward)
         if self.distillation.mode == "keep":
             logger.info("distill under ZeRO-3 with a trained output head: every chunk's logits and divergence terms "
                         "(fp32, the vocabulary wide) are held until the backward pass, not recomputed: the head's "
@@ -440,7 +441,7 @@ class Distill(Task):
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.job, self.tokenizer = job, tokenizer
-        if built_sharded(job.accelerator):  # whole only now: checked on every rank at once (a collective forward)
+        if Engine(job.accelerator).builds_sharded:  # whole only now: checked on every rank at once (a collective forward)
             self.start_distillation(job.accelerator.unwrap_model(job.model, keep_torch_compile=False), job.accelerator,
                                     job.accelerator.mixed_precision != "no")
         if self.cfg.distill.on_policy > 0:  # a setting of the model's generation_config.json it cannot switch off:
@@ -465,7 +466,7 @@ class Distill(Task):
         student = accelerator.unwrap_model(self.job.model, keep_torch_compile=False)
         prompts = prompts_of(batch)
         answers = sample_responses(student, self.tokenizer, prompts, self.cfg, step, accelerator.autocast,
-                                   self.job.model, lockstep(self.cfg, accelerator), gathers(self.cfg, accelerator))
+                                   self.job.model, Engine(accelerator, self.cfg))
         return on_policy_batch(prompts, answers, self.tokenizer.pad_token_id, accelerator.device)
 
     def loss(self, model, batch: dict):

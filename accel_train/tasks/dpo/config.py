@@ -82,13 +82,9 @@ class DpoConfig:
                               "dpo.precompute_ref=false (the reference is then computed at each step)")
 
 
-def preflight(cfg) -> None:
-    """dpo.precompute_ref runs the model over the training pairs before accelerator.prepare: not where the launch
-    builds it sharded (sharding.py), before any model loads."""
-    from accel_train.runtime.launched import built_sharded_launch
-
-    how = built_sharded_launch()
-    if cfg.dpo.precompute_ref and how:
-        raise ConfigError(f"dpo.precompute_ref=true runs the whole model over the training pairs before "
-                          f"accelerator.prepare, but the accelerate config's {how}: true builds it sharded; set "
-                          f"dpo.precompute_ref=false (the reference is then computed at each step), or {how}: false")
+def before_prepare(cfg) -> tuple[str, str, str] | None:
+    """dpo.precompute_ref runs the model over the training pairs before accelerator.prepare (registry.TaskInfo)."""
+    if cfg.dpo.precompute_ref:
+        return ("dpo.precompute_ref=true", "the training pairs",
+                "set dpo.precompute_ref=false (the reference is then computed at each step)")
+    return None

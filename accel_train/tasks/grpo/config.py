@@ -169,23 +169,23 @@ def results(cfg) -> list[str]:
     return ["reward", *(f"rewards/{name}/mean" for name in labels(cfg.grpo.rewards)), "completions/mean_length"]
 
 
+def uneven_generation(cfg) -> tuple[str, str] | None:
+    """What makes ranks call generate a different number of times (registry.TaskInfo)."""
+    g = cfg.grpo
+    if g.tools or g.environment:
+        return "grpo.tools or grpo.environment", "each completion's turns would make the ranks generate a different " \
+                                                 "number of times"
+    if g.generation_batch_size is not None:
+        return f"grpo.generation_batch_size={g.generation_batch_size}", "generation runs in lock-step, one call per " \
+                                                                         "micro-batch"
+    return None
+
+
 def preflight(cfg) -> None:
     """The reward functions (rewards.check_rewards: names resolved, arguments accepted), then the tools or the
-    environment (tools.check_static); under sharded weights where every rank generates in lock-step
-    (train.gather_for_generation=false), nothing that makes ranks call generate a different number of times."""
+    environment (tools.check_static)."""
     from accel_train.components.rewards import check_rewards
     from accel_train.components.tools import check_static
-    from accel_train.runtime.launched import sharded_launch
 
-    kind, g = sharded_launch(), cfg.grpo
-    for key, on, why in (
-            ("grpo.tools or grpo.environment", bool(g.tools or g.environment),
-             "each completion's turns would make the ranks generate a different number of times"),
-            (f"grpo.generation_batch_size={g.generation_batch_size}", g.generation_batch_size is not None,
-             "generation runs in lock-step, one call per micro-batch")):
-        if kind and cfg.train.gather_for_generation is False and on:
-            raise ConfigError(f"{key} is not supported under {kind} with train.gather_for_generation=false "
-                              f"(generation in lock-step on sharded weights: {why}); gather the weights for "
-                              "generation (train.gather_for_generation=true, the default) or turn it off")
     check_rewards(cfg)
     check_static(cfg)

@@ -28,7 +28,7 @@ from accel_train.components.logprobs import completion_logps, output_head, share
 from accel_train.components.rewards import RewardError, Rewards
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.engine import gathers, generating, lockstep, sharded, zero3
+from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import left_padded, merged_adapter, position_ids
 from accel_train.runtime.tracking import get_logger
@@ -84,7 +84,8 @@ class Rollouts:
         self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
         self.rewards = Rewards(cfg)
         # under sharded weights: gathered whole for the rollouts, or in lock-step (train.gather_for_generation)
-        self.synced, self.gather = lockstep(cfg, accelerator), gathers(cfg, accelerator)
+        self.engine = Engine(accelerator, cfg)
+        self.synced = self.engine.generates_in_lockstep
         self.sampler = CompletionSampler(cfg, accelerator.unwrap_model(model), tokenizer, accelerator.device,
                                          self.synced)
         # a LoRA adapter merged into weights that FSDP or ZeRO-3 shard is not built: in lock-step, rollouts run it
@@ -145,7 +146,7 @@ class Rollouts:
         where = f"generating the completions of step {step + 1}"  # an environment's or a tool parser's error
         try:
             # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
-            with generating(self.model, self.gather), merged_adapter(unwrapped, self.merge and bool(prompt_batches)), \
+            with self.engine.generating(self.model), merged_adapter(unwrapped, self.merge and bool(prompt_batches)), \
                     self.accelerator.autocast():
                 # a replayed batch (weight 0: its tokens do not matter) runs no environment
                 generated = (self.sampler.generate_window(unwrapped, prompt_batches[:logged], step)
@@ -163,11 +164,11 @@ class Rollouts:
         stop_together(self.accelerator, failed)
         if self.g.num_iterations > 1:  # the log-probs at generation, in training mode (the ratio starts at 1)
             # as PolicyLoss runs them
-            prompts_by = unwrapped if shares_prompts(self.cfg) and not sharded(self.accelerator) else None
+            prompts_by = unwrapped if shares_prompts(self.cfg) and not self.engine.shards_weights else None
             for micro in out:
                 with self.accelerator.autocast():
                     micro["old_logps"] = completion_logps(unwrapped, micro, self.g.temperature, output_head(
-                        unwrapped, zero3(self.accelerator)), prompts_by)[0]
+                        unwrapped, self.engine.head_whole_only_in_forward), prompts_by)[0]
         self.generation_s += time.perf_counter() - t0
         self.phase("")
         self.write(records)

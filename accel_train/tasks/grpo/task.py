@@ -42,7 +42,7 @@ every mu steps); checkpoints are written between batches of rollouts only (check
 Sampling reads the model's logits as they are (generation.generation_config): no setting of the base's
 generation_config.json (a repetition penalty, a top-k) comes between, so the ratio starts at 1 for the distribution
 actually sampled. Under FSDP2 and DeepSpeed ZeRO-3 (sharded weights) every rank generates on the weights gathered
-whole for it, or in lock-step (train.gather_for_generation=false: components/completions.py, sharding.lockstep),
+whole for it, or in lock-step (train.gather_for_generation=false: components/completions.py, Engine.generates_in_lockstep),
 where multi-turn rollouts are refused.
 
 Logged (means over the log interval on all ranks): loss, reward, reward_std, rewards/NAME/mean and /std (with
@@ -74,7 +74,7 @@ from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.data.pipeline import columns as data_columns
-from accel_train.runtime.engine import generating, sharded, zero3
+from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import merged_adapter
 from accel_train.tasks import Task
@@ -134,8 +134,9 @@ class PolicyLoss:
         """`model`: the policy before accelerate wraps it (and before a resume loads later weights): with grpo.beta
         > 0 under full fine-tuning the reference is a frozen copy of it, as dpo's."""
         self.g, self.lora, self.accelerator = cfg.grpo, cfg.lora.enabled, accelerator
+        self.engine = Engine(accelerator, cfg)
         # each prompt's forward once for its group, but under sharded weights (a forward more is a collective more)
-        self.share_prompts = shares_prompts(cfg) and not sharded(accelerator)
+        self.share_prompts = shares_prompts(cfg) and not self.engine.shards_weights
         self.reference = None  # under LoRA: the model itself, its adapter disabled (or the reference adapter)
         if self.g.beta and not self.lora:
             if model is None:
@@ -148,7 +149,7 @@ class PolicyLoss:
         return ("loss", *METRICS, *(("kl",) if self.g.beta else ()), "n/tokens")
 
     def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        sharded = zero3(self.accelerator)
+        sharded = self.engine.head_whole_only_in_forward
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         logps, entropy = completion_logps(model, batch, self.g.temperature, output_head(unwrapped, sharded),
                                           unwrapped if self.share_prompts else None)
@@ -194,7 +195,8 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
             n_rows = len(batch["prompt_ids"])
             try:
                 # the adapted weights' copy while generating, freed before the rewards (a reward model) run
-                with generating(model, rollouts.gather), merged_adapter(unwrapped, rollouts.merge), accelerator.autocast():
+                with rollouts.engine.generating(model), merged_adapter(unwrapped, rollouts.merge), \
+                        accelerator.autocast():
                     completions = rollouts.sampler.turns(unwrapped, batch, 1)
                 texts = rollouts.sampler.texts(completions)
                 values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions.ids,
