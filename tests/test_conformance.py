@@ -80,7 +80,7 @@ def builtin_size(name: str) -> int:
         cfg = example_cfg(name, *SMALL, f"data.builtin_size={size}")
         train_raw, eval_raw = data_lib.load_splits(cfg)
         task = tasks.make(cfg)
-        task.prepare_data(train_raw, eval_raw)
+        task.read_splits(train_raw, eval_raw)
         found[size] = len(task.tokenize(train_raw, build_tokenizer(cfg), {}))
         if found[size] == EPOCH_SAMPLES:
             return size
@@ -216,7 +216,7 @@ def test_topology_1proc_accumulation_equals_2proc(name, reference, two):
 def test_sharded_engines_train_as_one_process(name, reference, sharded):
     """Under FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, 2 processes x batch 2 log the reference's numbers at every step
     (the epoch ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same
-    forwards, the task's own included: Task.prepare) and at every evaluation; a task that samples from the model
+    forwards, the task's own included: Task.step_batches) and at every evaluation; a task that samples from the model
     (grpo, distill on-policy) generates what 1 process samples (under sharded weights on the weights gathered for
     it, or in lock-step on every rank: sharding.generating). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
     job stops with 128+15; resumed from it under the same engine, step 4 and the last evaluation are the

@@ -264,8 +264,8 @@ def test_on_policy_steps_sample_the_responses_through_generation_config(teacher,
 
     assert distill.generation_config is generation.generation_config
     monkeypatch.setattr(distill, "generation_config", spy)
-    def prepared(step):  # as the loop runs a step: the window, then prepare (an on-policy step samples there)
-        return task.prepare(task.window(iter(batches), step, 2), 2)
+    def prepared(step):  # as the loop runs a step: the window, then step_batches (an on-policy step samples there)
+        return task.step_batches(task.window(iter(batches), step, 2), 2, step)
 
     window = prepared(3)
     assert len(calls) == 2

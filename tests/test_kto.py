@@ -111,7 +111,7 @@ def step(task, model, batches: list[dict]) -> tuple[float, float, dict, list]:
     loss over the step's rows, backward. (loss, z0, gradients by name, each micro-batch's detached sums)."""
     model.zero_grad(set_to_none=True)
     window = task.window(iter(batches), 0, len(batches))
-    window = task.prepare(window, len(window))
+    window = task.step_batches(window, len(window), 0)
     rows = sum(task.count_targets(b) for b in window)
     total, sums = 0.0, []
     for batch in window:
@@ -365,7 +365,7 @@ def test_sharded_engines_reach_an_uneven_epoch_end_as_ddp(tmp_path):
     """Under FSDP2 and DeepSpeed ZeRO-3 every forward is a collective: kto's reference point z0 runs the model on
     each micro-batch before the loss, and at the epoch's uneven end a rank with fewer micro-batches issued fewer of
     them (a hang until the process group's timeout). The loop now pads the window before the task works on it
-    (Task.prepare): both engines run past it and log DDP's numbers at every step (fp32; their reductions sum in
+    (Task.step_batches): both engines run past it and log DDP's numbers at every step (fp32; their reductions sum in
     another order than DDP's all-reduce: 1e-5 relative, or 1e-6 on the small rewards, ~0.02, where FSDP2's
     reduce-scatter left 2.5e-7 by step 5)."""
     logs = {}

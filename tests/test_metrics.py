@@ -340,7 +340,7 @@ def test_metric_kwargs_a_config_accepts_reach_the_metrics():
 
 
 def test_a_metric_that_cannot_run_on_the_runs_data_stops_before_training():
-    """Tried once on ids of the run's kind before training (recipe.prepare, generation.setup_generation): f1's
+    """Tried once on ids of the run's kind before training (recipe.wrap, generation.setup_generation): f1's
     default average=binary on token ids (many classes), or an argument a metric does not take, is one line then,
     not a crash at the first evaluation after hours of training."""
     from accel_train.metrics import load_metrics

@@ -32,7 +32,7 @@ def test_peak_memory_on_windows_reads_the_peak_working_set(monkeypatch):
 
 
 def test_reset_peak_memory_forgets_what_was_freed_before():
-    """What recipe.prepare's MFU probe (and a set-up spike) allocated and freed before training does not count in
+    """What recipe.wrap's MFU probe (and a set-up spike) allocated and freed before training does not count in
     the run's peak memory, as in the benchmark's other contenders, which reset at the same point."""
     spike = bytearray(b"\x01") * (200 * MB)  # written, so resident
     del spike

@@ -75,7 +75,7 @@ def setup_child(spec: dict, tokenize: bool = True):
     set_seed(cfg.seed)  # random, numpy and torch: the same start as accel_train.training.recipe.run
     tokenizer = build_tokenizer(cfg)
     train_raw, _ = data_lib.load_splits(cfg)
-    task.prepare_data(train_raw, None)
+    task.read_splits(train_raw, None)
     ds = task.tokenize(train_raw, tokenizer) if tokenize else train_raw
     model = apply_lora(cfg, build_model(cfg, tokenizer, task.model_kwargs()))
     return cfg, task, tokenizer, ds, model

@@ -183,7 +183,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     0.03 s gives the peak 0.1 and 0.3 s give (fp32 on a 2-core EPYC, the tiny model's three shapes, 8 draws each:
     1 thread 65-82 GFLOP/s in 0.15 s, 70-81 in 0.36 s, 78-82 in 0.95 s; 2 threads 129-150 in 0.21 s, 130-152 in
     0.41 s, 103-152 in 1.0 s), a step in every training run's start; the benchmark takes 1 s. Every rank measures
-    at once (recipe.prepare): on a CPU each gets its share of the cores, as in training."""
+    at once (recipe.wrap): on a CPU each gets its share of the cores, as in training."""
     import torch
 
     generator = torch.Generator(device=device).manual_seed(0)

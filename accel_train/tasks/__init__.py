@@ -70,7 +70,7 @@ class Task:
         the missing ones. May return a line describing the format read (logged for the training split)."""
         raise NotImplementedError
 
-    def prepare_data(self, train_raw, eval_raw) -> None:
+    def read_splits(self, train_raw, eval_raw) -> None:
         """After loading, before tokenizing: what the raw splits decide (class names), and checks on their rows."""
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
@@ -107,15 +107,16 @@ class Task:
     def window(self, batches, step: int, accum: int) -> list[dict]:
         """This step's micro-batches from the data iterator (grpo: its prompt batches, or the last rollouts). A rank at
         an epoch's end may get fewer than another: no collective whose number depends on the micro-batches runs here
-        (under FSDP or ZeRO-3 every forward is one); that is `prepare`'s."""
+        (under FSDP or ZeRO-3 every forward is one); that is `step_batches`'s."""
         from itertools import islice
 
         return list(islice(batches, accum))
 
-    def prepare(self, window: list[dict], real: int) -> list[dict]:
+    def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
         """The step's micro-batches, as many on every rank (the loop pads a rank's window with `replay` batches: its
         last len(window) - real, run with weight 0), before any loss: what runs the model on each micro-batch
-        outside the loss (kto's reference point) runs here, where every rank issues the same collectives."""
+        outside the loss (kto's reference point, grpo's rollouts, distill's on-policy samples of optimizer step
+        `step`) runs here, where every rank issues the same collectives."""
         return window
 
     def replay(self, batch: dict) -> dict:

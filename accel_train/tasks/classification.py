@@ -79,7 +79,7 @@ class Classification(Task):
             raise ConfigError(f"data: {source} lacks column(s) {', '.join(missing)} needed by task seq_cls; columns "
                               f"found: {', '.join(columns)} (set data.text_field and data.label_field to map them)")
 
-    def prepare_data(self, train_raw, eval_raw) -> None:
+    def read_splits(self, train_raw, eval_raw) -> None:
         """The class names, and model.num_labels resolved (predict and export read it from config.yaml); every
         label checked against them (a stream's labels are not read ahead: cross-entropy checks them)."""
         cfg = self.cfg

@@ -44,7 +44,7 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     streamed = isinstance(train_raw, IterableDataset)
     if streamed:
         train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
-    task.prepare_data(train_raw, eval_raw)
+    task.read_splits(train_raw, eval_raw)
     return task.inspect(train_raw, eval_raw, streamed, tokenizer, samples, out)
 
 

@@ -206,7 +206,7 @@ def prompts(cfg: Config, tokenizer, split: str):
         raise ConfigError(f"--split {split}: the data has no held-out rows (data.eval_fraction=0, no "
                           "data.eval_path or data.eval_split)")
     task.columns(list(ds.column_names), cfg.data.path)
-    task.prepare_data(ds, None)  # every reward function called once on the first row, before any sampling
+    task.read_splits(ds, None)  # every reward function called once on the first row, before any sampling
     return (task.tokenize(ds, tokenizer, split="eval" if split == "eval" else "train"),
             (len(train), len(held_out or [])))
 

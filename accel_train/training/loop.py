@@ -11,7 +11,7 @@ Why 1 process with accumulation and N processes give the same numbers (tests/tes
    written out, since the normalisation needs the whole step fetched first), then clipped: the global norm;
 4. the scheduler steps once per optimizer step (step_scheduler_with_optimizer=False);
 5. no sample dropped or repeated: a rank out of batches at an epoch's end replays one with weight 0 (padded in
-   before the task's own work on the step, Task.prepare: every rank then runs as many forwards, hence the same
+   before the task's own work on the step, Task.step_batches: every rank then runs as many forwards, hence the same
    collectives, also under FSDP and ZeRO-3, where each forward is one), and evaluation drops accelerate's repeats
    (gather_for_metrics);
 6. every decision that steers control flow comes from one gather per step (the step's micro-batches, a signal)
@@ -45,7 +45,7 @@ from accel_train.runtime.tracking import RunLog, current_memory_mb, main_logger
 
 @dataclass
 class TrainingJob:
-    """What the loop drives, prepared by accelerate (recipe.prepare)."""
+    """What the loop drives, prepared by accelerate (recipe.wrap)."""
 
     accelerator: object
     model: torch.nn.Module
@@ -257,7 +257,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # then run the same forwards, hence the same collectives, from the task's own work on the step's
             # micro-batches (prepare: kto's reference point, grpo's rollouts) to the last backward.
             real = len(window)
-            window = task.prepare(window + [replay() for _ in range(n_micro - real)], real)
+            window = task.step_batches(window + [replay() for _ in range(n_micro - real)], real, state.step)
             rows = accelerator.gather(window_stats(window[:real], task, accelerator.device)[None]).tolist()
             targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by

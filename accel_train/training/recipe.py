@@ -64,7 +64,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
         train_dl, eval_dl = setup_loaders(cfg, accelerator, task, tokenizer, model, train_ds, eval_ds)
         total_steps = count_steps(cfg, accelerator, task, train_ds)
         optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
-        job = prepare(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
+        job = wrap(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
         task.start(job, tokenizer, eval_ds)
         describe(cfg, job, train_ds, eval_ds)
 
@@ -154,7 +154,7 @@ def setup_data(cfg: Config, accelerator, task, tokenizer, report: dict) -> tuple
                                        cfg.data.eval_path or f"{cfg.data.path} (evaluation split)")
             if eval_chosen and eval_chosen != chosen:  # another file, or split, in another format: said, not silent
                 data_lib.logger.info(f"data (evaluation, {cfg.data.eval_path or cfg.data.eval_split}): {eval_chosen}")
-        task.prepare_data(train_raw, eval_raw)
+        task.read_splits(train_raw, eval_raw)
         train_ds = task.tokenize(train_raw, tokenizer, report=report.setdefault("train", {}))
         eval_ds = (task.tokenize(eval_raw, tokenizer, report=report.setdefault("eval", {}), split="eval")
                    if eval_raw is not None else None)
@@ -243,7 +243,7 @@ def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tup
     return optimizer, scheduler
 
 
-def prepare(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
+def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
             resume: Path | None) -> TrainingJob:
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""

@@ -33,7 +33,7 @@ alone; on such a step each sample keeps its prompt (the tokens before its last t
 alone) and the student samples the response (at distill.temperature, up to distill.max_new_tokens, ending at the
 template's end of turn or eos; settings from generation.generation_config), each sample's noise seeded by (seed,
 step, its prompt's tokens) as grpo's rollouts: 1 and 2 processes, and a resumed run, sample the same responses
-(identical prompts of a step, the same response). The loop counts the step's targets after Task.prepare: the sampled
+(identical prompts of a step, the same response). The loop counts the step's targets after Task.step_batches: the sampled
 tokens, over every rank. At beta = 1 the loss is the reverse KL of TRL's DistillationTrainer on its student's
 samples.
 
@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import hashlib
 import math
-from itertools import islice
 
 import torch
 import torch.nn.functional as F
@@ -386,7 +385,7 @@ class Distill(Task):
         super().__init__(cfg)
         self.distillation: Distillation | None = None
         self.teacher: torch.nn.Module | None = None  # loaded in setup, whole on each rank
-        self.job, self.tokenizer, self.step = None, None, 0
+        self.job, self.tokenizer = None, None
 
     def columns(self, columns: list[str], source: str) -> str:
         if not prompt_only(self.cfg, columns):  # conversations: a row is read to tell (tokenize)
@@ -395,7 +394,7 @@ class Distill(Task):
         check_prompt_only(self.cfg, column, source)
         return f"prompts alone from column {column}: the student samples every response (distill.on_policy=1)"
 
-    def prepare_data(self, train_raw, eval_raw) -> None:
+    def read_splits(self, train_raw, eval_raw) -> None:
         check_vocabulary(self.cfg)  # before tokenizing: a mismatch costs a second
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
@@ -447,17 +446,13 @@ class Distill(Task):
         if self.cfg.distill.on_policy > 0:  # a setting of the model's generation_config.json it cannot switch off:
             generation_config(job.accelerator.unwrap_model(job.model), tokenizer, 1)  # refused now, on every rank
 
-    def window(self, batches, step: int, accum: int) -> list[dict]:
-        self.step = step  # prepare's: an on-policy step's responses are sampled there, for the padded window too
-        return list(islice(batches, accum))
-
-    def prepare(self, window: list[dict], real: int) -> list[dict]:
+    def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
         """On an on-policy step (every step of prompt-only data: distill.on_policy=1), each micro-batch's responses
         sampled by the student after its prompts (those of the replayed ones too: every rank generates as many
         times). The loop counts the targets after this: the sampled tokens."""
-        if not on_policy_step(self.cfg.seed, self.step, self.cfg.distill.on_policy):
+        if not on_policy_step(self.cfg.seed, step, self.cfg.distill.on_policy):
             return window
-        return [self.sampled(batch, self.step) for batch in window]
+        return [self.sampled(batch, step) for batch in window]
 
     def sampled(self, batch: dict, step: int) -> dict:
         """The batch's prompts, each followed by the student's response sampled with the noise of (seed, `step`, the

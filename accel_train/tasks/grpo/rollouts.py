@@ -123,7 +123,7 @@ class Rollouts:
             return list(islice(batches, self.cfg.train.grad_accum_steps))
         return self.current[:self.real]
 
-    def prepare(self, window: list[dict], real: int) -> list[dict]:
+    def step_batches(self, window: list[dict], real: int) -> list[dict]:
         """The step's micro-batches of completions: the prompt batches rolled out (the last len(window) - real,
         replayed with weight 0, neither scored nor logged), or the last rollouts again, as padded then."""
         if self.current is None:

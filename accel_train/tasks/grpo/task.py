@@ -236,7 +236,7 @@ class GRPO(Task):
     def columns(self, columns: list[str], source: str) -> None:
         prompt_columns(self.cfg, columns, source)
 
-    def prepare_data(self, train_raw, eval_raw) -> None:
+    def read_splits(self, train_raw, eval_raw) -> None:
         """A reward function that fails on the first row of either split stops the run now, before any model is
         built (the eval split's at the end of training would lose it)."""
         for split in (train_raw, eval_raw):
@@ -268,8 +268,8 @@ class GRPO(Task):
     def window(self, batches, step: int, accum: int) -> list[dict]:
         return self.rollouts.window(batches, step)
 
-    def prepare(self, window: list[dict], real: int) -> list[dict]:
-        return self.rollouts.prepare(window, real)
+    def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
+        return self.rollouts.step_batches(window, real)
 
     def replay(self, batch: dict) -> dict:
         return batch  # a prompt batch: rolled out, with weight 0, by prepare

@@ -315,7 +315,7 @@ class KTO(Task):
         self.kto = KtoLoss(self.cfg, model, accelerator)
         return train_ds, eval_ds
 
-    def prepare(self, window: list[dict], real: int) -> list[dict]:
+    def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
         """The step's micro-batches, each given the step's reference point z0 (`kl`), computed on the first `real`
         (the others, replayed with weight 0, run the same forwards without counting)."""
         z0 = self.kto.reference_point(window, real)
