@@ -17,7 +17,7 @@ from accel_train.data import pipeline as data_lib
 from accel_train import tasks
 from accel_train.data import sources as data_sources
 from accel_train.data import formats
-from accel_train.tasks.classification import check_labels, label_names, num_labels
+from accel_train.tasks.seq_cls import check_labels, label_names, num_labels
 from conftest import check_columns, tokenized
 from accel_train.data.sources import check_data_source
 from accel_train.config.schema import TINY_MODEL

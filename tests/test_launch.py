@@ -20,7 +20,7 @@ from accel_train.data import pipeline as data_lib
 from accel_train import launch
 from accel_train.config.load import load_config
 from accel_train import tasks
-from accel_train.tasks.sft import summed_cross_entropy
+from accel_train.tasks.causal_lm import summed_cross_entropy
 
 
 def eval_loss_from_saved(out) -> float:

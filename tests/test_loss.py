@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from accel_train.config.schema import TINY_MODEL
 from accel_train.data.pipeline import IGNORE_INDEX, PackingCollator
-from accel_train.tasks.sft import batch_loss
+from accel_train.tasks.causal_lm import batch_loss
 from accel_train.models.loss import loss_head
 
 VOCAB = 2048  # larger than the tiny model's 52, so that full logits dwarf every other tensor
@@ -116,7 +116,7 @@ def test_zero3_head_loss_needs_no_module_call_in_backward_and_a_trained_head_kee
     gradients of full logits there; a trained head under ZeRO-3 gets full logits, with the line that says so."""
     from accelerate import PartialState
 
-    from accel_train.tasks.sft import choose_loss_head
+    from accel_train.tasks.causal_lm import choose_loss_head
 
     PartialState(cpu=True)
     rng = random.Random(2)

@@ -82,10 +82,10 @@ def _function(ref: str):
 
 
 REGISTRY: dict[str, TaskInfo] = {
-    "causal_lm": TaskInfo("sft", "causal_lm", "supervised fine-tuning on responses (or plain text)",
+    "causal_lm": TaskInfo("causal_lm", "causal_lm", "supervised fine-tuning on responses (or plain text)",
                           results=("loss", "perplexity"), metrics=True, generation=True,
                           example=("data.path=builtin:reverse",)),
-    "seq_cls": TaskInfo("classification", "seq_cls", "sequence classification", metrics=True,
+    "seq_cls": TaskInfo("seq_cls", "seq_cls", "sequence classification", metrics=True,
                         example=("data.path=builtin:sentiment",)),
     "dpo": TaskInfo("dpo.task", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
                     config="accel_train.tasks.dpo.config:DpoConfig", results="accel_train.tasks.dpo.config:RESULTS",

@@ -1,7 +1,7 @@
 """Training objectives: one place per task, behind one interface (`Task`), registered in one table (`REGISTRY`).
 
-    causal_lm  sft.py             supervised fine-tuning on responses (or plain text)
-    seq_cls    classification.py  sequence classification
+    causal_lm  causal_lm.py       supervised fine-tuning on responses (or plain text)
+    seq_cls    seq_cls.py         sequence classification
     dpo        dpo/               preference pairs, against a reference or not (orpo, simpo, cpo)
     grpo       grpo/              RL on rewards of sampled completions
     distill    distill/           a teacher's token distributions taught on the responses (GKD)
