@@ -3,6 +3,7 @@ nothing written into output_dir. Cases that can be fixed automatically are fixed
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 
@@ -90,18 +91,50 @@ def grpo_without_prompts(tmp):
 
 def kto_rows_with_one_bad_label(tmp):
     """30 rows in file order, row 17 (line 18) the only one whose label is not a boolean: the split is shuffled at
-    load (data.eval_fraction), and the message names the file's row."""
+    load (data.eval_fraction), and the message names the file's line, as an editor shows it."""
     rows = [{"prompt": f"reverse {w}", "completion": w[::-1], "label": True} for w in ["abc", "bcd", "cde"] * 10]
     rows[17]["label"] = "no"
     return ["task=kto", f"data.path={write(tmp / 'kto.jsonl', rows)}"]
 
 
 def chats_with_one_unanswered(tmp):
-    """As above for SFT: row 23 of 30 conversations ends with the user's turn."""
+    """As above for SFT: row 23 of 30 conversations (line 24) ends with the user's turn."""
     rows = [{"messages": [{"role": "user", "content": f"reverse {w}"}, {"role": "assistant", "content": w[::-1]}]}
             for w in ["abc", "bcd", "cde"] * 10]
     rows[23]["messages"] = rows[23]["messages"][:1]
     return [f"data.path={write(tmp / 'chats.jsonl', rows)}"]
+
+
+PAIRS = [{"prompt": f"reverse {w}", "chosen": w[::-1], "rejected": w} for w in ["abc", "bcd", "cde"] * 10]
+
+
+def pairs_one_without_rejected(suffix: str):
+    """30 dpo pairs, row 6 with no `rejected` key, in a .jsonl after a blank line (line 8: datasets skips it) or a
+    .parquet (no lines: row 7 of 30)."""
+    def make(tmp):
+        rows = [dict(r) for r in PAIRS]
+        del rows[6]["rejected"]
+        path = tmp / f"pairs{suffix}"
+        if suffix == ".parquet":
+            from datasets import Dataset
+
+            Dataset.from_list(rows).to_parquet(path)
+        else:
+            lines = [json.dumps(r) + "\n" for r in rows]
+            path.write_text("".join(lines[:3]) + "\n" + "".join(lines[3:]))
+        return [*DPO, f"data.path={path}"]
+    return make
+
+
+def pairs_csv_one_empty_rejected(tmp):
+    """30 dpo pairs in a CSV: a header, row 2's prompt on two lines (quoted), row 6's rejected a blank: line 9."""
+    rows = [dict(r) for r in PAIRS]
+    rows[2]["prompt"], rows[6]["rejected"] = "reverse\ncde", " "
+    with open(tmp / "pairs.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["prompt", "chosen", "rejected"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return [*DPO, f"data.path={tmp / 'pairs.csv'}"]
 
 
 CASES = {
@@ -180,11 +213,21 @@ CASES = {
     # the tiny template's start (<|user|>) and generation prompt (<|assistant|>) and one token do not fit in 2
     "grpo no prompt fits": (lambda t: [*GRPO, "data.max_length=6"],
                             "data: no prompt of builtin:reverse (train) fits data.max_length=6 - grpo.max_new_tokens=4 "
-                            "= 2 tokens (row 0: the template's start and generation prompt (1 + 1 tokens) leave no "
+                            "= 2 tokens (row 1: the template's start and generation prompt (1 + 1 tokens) leave no "
                             "room in 2); raise data.max_length or lower grpo.max_new_tokens"),
-    "a row named by its number in the file (kto)": (kto_rows_with_one_bad_label,
-                                                    "data: row 17: label must be true or false (1 or 0), got 'no'"),
-    "a row named by its number in the file (sft)": (chats_with_one_unanswered, "data: row 23 "),
+    # a row is named by the line of the file an editor shows (1-based; a CSV's header counted), else from 1 of N
+    "a row named by its line in the file (kto)": (kto_rows_with_one_bad_label, lambda t: (
+        f"data: line 18 of {t / 'kto.jsonl'}: label must be true or false (1 or 0), got 'no'")),
+    "a row named by its line in the file (sft)": (chats_with_one_unanswered, lambda t: (
+        f"data: line 24 of {t / 'chats.jsonl'} ('reverse cde...'): the conversation ends with 'user', not an "
+        "assistant turn")),
+    "a missing key named as missing (jsonl)": (pairs_one_without_rejected(".jsonl"), lambda t: (
+        f"data: line 8 of {t / 'pairs.jsonl'} has no 'rejected' (the key is missing or null); add it or drop the row")),
+    "a missing key in a file without lines (parquet)": (pairs_one_without_rejected(".parquet"), lambda t: (
+        f"data: row 7 of 30 in {t / 'pairs.parquet'} has no 'rejected' (the key is missing or null); add it or drop "
+        "the row")),
+    "an empty value named as empty (csv)": (pairs_csv_one_empty_rejected, lambda t: (
+        f"data: line 9 of {t / 'pairs.csv'}: 'rejected' is empty; fill it or drop the row")),
     "grpo one generation": (lambda t: [*GRPO, "grpo.num_generations=1"],
                             "grpo.num_generations must be >= 2 (a group's rewards are compared with each other), "
                             "got 1"),
@@ -205,6 +248,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, case):
     make_args, message = CASES[case]
+    message = message(tmp_path) if callable(message) else message  # one naming the test's own file
     out = tmp_path / "out"
     proc = python_m(*QUICK, *make_args(tmp_path), f"output_dir={out}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

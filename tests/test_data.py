@@ -123,7 +123,7 @@ def test_right_truncation_drops_samples_without_targets_and_cuts_long_responses(
         assert len(out) == 1, max_length
         assert targets(out[0]) == ids(tok, "ba") + [tok.eos_token_id]
         assert (report["rows"], report["cut"], report["dropped"], report["refused"]) == (2, 0, 1, 0)
-        assert report["first_dropped"].startswith("row 1: no trained token")
+        assert report["first_dropped"].startswith("row 2: no trained token")
 
     # A length that cuts the response keeps the sample, cut to max_length, with the surviving response labelled,
     # and counts it.
@@ -155,7 +155,7 @@ def test_prompt_first_truncation_keeps_the_whole_answer_and_its_end_of_turn(tok,
     report = {}
     out = tokenized(raw, tok, make_cfg("data.max_length=11"), report=report)  # no room for one prompt token
     assert len(out) == 1 and (report["cut"], report["dropped"]) == (0, 1)
-    assert report["first_dropped"] == "row 1: the last answer alone is 11 tokens"
+    assert report["first_dropped"] == "row 2: the last answer alone is 11 tokens"
 
 
 def test_numeric_looking_csv_values_are_tokenized_as_text(tmp_path, tok):
@@ -252,6 +252,40 @@ def test_load_splits_without_eval(tmp_path):
     path = _write_jsonl(tmp_path)
     train, evaluation = data_lib.load_splits(make_cfg(f"data.path={path}", "data.eval_fraction=0"))
     assert evaluation is None and train.to_list() == ROWS
+
+
+def _write_sources(tmp_path) -> dict:
+    """Four prompt/response rows, the third with no response, in each file type: {path: where a message finds
+    that row}. JSON lines after a blank line (datasets skips it); a JSON array, indented (4 lines an element); a
+    CSV with its header and a prompt quoted over two lines; a parquet file, which has no lines."""
+    rows = [{"prompt": f"reverse {w}", "response": w[::-1]} for w in ["abc", "bcd", "cde", "def"]]
+    del rows[2]["response"]
+    jsonl, array, table, parquet = (tmp_path / f"d.{s}" for s in ("jsonl", "json", "csv", "parquet"))
+    jsonl.write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
+    array.write_text(json.dumps(rows, indent=2))
+    table.write_text('prompt,response\nreverse abc,cba\n"reverse\nbcd",dcb\nreverse cde,\nreverse def,fed\n')
+    Dataset.from_list(rows).to_parquet(parquet)
+    return {jsonl: f"line 4 of {jsonl}", array: f"line 10 of {array}", table: f"line 5 of {table}",
+            parquet: f"row 3 of 4 in {parquet}"}
+
+
+def test_a_row_is_named_by_the_line_an_editor_shows_and_a_missing_key_as_missing(tmp_path, tok):
+    """Before: "row 2" (from 0, whatever the file), and the missing response trained on as the text "None"."""
+    for path, where in _write_sources(tmp_path).items():
+        cfg = make_cfg(f"data.path={path}", "data.eval_fraction=0")
+        with pytest.raises(ConfigError) as e:
+            tokenized(data_lib.load_splits(cfg)[0], tok, cfg)
+        assert str(e.value) == f"data: {where} has no 'response' (the key is missing or null); add it or drop the row"
+    # a split carved and shuffled at load names the file's line too, and an empty value is empty, not missing
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse {w}", "response": "" if i == 7 else w[::-1]}) + "\n"
+                            for i, w in enumerate(["abc", "bcd", "cde"] * 4)))
+    cfg = make_cfg(f"data.path={path}", "data.eval_fraction=0.5", "task=dpo", "dpo.chosen_field=response",
+                   "dpo.rejected_field=prompt")
+    with pytest.raises(ConfigError) as e:
+        for split in data_lib.load_splits(cfg):
+            tokenized(split, tok, cfg)
+    assert str(e.value) == f"data: line 8 of {path}: 'response' is empty; fill it or drop the row"
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -527,7 +561,7 @@ def test_messages_with_text_parts_and_a_tool_call_turn_are_rendered_intact(tok):
     report = {}
     out = tokenized(ds, tok, make_cfg(), report=report)
     assert report["refused"] == 1 and report["first_refused"] == (
-        "row 0: the chat template renders assistant turn 1 empty (it does not show tool calls)")
+        "row 1: the chat template renders assistant turn 1 empty (it does not show tool calls)")
     plain = [{"role": "user", "content": "abcd"}, {"role": "assistant", "content": "gh"}]
     assert len(out) == 1 and out[0]["input_ids"] == tok.apply_chat_template(plain)["input_ids"]
     assert "None" not in tok.decode(out[0]["input_ids"])
@@ -581,7 +615,7 @@ def test_a_conversation_not_ending_with_the_assistant_names_the_row(tok):
     with pytest.raises(ConfigError) as e:
         tokenized(Dataset.from_list(rows), tok, make_cfg())
     message = str(e.value)
-    assert "row 1" in message and "ends with 'user'" in message and "\n" not in message
+    assert message.startswith("data: row 2 (") and "ends with 'user'" in message and "\n" not in message
     tokenized(Dataset.from_list(rows), tok, make_cfg("data.train_on=all"))  # all tokens: nothing to find
 
 
@@ -788,7 +822,7 @@ def test_unk_tokens_and_samples_without_a_trained_token_are_counted_and_logged(t
         tokenized(Dataset.from_list(rows), tok, make_cfg(), report=report)
     # "system: " is in the vocabulary; Y, \n, B and H are not: 4 of 7 + 38 tokens, one per character or marker
     assert (report["unk"], report["tokens"]) == (4, 45)
-    assert report["first_unk"] == "row 1: system: «Y»ou are kind.«\\nB»e brief.<|user|>«H»i<|assistant|>yo</s>"
+    assert report["first_unk"] == "row 2: system: «Y»ou are kind.«\\nB»e brief.<|user|>«H»i<|assistant|>yo</s>"
     assert "8.89% of the tokens (4 of 45) are <unk>" in caplog.text and report["first_unk"] in caplog.text
     assert "untrained" not in report
 

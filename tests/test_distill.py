@@ -242,6 +242,63 @@ def test_no_teacher_is_refused_in_one_line(tmp_path):
         "sharing the student's tokenizer)"], proc.stderr[-3000:]
 
 
+def adapter_run(folder):
+    """A LoRA run's output_dir before export: adapter/ alone (what the checks read: its files)."""
+    (folder / "adapter").mkdir(parents=True)
+    (folder / "adapter" / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM"}))
+    (folder / "config.yaml").write_text("task: causal_lm\n")
+    return folder
+
+
+@pytest.mark.parametrize("case", ["adapter run", "adapter folder", "merged not yet", "missing", "missing gguf",
+                                  "unreadable gguf"])
+def test_a_teacher_the_model_reader_refuses_is_one_line_naming_what_to_do(tmp_path, case):
+    """distill.teacher is read as model.name_or_path is (models.sources.read_model): a LoRA run (or its adapter/, or
+    its merged/ not written yet) is refused naming `accel-train export RUN` and merge=true; a missing folder or
+    GGUF file is one line; a .gguf is read as a GGUF file (not looked for as a folder)."""
+    run = adapter_run(tmp_path / "sft")
+    given = {"adapter run": run, "adapter folder": run / "adapter", "merged not yet": run / "merged",
+             "missing": tmp_path / "nowhere", "missing gguf": tmp_path / "nowhere.gguf",
+             "unreadable gguf": tmp_path / "empty.gguf"}[case]
+    (tmp_path / "empty.gguf").touch()
+    proc = python_m("task=distill", f"distill.teacher={given}", "track.log_with=[]", f"output_dir={tmp_path / 'run'}")
+    (line,) = said(proc.stdout + proc.stderr)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert line.startswith("accel_train: error: distill.teacher: "), line
+    if case.startswith(("adapter", "merged")):
+        assert f"`accel-train export {run}`" in line and "merge=true" in line, line
+    else:
+        assert line.endswith({"missing": f"no such model folder: {given}", "missing gguf": f"no such GGUF file: {given}",
+                              "unreadable gguf": f"transformers cannot read {given}: ValueError: cannot mmap an empty "
+                                                 "file"}[case]), line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("given", ["gguf", "merged run", "full run", "folder"])
+def test_a_teacher_is_read_as_any_model_is(teacher, tmp_path, monkeypatch, given):
+    """A .gguf teacher becomes its transformers folder (models.sources.gguf_folder, stood in for here: the real
+    conversion takes half a minute), a finished run its merged/ (or model/), a model folder itself; preflight
+    writes the folder read into distill.teacher, which task.py loads."""
+    from accel_train.models import sources
+    from accel_train.tasks.distill.config import preflight
+
+    converted = []
+    monkeypatch.setattr(sources, "gguf_folder", lambda path: converted.append(path) or teacher)
+    run = tmp_path / "run"
+    if given in ("merged run", "full run"):
+        shutil.copytree(teacher, run / ("merged" if given == "merged run" else "model"))
+        if given == "merged run":
+            adapter_run(tmp_path / "run2")  # beside it: not read
+            shutil.copytree(tmp_path / "run2" / "adapter", run / "adapter")
+    path = {"gguf": str(tmp_path / "teacher.gguf"), "folder": str(teacher)}.get(given, str(run))
+    (tmp_path / "teacher.gguf").touch()
+    cfg = load_config(None, ["task=distill", f"distill.teacher={path}"])
+    preflight(cfg)
+    assert cfg.distill.teacher == {"gguf": str(teacher), "merged run": str(run / "merged"),
+                                   "full run": str(run / "model"), "folder": str(teacher)}[given]
+    assert converted == ([path] if given == "gguf" else [])
+
+
 def test_on_policy_steps_sample_the_responses_through_generation_config(teacher, monkeypatch):
     """distill.on_policy=1: every step's responses are the student's, sampled after each sample's prompt with the
     settings generation.generation_config gives (called once per micro-batch), ending at the end of turn or at

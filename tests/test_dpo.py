@@ -214,7 +214,7 @@ def empty_chosen(tmp):
 
 
 def different_prompts(tmp):
-    """Row 7 of 20 (in the file: the split is shuffled at load) pairs answers to different prompts."""
+    """Row 7 of 20 (line 8 of the file: the split is shuffled at load) pairs answers to different prompts."""
     rows = [{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
              "rejected": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c"}]} for _ in range(20)]
     rows[7]["rejected"][0]["content"] = "x"
@@ -223,8 +223,9 @@ def different_prompts(tmp):
 
 BAD = {
     "missing column": (missing_rejected, "lacks column(s) rejected needed by task dpo; columns found: prompt, chosen"),
-    "empty response": (empty_chosen, "the chosen response is empty; fill it or drop the row"),
-    "prompts differ": (different_prompts, "data: row 7: chosen and rejected do not share their prompt turns"),
+    "empty response": (empty_chosen, "'chosen' is empty; fill it or drop the row"),
+    "prompts differ": (different_prompts, lambda t: f"data: line 8 of {t / 'p.jsonl'}: chosen and rejected do not "
+                                                    "share their prompt turns"),
     "adapter_from not an adapter": (lambda t: [f"model.adapter_from={t}"],
                                     "is not a LoRA adapter folder (no adapter_config.json)"),
     "a reference for orpo": (lambda t: ["dpo.loss_type=orpo", "dpo.reference=base"],
@@ -235,6 +236,7 @@ BAD = {
 @pytest.mark.parametrize("case", BAD)
 def test_bad_pairs_one_line_exit_2(tmp_path, case):
     make_args, message = BAD[case]
+    message = message(tmp_path) if callable(message) else message  # one naming the test's own file
     proc = python_m("task=dpo", "train.max_steps=2", "track.log_with=[]", *make_args(tmp_path),
                     f"output_dir={tmp_path / 'out'}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -265,7 +267,7 @@ def test_ipo_label_smoothing_and_rpo_follow_their_formulas(overrides):
             p.add_(0.05 * torch.randn_like(p))
     rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abc"},
             {"prompt": "reverse hijab", "chosen": "bajih", "rejected": "bajid"}]
-    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg, section="dpo") for i, r in enumerate(rows)])
     got = loss.pair_terms(model, batch)[0]
     want = []
     for row in rows:
@@ -314,7 +316,7 @@ def free_run(overrides: list[str]):
     task = tasks.make(cfg)
     accelerator = SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), num_processes=1, **ONE_PROCESS)
     task.setup(accelerator, model, tokenizer, None, None)
-    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(FREE_ROWS)])
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg, section="dpo") for i, r in enumerate(FREE_ROWS)])
     return cfg, tokenizer, model, task, batch, forwards
 
 
@@ -502,7 +504,7 @@ def test_orpo_is_finite_on_answers_the_model_is_certain_of():
 
     model = Certain()
     rows = [{"prompt": "reverse abc", "chosen": "cba", "rejected": "abcdef"}]
-    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg) for i, r in enumerate(rows)])
+    batch = PairCollator(tokenizer.pad_token_id)([tokenize_pair(r, i, tokenizer, cfg, section="dpo") for i, r in enumerate(rows)])
     batch["nll_scale"] = 1.0
     loss = PreferenceLoss(cfg, model, SimpleNamespace(autocast=nullcontext, device=torch.device("cpu"), **ONE_PROCESS))
     total, _ = loss(model, batch)

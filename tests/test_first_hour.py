@@ -134,8 +134,27 @@ def test_the_start_says_what_the_run_will_do(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split(" ", 1)[1] for line in proc.stderr.splitlines() if line[:2].isdigit()]  # after the time
     assert not any("RANK" in line for line in proc.stderr.splitlines())
+    assert "never evaluates" not in proc.stderr and "train: effective batch" not in proc.stderr  # an eval file; 1 process
     assert "; random weights (the built-in tiny model); " in proc.stderr
     assert ("train.warmup_steps=10 covers all of the run's 4 steps: the learning rate never reaches train.lr=0.003; "
             "lower train.warmup_steps") in lines
     assert lines[0].startswith("data: format messages")
     assert lines[1] == f"data (evaluation, {evals}): format text from column(s) text (data.format=auto; the same as data.format=text)"
+
+
+def test_two_processes_say_the_batch_they_changed_and_a_run_without_eval_data_says_it_never_evaluates(tmp_path):
+    """A config giving train.per_device_batch_size and no train.global_batch_size doubles its batch on 2 processes,
+    and data.eval_fraction=0 without an eval file never evaluates: each is one line, said once (before: the start
+    line's product alone, and nothing)."""
+    train = write_jsonl(tmp_path / "train.jsonl", chat_rows(WORDS * 2))
+    proc = accel_train_launch("cpu_2proc.yaml", f"data.path={train}", "data.eval_fraction=0",
+                              "train.per_device_batch_size=4", "train.max_steps=2", "track.log_with=[]",
+                              f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    for line in ("train: effective batch 8 on 2 processes, 4 on 1: train.per_device_batch_size=4 is per process; "
+                 "train.global_batch_size=4 keeps 4 on any number of processes",
+                 "data: no evaluation data (data.eval_fraction=0, no data.eval_path or data.eval_split): this run "
+                 "never evaluates; set one of them to measure it on held-out data"):
+        assert sum(said.endswith(line) for said in lines) == 1, (line, lines)
+    assert "Traceback" not in proc.stderr

@@ -766,10 +766,10 @@ def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_
     assert ds["prompt_ids"][0] == whole[0]
     assert len(whole[1]) > keep and ds["prompt_ids"][1] == start + whole[1][len(whole[1]) - (keep - len(start)):]
     assert gemma.decode(ds["prompt_ids"][1]).endswith(" abc abc<end_of_turn>\n<start_of_turn>model\n")
-    assert ("2 of 4 prompts refused by the chat template (first: row 0: the chat template refuses this conversation: "
+    assert ("2 of 4 prompts refused by the chat template (first: row 1: the chat template refuses this conversation: "
             "System role not supported") in caplog.text
     assert "1 of 2 prompts cut" not in caplog.text and "1 of 4 prompts cut" in caplog.text
-    with pytest.raises(ConfigError, match=r"^data: every prompt of .* \(train\) is refused \(row 0: the chat template "
+    with pytest.raises(ConfigError, match=r"^data: every prompt of .* \(train\) is refused \(row 1: the chat template "
                                           r"refuses this conversation: System role not supported\)"):
         tokenized(prompt_rows(system + short, system + long), gemma, cfg)
 
@@ -782,7 +782,7 @@ def test_prompts_a_template_refuses_are_refused_and_long_ones_keep_the_template_
     end = tokens("<|im_start|>assistant\n")
     assert start + end + 1 > keep
     assert report == {"rows": 2, "cut": 1, "dropped": 1, "refused": 0,
-                      "first_dropped": f"row 1: the template's start and generation prompt ({start} + {end} tokens) "
+                      "first_dropped": f"row 2: the template's start and generation prompt ({start} + {end} tokens) "
                                        f"leave no room in {keep}"}
     head = qwen("<|im_start|>system\nAnswer in one word.<|im_end|>\n<|im_start|>user\n",
                 add_special_tokens=False)["input_ids"]

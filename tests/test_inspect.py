@@ -33,8 +33,8 @@ def test_shows_loss_tokens_truncation_lengths_and_packing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "format prompt_response, train_on last_assistant, max_length 24" in out
-    assert ("samples: 2 kept; 1 cut to max_length (data.truncation=right), 1 dropped by it (first: row 2: no "
-            "trained token in the first 24 tokens), 0 refused") in out
+    assert ("samples: 2 kept; 1 cut to max_length (data.truncation=right), 1 dropped by it (first: "
+            f"line 3 of {data}: no trained token in the first 24 tokens), 0 refused") in out
     assert "<|user|>reverse abc<|assistant|>[[cba</s>]]" in out
     assert "<|user|>reverse abcdefghij<|assistant|>[[jihg]]" in out  # cut: no eos left
     assert re.search(r"token lengths: min 17, median 20.5, p90 23.3, p99 23.93, max 24", out)
@@ -59,7 +59,7 @@ def test_a_messages_row_not_ending_with_the_assistant_is_one_line_exit_2(tmp_pat
     proc = inspect(f"data.path={data}", "data.eval_fraction=0")
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and "row 0" in errors[0] and "not an assistant turn" in errors[0]
+    assert len(errors) == 1 and f"data: line 1 of {data} " in errors[0] and "not an assistant turn" in errors[0]
 
 
 def test_dpo_shows_pairs_with_their_trained_tokens_and_truncation(tmp_path):
@@ -114,7 +114,7 @@ def test_unk_tokens_are_reported_with_the_first_row_and_the_chosen_format(tmp_pa
     text = out.getvalue()
     assert "format messages from column(s) messages (data.format=auto; the same as data.format=messages)" in text
     assert ("<unk>: 2.94% of the tokens (16 of 544) are characters the tokenizer has no token for; first, in «»: "
-            "row 0: system: «B»e brief.<|user|>reverse abc<|assistant|>cba</s>") in text
+            f"line 1 of {data}: system: «B»e brief.<|user|>reverse abc<|assistant|>cba</s>") in text
     assert figures["unk"] == 16 and figures["untrained"] == 0 and "no trained token" not in text
 
     texts = tmp_path / "texts.txt"

@@ -272,9 +272,9 @@ def test_unpaired_rows_plain_and_conversational_read_the_same(tmp_path):
 
 
 @pytest.mark.parametrize("rows, message", [
-    ([{"prompt": "a", "completion": "b", "label": "yes"}], "data: row 0: label must be true or false (1 or 0), "
+    ([{"prompt": "a", "completion": "b", "label": "yes"}], "data: row 1: label must be true or false (1 or 0), "
                                                             "got 'yes'"),
-    ([{"prompt": "a", "completion": " ", "label": True}], "data: row 0: the completion response is empty"),
+    ([{"prompt": "a", "completion": " ", "label": True}], "data: row 1: 'completion' is empty"),
 ])
 def test_bad_rows_are_one_line(rows, message):
     from datasets import Dataset

@@ -121,7 +121,7 @@ def test_a_conversation_the_template_refuses_is_a_row_refused_with_the_reason(na
     out = tokenized(Dataset.from_list([{"messages": good}, {"messages": ct.conversation(shape)}]), tok, cfg,
                             report=report)
     assert len(out) == 1 and report["refused"] == 1
-    assert report["first_refused"].startswith("row 1: the chat template refuses this conversation: ")
+    assert report["first_refused"].startswith("row 2: the chat template refuses this conversation: ")
     with pytest.raises(ConfigError, match="every row of .* is refused .*; fix or drop those rows") as e:
         tokenized(Dataset.from_list([{"messages": ct.conversation(shape)}]), tok, cfg)
     assert "\n" not in str(e.value)

@@ -187,8 +187,31 @@ def test_a_bad_reward_model_path_is_one_line_before_anything_loads(sft, tmp_path
     assert proc.returncode == 2, text[-3000:]
     (line,) = said(text)
     assert f"grpo.rewards: model:{path}" in line and "Traceback" not in text, line
-    assert ("no such folder" if case == "missing" else "a causal language model, not a reward model") in line
+    assert ("no such model folder" if case == "missing" else "a causal language model, not a reward model") in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["base gone", "gguf"])
+def test_a_reward_model_read_as_any_model_is_refused_in_one_line(tmp_path, case):
+    """model:PATH is read as every model is (models.sources.read_model): a reward run's adapter is loaded on the
+    base it names, which must still exist (a removed outputs/default/merged: said before anything loads, naming it);
+    a .gguf holds a causal LM, refused naming the reward run that makes one of it."""
+    run = tmp_path / "rm"
+    (run / "adapter").mkdir(parents=True)
+    base = tmp_path / "sft" / "merged"
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS",
+                                                                     "base_model_name_or_path": str(base)}))
+    gguf = tmp_path / "model.gguf"
+    gguf.touch()
+    path = run if case == "base gone" else gguf
+    proc = python_m("task=grpo", "data.path=builtin:reverse", f"grpo.rewards=[model:{path}]", *QUICK,
+                    f"output_dir={tmp_path / 'run'}")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in text, text[-3000:]
+    (line,) = said(text)
+    assert line.startswith(f"accel_train: error: grpo.rewards: model:{path}: "), line
+    assert (f"base_model_name_or_path): no such model folder: {base}" if case == "base gone" else
+            f"not a reward model: train one on it first (task=reward model.name_or_path={gguf})") in line, line
 
 
 def test_a_causal_lm_adapter_is_refused_for_a_reward_model(sft, tmp_path):
@@ -214,7 +237,7 @@ def test_margins_are_read_from_their_column_and_checked():
     with pytest.raises(ConfigError, match="reward.margin_field=gap: .* has no such column"):
         check_columns(load_config(None, ["task=reward", "reward.margin_field=gap"]), ds)
     bad = Dataset.from_list([{**PAIRS[0], "margin": "wide"}])
-    with pytest.raises(ConfigError, match="row 0: margin is 'wide'; a margin is a finite number"):
+    with pytest.raises(ConfigError, match="row 1: margin is 'wide'; a margin is a finite number"):
         tokenized(bad, tokenizer, cfg)
 
 

@@ -11,7 +11,8 @@ A pair is tokenized into two sequences, prompt + chosen and prompt + rejected, w
 last assistant turn and its end-of-turn tokens). Truncation to data.max_length keeps the responses: the prompt
 loses its first tokens before a response loses its last ones. Pairs whose two sequences are identical (after
 truncation) teach nothing: they are dropped, and counted in the log; an empty response is an error. The columns are
-named by a config section's chosen_field and rejected_field (`section`: dpo, or reward for task reward).
+named by a config section's chosen_field and rejected_field (`section`, the caller's: dpo for dpo and kto, reward
+for task reward).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from accel_train.runtime.tracking import get_logger
 logger = get_logger(__name__)
 
 
-def pair_columns(cfg: Config, columns: list[str], source: str | None = None, section: str = "dpo") -> None:
+def pair_columns(cfg: Config, columns: list[str], section: str, source: str | None = None) -> None:
     """The chosen and rejected columns are there (the prompt is optional: conversations carry it). `section`: the
     config section naming them (chosen_field, rejected_field): dpo, or reward for task reward."""
     fields = getattr(cfg, section)
@@ -52,15 +53,16 @@ def as_turns(value, row: int, role: str) -> list[dict]:
 def conversation(prompt, answer, row: int, name: str) -> list[dict]:
     """The prompt turns (a text is one user turn; None: none), then the answer, which must be the assistant's and
     not empty. `name`: the answer's column, for the error."""
-    messages = ([] if prompt is None else as_turns(prompt, row, "user")) + as_turns(answer, row, "assistant")
-    if messages[-1]["role"] != "assistant":
+    answer = as_turns(formats.present(answer, row, name), row, "assistant")
+    messages = ([] if prompt is None else as_turns(prompt, row, "user")) + answer
+    if answer and messages[-1]["role"] != "assistant":
         raise ConfigError(f"data: row {row}: {name} ends with {messages[-1]['role']!r}, not the assistant's answer")
-    if not messages[-1]["content"].strip():
-        raise ConfigError(f"data: row {row}: the {name} response is empty; fill it or drop the row")
+    if not answer or not messages[-1]["content"].strip():
+        raise ConfigError(f"data: row {row}: {name!r} is empty; fill it or drop the row")
     return messages
 
 
-def pair_conversations(example: dict, cfg: Config, row: int, section: str = "dpo") -> tuple[list[dict], list[dict]]:
+def pair_conversations(example: dict, cfg: Config, row: int, section: str) -> tuple[list[dict], list[dict]]:
     """(chosen, rejected) as conversations: the prompt turns, then the answer (the columns named by `section`)."""
     prompt, fields = example.get(cfg.data.prompt_field), getattr(cfg, section)
     pair = [conversation(prompt, example[name], row, name) for name in (fields.chosen_field, fields.rejected_field)]
@@ -99,8 +101,8 @@ def fit_prompt_first(prompt: list[int], responses: list[list[int]], size: int) -
     return prompt[len(prompt) - keep:], [r[:size - keep] for r in responses], truncated
 
 
-def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION,
-                  section: str = "dpo") -> dict:
+def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int = formats.TOKENIZE_VERSION, *,
+                  section: str) -> dict:
     """Prompt + chosen and prompt + rejected token ids and labels, truncated to data.max_length prompt first."""
     (prompt, chosen), (prompt_rejected, rejected) = (
         prompt_and_response(messages, tokenizer, row) for messages in pair_conversations(example, cfg, row, section))
@@ -115,7 +117,7 @@ def tokenize_pair(example: dict, row: int, tokenizer, cfg: Config, version: int 
     return out
 
 
-def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str], section: str = "dpo",
+def tokenize_pairs(ds: Dataset | IterableDataset, tokenizer, cfg: Config, cols: list[str], section: str,
                    row_fn=tokenize_pair) -> Dataset | IterableDataset:
     """Tokenized pairs; the truncated ones are counted, the identical ones dropped and counted (in-memory data).
     `section`: the config section naming the pair's columns (its *_field keys); `row_fn`: tokenize_pair, or a task's
@@ -170,8 +172,7 @@ class PairCollator:
         return batch
 
 
-def inspect_pairs(task, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out,
-                  section: str = "dpo") -> dict:
+def inspect_pairs(task, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out, section: str) -> dict:
     """`inspect` of a task on pairs (dpo, reward; `task`: its Task): the pairs as the run sees them (prompt, chosen and
     rejected tokens,
     what truncation cuts and drops, how much padding the batches of 2 x per_device_batch_size rows hold)."""

@@ -17,7 +17,7 @@ from datasets import Dataset, IterableDataset
 from accel_train.data import formats
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.data.pipeline import file_rows, row_counts
+from accel_train.data.pipeline import FileRows, file_rows, named_rows, row_counts
 from accel_train.runtime.tracking import get_logger
 
 logger = get_logger(__name__)
@@ -44,12 +44,14 @@ def prompt_column(cfg: Config, columns: list[str], source: str | None = None) ->
                       f"{', '.join(columns)} (set data.prompt_field or data.messages_field)")
 
 
-def prompt_turns(value, row: int) -> list[dict]:
-    """A prompt as chat turns: a text is one user turn; turns must end with the user's (or a tool's) turn."""
+def prompt_turns(value, row: int, column: str = "prompt") -> list[dict]:
+    """A prompt (the value of `column`) as chat turns: a text is one user turn; turns must end with the user's (or
+    a tool's) turn."""
+    formats.present(value, row, column)
     if not isinstance(value, list):
-        text = "" if value is None else str(value)
+        text = str(value)
         if not text.strip():
-            raise ConfigError(f"data: row {row}: the prompt is empty; fill it or drop the row")
+            raise ConfigError(f"data: row {row}: {column!r} is empty; fill it or drop the row")
         return [{"role": "user", "content": text}]
     turns = [formats._message(m, row) for m in value]
     if not turns or turns[-1]["role"] == "assistant":
@@ -61,7 +63,7 @@ def prompt_turns(value, row: int) -> list[dict]:
 
 def tokenize_prompt(example: dict, row: int, tokenizer, fields: tuple[str, str], size: int,
                     version: int = formats.TOKENIZE_VERSION, tools: list[dict] | None = None,
-                    rows: list[int] | None = None) -> dict:
+                    rows: FileRows | None = None) -> dict:
     """The prompt's token ids, as the model will continue them (the template's generation prompt at the end), cut
     to `size` tokens by `cut_prompt`; `fields`: the prompt's column names (data.prompt_field, data.messages_field,
     the first found is read); `index`: the row in the split (seeds its completions' sampling; `rows`: the file's
@@ -70,8 +72,12 @@ def tokenize_prompt(example: dict, row: int, tokenizer, fields: tuple[str, str],
     template raises on it, as Gemma 2's on a system turn): tokenize_prompts counts them and removes the last two."""
     column, named = next((name for name in fields if name in example), None), rows[row] if rows else row
     if column is None:
-        raise ConfigError(f"data: row {named} has no {fields[0]!r} or {fields[1]!r} column of prompts")
-    turns = prompt_turns(example[column], named)
+        raise named_rows(ConfigError(f"data: row {named} has no {fields[0]!r} or {fields[1]!r} column of prompts"),
+                         rows)
+    try:
+        turns = prompt_turns(example[column], named, column)
+    except ConfigError as e:  # named as the user finds the row (the file's line)
+        raise named_rows(e, rows) from None
     bos = tokenizer.bos_token_id
     if tokenizer.chat_template:
         try:  # `tools`: the tools' schemas (in the cache key: an edited docstring tokenizes again)

@@ -45,7 +45,7 @@ from typing import Callable
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.models.sources import TRAINED_FOLDERS, trained_folder, trained_task
+from accel_train.models.sources import TRAINED_FOLDERS, is_gguf, read_model, trained_task
 
 
 def exact_match(prompts, completions, completion_ids, *, answers, **_) -> list[float]:
@@ -106,10 +106,11 @@ def check_reward_model(name: str) -> None:
     path = name.removeprefix(MODEL)
     if not path:
         raise ConfigError("grpo.rewards: model: needs a path: model:PATH, a reward run's output_dir")
-    try:
-        folder = trained_folder(path)
-    except ConfigError as e:
-        raise ConfigError(f"grpo.rewards: {name}: {str(e).removeprefix('PATH: ')}") from None
+    if is_gguf(path):
+        raise ConfigError(f"grpo.rewards: {name}: a GGUF file holds a causal language model, not a reward model: train "
+                          f"one on it first (task=reward model.name_or_path={path}), then give model:ITS_OUTPUT_DIR")
+    # read as any model is (a run's merged/, model/ or adapter/ on the base it names, which must exist), locally
+    folder = Path(read_model(path, f"grpo.rewards: {name}", adapter=True, hub=False))
     kind = trained_task(folder)
     config = folder / "config.json"
     outputs = json.loads(config.read_text()).get("id2label") if config.is_file() else None

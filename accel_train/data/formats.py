@@ -130,6 +130,14 @@ def _text(content, row: int) -> str:
     return str(content)
 
 
+def present(value, row: int, column: str):
+    """A row's value of `column`; None (the key missing from the row, or null: datasets reads both as None, and an
+    empty CSV cell too) refused, naming the column as missing, not empty."""
+    if value is None:
+        raise ConfigError(f"data: row {row} has no {column!r} (the key is missing or null); add it or drop the row")
+    return value
+
+
 def _message(raw: dict, row: int) -> dict:
     """One turn as the chat template wants it: role and content, plus whatever else it carries (tool_calls,
     name, ...). `datasets` gives every turn every key of the column (None where absent): those are dropped."""
@@ -159,15 +167,17 @@ def conversation_parts(example: dict, cfg: Config, fmt: str, row: int) -> tuple[
     response's (all of a messages row), which must end with the assistant's answer."""
     d = cfg.data
     if fmt == "prompt_response":
-        prompt = turns(example[d.prompt_field], row, "user")
-        response = turns(example[d.response_field], row, "assistant")
+        prompt = turns(present(example[d.prompt_field], row, d.prompt_field), row, "user")
+        response = turns(present(example[d.response_field], row, d.response_field), row, "assistant")
     elif fmt == "alpaca":
         extra = example.get(d.input_field)
-        text = str(example[d.instruction_field]) + (f"\n\n{extra}" if extra not in (None, "") else "")
+        text = str(present(example[d.instruction_field], row, d.instruction_field)) + (
+            f"\n\n{extra}" if extra not in (None, "") else "")
         prompt = [{"role": "user", "content": text}]
-        response = [{"role": "assistant", "content": str(example[d.output_field])}]
+        response = [{"role": "assistant", "content": str(present(example[d.output_field], row, d.output_field))}]
     else:
-        prompt, response = [], [_message(m, row) for m in example[messages_column(cfg, list(example))] or []]
+        column = messages_column(cfg, list(example))
+        prompt, response = [], [_message(m, row) for m in present(example[column], row, column)]
     if d.train_on != "all" and (not response or response[-1]["role"] != "assistant"):
         messages = prompt + response
         last = repr(response[-1]["role"]) if response else "nothing"

@@ -6,9 +6,12 @@ here.
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import glob
 import json
 import random
+import re
 from pathlib import Path
 
 from accel_train.config.schema import Config, DataConfig
@@ -44,6 +47,80 @@ def check_one_split(key: str, path: str, splits: list[str] | None) -> None:
 def file_builder(path: Path) -> tuple[str, dict]:
     """The builder that reads a data file, and its options."""
     return FILE_BUILDERS[path.suffix], BUILDER_OPTIONS.get(path.suffix, {})
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSource:
+    """Where the rows of a loaded split come from, so that a message names a row as the user finds it (`row_name`):
+    a local text file (JSON lines, a JSON array, CSV or TSV, text) by the line an editor shows, 1-based; anything
+    without lines (parquet, arrow, a save_to_disk folder, a hub dataset, several files) by its row counted from 1,
+    of `rows`, in `where`."""
+
+    where: str
+    """data.path or data.eval_path as given (with the split, for a source of several)."""
+    rows: int | None = None
+    """How many rows were loaded from it."""
+    lines: bool = False
+    """A local data file read whole, whose lines are counted (data_line)."""
+
+
+def row_name(row: int, source: RowSource | None = None) -> str:
+    """A row of the loaded data (file order, from 0) as a message names it: "line 18 of data.jsonl", "row 18 of 30
+    in data.parquet", or "row 18" (data of unknown origin: built-in, in memory, streamed)."""
+    line = data_line(Path(source.where).expanduser(), row) if source is not None and source.lines else None
+    if line is not None:
+        return f"line {line} of {source.where}"
+    return f"row {row + 1}" + (f" of {source.rows} in {source.where}" if source is not None and source.rows else "")
+
+
+def data_line(path: Path, row: int) -> int | None:
+    """The line (1-based) where a local file's `row` (from 0, as datasets reads it: JSON lines skip blank lines, a CSV
+    its header and blank lines, a text file keeps them) starts; None where it cannot be told. Read when a message
+    names a row, not before."""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            if path.suffix in (".csv", ".tsv"):
+                return _csv_line(f, row, BUILDER_OPTIONS.get(path.suffix, {}).get("sep", ","))
+            if path.suffix == ".txt":
+                return row + 1
+            if path.suffix not in (".jsonl", ".json", ".ndjson"):
+                return None
+            text = f.read()
+    except OSError:
+        return None
+    if text.lstrip().startswith("["):  # one JSON array: the line where its element `row` starts
+        decoder, gap, pos = json.JSONDecoder(), re.compile(r"[\s,]*"), text.index("[") + 1
+        for _ in range(row):
+            try:
+                pos = decoder.raw_decode(text, gap.match(text, pos).end())[1]
+            except ValueError:
+                return None
+        pos = gap.match(text, pos).end()
+        return text.count("\n", 0, pos) + 1 if pos < len(text) and text[pos] != "]" else None
+    seen = -1
+    for number, line in enumerate(text.splitlines(), start=1):
+        seen += bool(line.strip())
+        if seen == row:
+            return number
+    return None
+
+
+def _csv_line(f, row: int, sep: str) -> int | None:
+    """The first line of a CSV's record `row` (after the header; blank lines skipped, as pandas does; a quoted field
+    may span lines)."""
+    reader, seen = csv.reader(f, delimiter=sep), -2  # the header is record -1
+    while True:
+        start = reader.line_num + 1
+        try:
+            record = next(reader, None)
+        except csv.Error:
+            return None
+        if record is None:
+            return None
+        if record:
+            seen += 1
+            if seen == row:
+                return start
 
 
 def _reverse(rng: random.Random) -> dict:
@@ -173,18 +250,34 @@ def check_data_files(cfg: Config, local: Path) -> None:
             raise ConfigError(f"data.data_files: no file matches {pattern!r} (relative to {base})")
 
 
-def jsonl_rows(path: Path, flag: str) -> list[tuple[int, dict]]:
+def jsonl_rows(path: Path, flag: str, appended: bool = False, mend: bool = False) -> list[tuple[int, dict]]:
     """(line number, object) of each non-blank line of a .jsonl file a tool reads (`flag`: its option, for the
-    one-line error naming a line that is not a JSON object)."""
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    one-line error naming a line that is not a JSON object).
+
+    `appended`: a file a run appends to line by line (sample's parts, the study's results), which an interruption
+    may leave with a cut line: what follows the last newline, or a line that does not parse (cut anywhere, inside a
+    multi-byte character too), is left out instead of refused (no such file: no rows); `mend`: the file is then
+    rewritten without it."""
+    if appended and not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    cut = lines.pop() if appended else b""  # appended: the text after the last newline is a line not finished
+    rows, kept = [], []
+    for number, raw in enumerate(lines, start=1):
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag} {path}, line {number}: not JSON ({e.msg})") from None
+            line = raw.decode("utf-8")
+            row = json.loads(line) if line.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if appended:
+                continue
+            what = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else f"not UTF-8 ({e.reason})"
+            raise ConfigError(f"{flag} {path}, line {number}: {what}") from None
+        kept.append(raw)
+        if row is None:
+            continue
         if not isinstance(row, dict):
             raise ConfigError(f"{flag} {path}, line {number}: not a JSON object")
         rows.append((number, row))
+    if mend and (cut or len(kept) != len(lines)):
+        path.write_bytes(b"".join(raw + b"\n" for raw in kept))
     return rows

@@ -195,6 +195,63 @@ def check_task(folder: Path, task: str) -> None:
         raise ConfigError(f"{folder} holds {kind}: use {TOOLS[found]}")
 
 
+def export_hint(run: Path) -> str:
+    """The commands that make a run's LoRA adapter a model that loads alone (base + adapter merged: RUN/merged)."""
+    return (f"make it one: `accel-train export {run}` (writes {run / 'merged'}), or train the run with merge=true, "
+            f"then give {run}")
+
+
+def read_model(name: str, key: str, revision: str | None = None, random: bool = False, adapter: bool = False,
+               hub: bool = True, convert: bool = True, hint: str = "") -> str:
+    """What a model given by a path or a hub id is read from, the same wherever one is read (model.name_or_path,
+    distill.teacher, grpo.rewards model:PATH); ConfigError naming `key`, in one line, otherwise:
+
+    - FILE.gguf: its transformers folder (gguf_folder: read once, then cached; imports torch); `convert=False`: the
+      file only checked (model.name_or_path is read at the end of preflight);
+    - a run's output_dir: its merged/ or model/ (TRAINED_FOLDERS); a run holding adapter/ alone, or an adapter
+      folder, where the caller loads an adapter on its base (`adapter`: models.build.load_trained, whose base must
+      exist) as is, else refused naming `accel-train export RUN` / merge=true; RUN/merged not written yet, the same;
+    - a model folder: it holds weights unless `random` (`hint` says what to do otherwise);
+    - a hub id (`hub`): reachable, or in the cache offline (check_model); not `hub`: a local folder is needed.
+    """
+    if is_gguf(name):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{key}: no such GGUF file: {name}")
+        if not convert:
+            check_gguf(name)
+            return name
+        try:
+            return str(gguf_folder(name))
+        except ConfigError as e:  # said of the file, under the key that named it
+            raise ConfigError(f"{key}: {str(e).removeprefix('model.name_or_path: ')}") from None
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        if path.name == "merged" and (path.parent / "adapter").is_dir():  # a run's merged model, not written yet
+            raise ConfigError(f"{key}: {name} does not exist yet: {path.parent} holds a LoRA adapter; make it a model: "
+                              f"`accel-train export {path.parent}`, or train the run with merge=true")
+        if not hub:
+            raise ConfigError(f"{key}: no such model folder: {name}")
+        check_model(name, revision, key)
+        return name
+    found = next((path / sub for sub in TRAINED_FOLDERS if (path / sub).is_dir()), path)
+    if (found / "adapter_config.json").is_file():
+        run = found.parent if found.name == "adapter" else found
+        if not adapter:
+            raise ConfigError(f"{key}: {name} holds a LoRA adapter, not a model that loads alone: " + export_hint(run))
+        saved = run / "base_model"  # a run's random base (load_trained reads it first)
+        base = saved if saved.is_dir() else json.loads((found / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path")
+        if base:
+            check_model(str(base), key=f"{key}: the base its adapter names (base_model_name_or_path)")
+        return str(found)
+    if found == path and (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: {name} is a run that saved no model (no {', '.join(f + '/' for f in TRAINED_FOLDERS)})"
+                          ": give a finished run's output_dir")
+    check_weights(str(found), random, key, hint or "give a trained model")
+    return name if found == path else str(found)
+
+
 # Files that hold a model's weights (transformers' names, sharded or not): a folder without any is a config only.
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 

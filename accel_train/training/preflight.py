@@ -18,7 +18,7 @@ from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.config import registry
 from accel_train.data.sources import check_data_source
-from accel_train.models.sources import check_gguf, check_model, check_weights, gguf_folder, is_gguf, trained_task
+from accel_train.models.sources import gguf_folder, is_gguf, read_model, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train.runtime.launched import check_engine, first_process, is_local_main, launched_world_size
 from accel_train.runtime.tracking import check_trackers
@@ -43,7 +43,25 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
     resume = resolve_resume(cfg)
     read_gguf(cfg, say=split)
+    if split and first_process():
+        say_unseen(cfg, launched_world_size())
     return resume
+
+
+def say_unseen(cfg: Config, processes: int) -> None:
+    """A line each, once, for what a run would otherwise do without saying it: never evaluate (no evaluation data;
+    a stream's eval_fraction is said by data.pipeline), or take a batch per step that grew with the processes (no
+    train.global_batch_size: the start line gives the product, not that it changed)."""
+    d, t, log = cfg.data, cfg.train, logging.getLogger(__name__)
+    if d.eval_split is None and not d.eval_path and d.eval_fraction == 0:
+        log.warning("data: no evaluation data (data.eval_fraction=0, no data.eval_path or data.eval_split): this "
+                    "run never evaluates; set one of them to measure it on held-out data")
+    if t.global_batch_size is None and processes > 1:
+        each = t.per_device_batch_size * t.grad_accum_steps
+        accum = f" x train.grad_accum_steps={t.grad_accum_steps}" if t.grad_accum_steps > 1 else ""
+        log.warning(f"train: effective batch {each * processes} on {processes} processes, {each} on 1: "
+                    f"train.per_device_batch_size={t.per_device_batch_size}{accum} is per process; "
+                    f"train.global_batch_size={each} keeps {each} on any number of processes")
 
 
 def read_gguf(cfg: Config, say: bool = True) -> None:
@@ -112,12 +130,11 @@ def check_model_source(cfg: Config) -> None:
     if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package (GPUs only): "
                           "pip install flash-attn, or use sdpa")
-    if is_gguf(path):  # read into a transformers folder at the end of preflight (read_gguf)
-        check_gguf(path)
-        return
-    check_model(path, cfg.model.revision)  # after the checks that need no network
-    check_weights(path, cfg.model.random_init, "model.name_or_path",
-                  "pass model.random_init=true to train from random weights built from its config.json")
+    # after the checks that need no network; a .gguf is read into a transformers folder at the end of preflight
+    # (read_gguf), a finished run's output_dir is its merged/ or model/ (models.sources.read_model)
+    cfg.model.name_or_path = read_model(
+        path, "model.name_or_path", cfg.model.revision, cfg.model.random_init, convert=False,
+        hint="pass model.random_init=true to train from random weights built from its config.json")
 
 
 def check_adapter_source(cfg: Config) -> None:

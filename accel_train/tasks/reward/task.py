@@ -52,7 +52,7 @@ def margin_column(cfg: Config) -> str:
 
 def tokenize_scored_pair(example: dict, row: int, tokenizer, cfg: Config, version: int, section: str = SECTION) -> dict:
     """dpo's tokenized pair, with the row's margin when the data has the column (a finite number)."""
-    out = tokenize_pair(example, row, tokenizer, cfg, version, section)
+    out = tokenize_pair(example, row, tokenizer, cfg, version, section=section)
     field = margin_column(cfg)
     if field in example:
         value = example[field]
@@ -119,7 +119,7 @@ class Reward(Task):
         self.pair_loss = PairLoss(cfg.reward)
 
     def columns(self, columns: list[str], source: str) -> str:
-        pair_columns(self.cfg, columns, source, SECTION)
+        pair_columns(self.cfg, columns, SECTION, source)
         r, margin = self.cfg.reward, margin_column(self.cfg)
         if r.margin_field is not None and r.margin_field not in columns:
             raise ConfigError(f"reward.margin_field={r.margin_field}: {source} has no such column; columns found: "
