@@ -81,10 +81,10 @@ RUN_BY = {
     'accel-train predict outputs/reward --prompt "reverse abcd" --response dcba --response dcb':
         [("tests/test_reward.py::test_predict_scores_and_ranks_answers_with_a_reward_model",
           ['tool="predict"', '"--prompt"', '"--response"'])],
-    "accel-train sample outputs/default --out outputs/samples data.path=prompts.jsonl grpo.num_generations=8 "
-    "grpo.rewards=[number_match] --threshold 1 [--rank-by model:outputs/reward]":
+    "accel-train sample outputs/default --out outputs/samples data.path=prompts.jsonl sample.num_generations=8 "
+    "sample.rewards=[number_match] --threshold 1 [--rank-by model:outputs/reward]":
         [("tests/test_sample.py::test_every_prompt_gets_n_answers_scored_by_the_reward",
-          ['tool="sample"', '"--out"', '"--threshold"', '"--rank-by"', "grpo.num_generations="])],
+          ['tool="sample"', '"--out"', '"--threshold"', '"--rank-by"', "sample.num_generations="])],
     "accel-train export outputs/default":
         [("tests/test_checkpoint.py::test_merged_export_loads_without_peft_and_matches_adapter",
           ['tool="export"'])],

@@ -1,4 +1,4 @@
-"""accel-train sample: n answers per prompt sampled as grpo's rollouts are, scored by grpo.rewards, written as the
+"""accel-train sample: n answers per prompt sampled as grpo's rollouts are, scored by sample.rewards, written as the
 tasks read them (sft.jsonl: causal_lm; pairs.jsonl: dpo and reward; kto.jsonl: kto), with pass@k and best-of-n
 recomputed here from the answers; an interruption continued by the same command, and 2 processes under
 `accel-train launch ... sample` (and under FSDP2 and ZeRO-3 launch configs), give the answers of one uninterrupted
@@ -37,14 +37,17 @@ def shorter(prompts, completions, **kw):
 
 
 def interrupting(prompts, completions, **kw):
-    """chars, but the terminal's Ctrl-C (SIGINT) at the call INTERRUPT_AT, to the main thread: sent to the process
-    (os.kill), the kernel may hand it to one of torch's threads, and Python raises it in the main thread wherever that
-    is then (once in 4 suites the run went on to status 0); here it is raised in this call, the second batch's."""
+    """chars, but the terminal's Ctrl-C (SIGINT) at the call INTERRUPT_AT, to the main thread (this one): Python
+    raises KeyboardInterrupt inside pthread_kill, in this call, the second batch's."""
     calls[0] += 1
     print(f"reward call {calls[0]} of {len(completions)} completions; SIGINT handler {signal.getsignal(signal.SIGINT)}",
           file=sys.stderr, flush=True)  # what an interruption that did not stop the run saw
     if calls[0] == int(os.environ.get("INTERRUPT_AT", 0)):
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        status = dict(line.split(":", 1) for line in open(f"/proc/self/task/{threading.get_native_id()}/status"))
+        main = threading.current_thread() is threading.main_thread()
+        print(f"SIGINT not raised: handler {signal.getsignal(signal.SIGINT)}, main thread {main}, ignored "
+              f"{status['SigIgn'].strip()}, blocked {status['SigBlk'].strip()}", file=sys.stderr, flush=True)
     return chars(prompts, completions)
 '''
 # a gold "response" column too: were it copied into sft.jsonl, task causal_lm would train on it (prompt/response is
@@ -64,9 +67,9 @@ def setup(tmp_path_factory):
 
 
 def args(root, model, out, reward="chars", *extra):
-    n = [] if "--greedy" in extra else ["grpo.num_generations=4"]
+    n = [] if "--greedy" in extra else ["sample.num_generations=4"]
     return [str(model), "--out", str(out), f"data.path={root / 'prompts.jsonl'}", "data.eval_fraction=0", *n,
-            "grpo.max_new_tokens=12", f"grpo.rewards=[{root / 'rewards.py'}:{reward}]", "--threshold", "0.5",
+            "sample.max_new_tokens=12", f"sample.rewards=[{root / 'rewards.py'}:{reward}]", "--threshold", "0.5",
             "--batch-size", "3", *extra]
 
 
@@ -163,6 +166,11 @@ def test_an_interrupted_sampling_is_continued_by_the_same_command(sampled, setup
     cmd = args(root, model, out, "interrupting")
     # call 1: the check of the rewards on the first row before sampling; 2: the first batch's; 3: the second's
     stopped = python_m(*cmd, tool="sample", env={"INTERRUPT_AT": "3"})
+    # the run's Ctrl-C handling is a fresh interpreter's, whatever the test process's (a suite started in the
+    # background by a shell without job control ignores SIGINT, and a fork server started from it did too: there the
+    # run went on to status 0; forked_cli.child sets it as a fresh interpreter started from a terminal has it)
+    assert [line.partition("SIGINT handler ")[2] for line in stopped.stderr.splitlines() if "reward call" in line] == [
+        "<built-in function default_int_handler>"] * 3, stopped.stderr[-3000:]
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert said(stopped.stderr)[-1].startswith("accel-train sample: interrupted; the prompts done are kept")
     assert "Traceback" not in stopped.stderr
@@ -183,10 +191,10 @@ def test_a_folder_sampled_with_other_settings_is_refused(sampled, setup):
     out = sampled[0]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     proc = python_m(*args(root, model, out, "chars", "--rank-by", f"{root / 'rewards.py'}:shorter",
-                          "grpo.temperature=0.7"), tool="sample")
+                          "sample.temperature=0.7"), tool="sample")
     assert proc.returncode == 2
     assert said(proc.stderr) == [f"accel-train sample: error: --out {out} holds answers sampled with other settings "
-                                 "(grpo.temperature: 1.0 there, 0.7 now): give another --out, or the same settings "
+                                 "(sample.temperature: 1.0 there, 0.7 now): give another --out, or the same settings "
                                  "to continue it"]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
@@ -269,7 +277,7 @@ def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
     """A model folder with a real chat template (tests/data/chat_templates: Qwen's, whose end of turn <|im_end|> is
     its eos; Gemma's, whose <end_of_turn> is not: its eos is <eos>) and an answer of several tokens: each prompt is
     templated with the generation prompt, every answer stops at the template's end of turn (not cut at
-    grpo.max_new_tokens, its end of turn not in the text) and is scored and written as the tasks read it."""
+    sample.max_new_tokens, its end of turn not in the text) and is scored and written as the tasks read it."""
     import chat_templates as ct
 
     from accel_train.data import formats
@@ -283,9 +291,9 @@ def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": "abc"}) + "\n" for w in ("cba", "xyz")))
     out = tmp_path / "out"
-    proc = python_m(model, "--out", out, f"data.path={data}", "data.eval_fraction=0", "grpo.num_generations=2",
-                    "grpo.max_new_tokens=8", "grpo.temperature=0.01", "grpo.rewards=[exact_match]",
-                    "grpo.answer_field=answer", tool="sample")
+    proc = python_m(model, "--out", out, f"data.path={data}", "data.eval_fraction=0", "sample.num_generations=2",
+                    "sample.max_new_tokens=8", "sample.temperature=0.01", "sample.rewards=[exact_match]",
+                    "sample.answer_field=answer", tool="sample")
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = rows(out / "samples.jsonl")
     assert [r["completions"] for r in samples] == [["abc", "abc"]] * 2
@@ -295,9 +303,34 @@ def test_answers_stop_at_a_real_templates_end_of_turn(tmp_path, template):
     assert rows(out / "sft.jsonl") == [{"prompt": f"reverse {w}", "completion": "abc"} for w in ("cba", "xyz")]
 
 
+OWN = ("sample.num_generations, sample.max_new_tokens, sample.temperature, sample.top_p, sample.rewards, "
+       "sample.reward_weights, sample.answer_field, sample.regex, sample.length_buffer")
+
+
+def test_the_older_grpo_spellings_read_as_samples_own_keys(setup, tmp_path):
+    """sample.KEY, and grpo.KEY as sample read it before it had its own section: the same settings."""
+    from accel_train.tools.sample import parse_args, sampling_config, settings
+
+    root, model = setup
+    configs = []
+    for section in ("sample", "grpo"):
+        argv = [str(model), "--out", str(tmp_path / section), f"data.path={root / 'prompts.jsonl'}",
+                *(f"{section}.{kv}" for kv in ("num_generations=3", "temperature=0.5", "top_p=0.9",
+                                               "max_new_tokens=7", "rewards=[exact_match]", "answer_field=answer"))]
+        args = parse_args(argv)
+        configs.append(settings(sampling_config(args), args.path, args.split, None, False))
+    assert configs[0] == configs[1]
+    assert {k: configs[0][f"sample.{k}"] for k in ("num_generations", "temperature", "top_p", "max_new_tokens")} == {
+        "num_generations": 3, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 7}
+
+
 @pytest.mark.parametrize("extra,line", [
-    (["train.lr=1"], "train.lr: not a key sample reads (data.*, grpo.*, model.*, seed)"),
-    (["grpo.num_generations=3", "--greedy"], "--greedy answers each prompt once: drop grpo.num_generations"),
+    (["train.lr=1"], "train.lr: not a key sample reads (data.*, sample.*, model.*, seed)"),
+    (["sample.num_generations=3", "--greedy"], "--greedy answers each prompt once: drop sample.num_generations"),
+    (["sample.beta=0.1"], "sample.beta: not a key sample reads; its own: " + OWN),
+    (["grpo.loss_type=dapo"], "grpo.loss_type: not a key sample reads; its own: " + OWN),
+    (["sample.rewards=[nope]"], "sample.rewards: unknown reward 'nope'; built-ins: exact_match, number_match, "
+     "regex_match, length_penalty, or module:NAME / path/to/file.py:NAME for your own"),
     (["grpo.tools=[configs/tools/arithmetic.py:add]"], "grpo.tools / grpo.environment: sample writes single-turn "
      "answers; a multi-turn trajectory (its tool turns) has no place in sft/pairs/kto rows yet")])
 def test_a_key_sample_would_ignore_is_refused_in_one_line(setup, tmp_path, extra, line):
@@ -313,6 +346,6 @@ def test_a_bad_argument_under_accel_train_launch_is_said_once_before_any_process
            *args(root, model, tmp_path / "out", "chars", "train.lr=1")]
     proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert said(proc.stderr) == ["accel-train sample: error: train.lr: not a key sample reads (data.*, grpo.*, "
+    assert said(proc.stderr) == ["accel-train sample: error: train.lr: not a key sample reads (data.*, sample.*, "
                                  "model.*, seed)"], proc.stderr
     assert "rank" not in proc.stderr

@@ -1,5 +1,5 @@
 """Training data sampled from a model itself: n answers to each prompt, scored by the reward functions of
-grpo.rewards, written in the formats the tasks read (rejection sampling / RFT, preference pairs, KTO rows), with
+sample.rewards, written in the formats the tasks read (rejection sampling / RFT, preference pairs, KTO rows), with
 pass@1 and pass@n; and best-of-n with a reward model.
 
     accel-train sample PATH --out DIR [--config FILE] [--threshold 1] [--rank-by model:RUN] [key=value ...]
@@ -11,9 +11,15 @@ id. The settings are the config's (a GRPO config file gives the same prompts, re
 
     data.path                 the prompts (a "prompt" or "messages" column, as task grpo reads them): every row,
                               or with --config the rows its run trains on (data.eval_fraction held out; --split)
-    grpo.num_generations      n, the answers per prompt
-    grpo.rewards, grpo.reward_weights, grpo.answer_field, grpo.regex     the reward of an answer (the weighted sum)
-    grpo.max_new_tokens, grpo.temperature, grpo.top_p, seed              the sampling (single-turn: no grpo.tools)
+    sample.num_generations    n, the answers per prompt
+    sample.rewards, sample.reward_weights, sample.answer_field, sample.regex, sample.length_buffer
+                              the reward of an answer (the weighted sum), as grpo.rewards, ... score a GRPO run's
+    sample.max_new_tokens, sample.temperature, sample.top_p, seed
+                              the sampling (single-turn: no grpo.tools)
+
+sample.KEY is the same setting as a GRPO config's grpo.KEY: a --config file's grpo section gives them, and sample.KEY
+on the command line overrides it (the spelling grpo.KEY there, sample's before it had its own section, still reads
+as sample.KEY).
 
 Each answer is sampled as grpo's rollouts are (components/completions.py: its own noise from (seed, the prompt's row,
 its number), whatever the batch or the number of processes), so a rerun, an interrupted run continued and 1 or 2
@@ -54,11 +60,15 @@ from accel_train.config.sections import ConfigError
 SETTINGS = ("seed", "data.path", "data.name", "data.data_files", "data.revision", "data.builtin_size",
             "data.train_split", "data.eval_split", "data.eval_path", "data.eval_fraction", "data.max_samples",
             "data.prompt_field", "data.messages_field", "data.max_length", "model.dtype", "model.revision",
-            "model.quantization", "model.attn_implementation", "grpo.num_generations", "grpo.max_new_tokens",
-            "grpo.temperature", "grpo.top_p", "grpo.rewards", "grpo.reward_weights", "grpo.answer_field",
-            "grpo.regex", "grpo.length_buffer")
+            "model.quantization", "model.attn_implementation", "sample.num_generations", "sample.max_new_tokens",
+            "sample.temperature", "sample.top_p", "sample.rewards", "sample.reward_weights", "sample.answer_field",
+            "sample.regex", "sample.length_buffer")
+# sample's own keys, sample.KEY: the sampling and the rewards, held as a GRPO run's grpo.KEY (the config a --config
+# file gives)
+SAMPLE_KEYS = ("num_generations", "max_new_tokens", "temperature", "top_p", "rewards", "reward_weights",
+               "answer_field", "regex", "length_buffer")
 # The sections sample reads; a key of another (train.*, lora.*, ...) would be ignored: refused.
-SECTIONS = ("data.", "grpo.", "model.", "seed=")
+SECTIONS = ("data.", "sample.", "grpo.", "model.", "seed=")
 
 OUTPUTS = ("samples.jsonl", "sft.jsonl", "pairs.jsonl", "kto.jsonl", "summary.json")
 
@@ -71,39 +81,67 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                      "or a hub id")
     parser.add_argument("--out", required=True, help="the folder of the outputs (continued when it holds an "
                                                      "interrupted sampling of the same settings)")
-    parser.add_argument("--config", help="a YAML config (configs/train/*.yaml): its data and grpo sections")
+    parser.add_argument("--config", help="a YAML config (configs/train/*.yaml): its data section, and its grpo "
+                                         "section's sampling and rewards")
     parser.add_argument("--threshold", type=float, default=1.0,
                         help="an answer is correct at or above this reward (sft.jsonl, kto.jsonl, pass@k; default 1)")
     parser.add_argument("--rank-by", help="best-of-n: a reward (model:RUN, a reward model; or a function as in "
-                                          "grpo.rewards) that ranks each prompt's answers; summary.json gives the "
+                                          "sample.rewards) that ranks each prompt's answers; summary.json gives the "
                                           "true reward of the answer it ranks first")
     parser.add_argument("--greedy", action="store_true",
-                        help="one greedy answer per prompt (grpo.num_generations is then 1): pass@1 is the greedy "
+                        help="one greedy answer per prompt (sample.num_generations is then 1): pass@1 is the greedy "
                              "accuracy, as task grpo's evaluation scores it")
     parser.add_argument("--split", choices=("train", "eval", "all"),
                         help="the prompts: the training split as a run with this config trains on (the default with "
                              "--config), its held-out split, or every row (the default without)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.path=F.jsonl "
-                                                                          "grpo.num_generations=8")
+                                                                          "sample.num_generations=8")
     return parser.parse_intermixed_args(argv)
 
 
+def held_as(item: str) -> str:
+    """A command-line key=value as the config holds it: sample.KEY (or its older spelling grpo.KEY) as grpo.KEY, the
+    data and model sections and seed as they are; any other key (train.*, lora.*, grpo.KEY of GRPO's training) would
+    be ignored: refused."""
+    key, _, value = item.partition("=")
+    section, _, name = key.partition(".")
+    if not item.startswith(SECTIONS) or item.startswith(("model.name_or_path=", "model.adapter_from=")):
+        raise ConfigError(f"{key}: sample reads the data, sample and model sections (and seed); the model is PATH"
+                          if item.startswith("model.") else
+                          f"{key}: not a key sample reads (data.*, sample.*, model.*, seed)")
+    if section == "grpo" and name in ("tools", "environment"):
+        return item  # refused in sampling_config, as from a --config file
+    if section in ("sample", "grpo") and name not in SAMPLE_KEYS:
+        raise ConfigError(f"{key}: not a key sample reads; its own: {', '.join('sample.' + k for k in SAMPLE_KEYS)}")
+    return f"grpo.{name}={value}" if section in ("sample", "grpo") else item
+
+
 def sampling_config(args: argparse.Namespace) -> Config:
-    """The run's config (task grpo: its prompts, rewards and sampling), checked as far as it is cheap."""
+    """The run's config (task grpo: its prompts, rewards and sampling), checked as far as it is cheap; an error about
+    a key given as sample.KEY names it so (the checks are grpo's, which say grpo.KEY)."""
+    try:
+        return checked_config(args)
+    except ConfigError as e:
+        said = str(e)
+        for item in args.overrides:
+            key = item.partition("=")[0]
+            if key.startswith("sample."):
+                said = said.replace(key.replace("sample.", "grpo.", 1), key)
+        raise ConfigError(said) from None
+
+
+def checked_config(args: argparse.Namespace) -> Config:
     from accel_train.components.rewards import check_rewards, check_reward_model
     from accel_train.data.sources import check_data_source
 
-    for item in args.overrides:
-        if not item.startswith(SECTIONS) or item.startswith(("model.name_or_path=", "model.adapter_from=")):
-            key = item.partition("=")[0]
-            raise ConfigError(f"{key}: sample reads the data, grpo and model sections (and seed); the model is PATH"
-                              if item.startswith("model.") else
-                              f"{key}: not a key sample reads (data.*, grpo.*, model.*, seed)")
-        if args.greedy and item.startswith("grpo.num_generations="):
-            raise ConfigError("--greedy answers each prompt once: drop grpo.num_generations")
+    if args.greedy and any(item.startswith(("sample.num_generations=", "grpo.num_generations="))
+                           for item in args.overrides):
+        raise ConfigError("--greedy answers each prompt once: drop sample.num_generations")
+
+    overrides = [held_as(item) for item in args.overrides]
     args.split = args.split or ("train" if args.config else "all")
-    cfg = load_config(args.config, ["task=grpo", *args.overrides, f"model.name_or_path={args.path}",
+    cfg = load_config(args.config, ["task=grpo", *overrides, f"model.name_or_path={args.path}",
                                     "lora.enabled=false", "model.adapter_from=null", "model.random_init=false",
                                     "track.log_with=[]", f"output_dir={args.out}"])
     if cfg.grpo.tools or cfg.grpo.environment:
@@ -127,6 +165,7 @@ def sampling_config(args: argparse.Namespace) -> Config:
 def settings(cfg: Config, path: str, split: str, rank_by: str | None, greedy: bool) -> dict:
     def value(key):
         node = cfg
+        key = key.replace("sample.", "grpo.", 1)  # held in the grpo section
         for part in key.split("."):
             node = getattr(node, part)
         return node
@@ -148,7 +187,8 @@ def check_out(out: Path, wanted: dict) -> None:
         raise ConfigError(f"--out {out} is a file, not a folder")
     saved = out / "settings.json"
     if saved.is_file():
-        had = json.loads(saved.read_text())
+        # a folder sampled before sample had its own section holds its keys as grpo.KEY
+        had = {k.replace("grpo.", "sample.", 1): v for k, v in json.loads(saved.read_text()).items()}
         differ = [k for k in wanted if had.get(k) != wanted[k]]
         if differ:
             k = differ[0]
@@ -211,29 +251,13 @@ def prompts(cfg: Config, tokenizer, split: str):
             (len(train), len(held_out or [])))
 
 
-def whole_rows(path: Path, mend: bool = False) -> list[dict]:
-    """The JSON rows of a file appended to line by line, without a line cut by an interruption (anywhere, inside a
-    multi-byte character too: what follows the last newline, or a line that does not parse); `mend`: the file is
-    rewritten without them."""
-    if not path.is_file():
-        return []
-    *whole, cut = path.read_bytes().split(b"\n")
-    rows, kept = [], []
-    for line in whole:
-        try:
-            rows.append(json.loads(line.decode("utf-8")))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        kept.append(line)
-    if mend and (cut or len(kept) != len(whole)):
-        path.write_bytes(b"".join(line + b"\n" for line in kept))
-    return rows
-
-
 def done_rows(parts: Path) -> dict[int, dict]:
     """The prompts already sampled (any process, any earlier attempt): index -> row; a cut line is dropped from its
     file (its prompt is sampled again)."""
-    return {row["index"]: row for part in sorted(parts.glob("*.jsonl")) for row in whole_rows(part, mend=True)}
+    from accel_train.data.sources import jsonl_rows
+
+    return {row["index"]: row for part in sorted(parts.glob("*.jsonl"))
+            for _, row in jsonl_rows(part, "--out", appended=True, mend=True)}
 
 
 def answer(prompt, text: str):

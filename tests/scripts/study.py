@@ -204,9 +204,9 @@ class Study:
             s = self.size
             seconds = stage("accel_train.tools.sample", [
                 str(model), "--out", str(out), "--split", "all", f"data.path={self.data / split_file}",
-                *([] if "--greedy" in extra else [f"grpo.num_generations={s['n']}"]),
-                f"grpo.max_new_tokens={s['new_tokens']}", "grpo.temperature=0.7",
-                f"grpo.rewards=[{reward}]", f"data.max_length={s['max_length']}", f"seed={seed}", *extra],
+                *([] if "--greedy" in extra else [f"sample.num_generations={s['n']}"]),
+                f"sample.max_new_tokens={s['new_tokens']}", "sample.temperature=0.7",
+                f"sample.rewards=[{reward}]", f"data.max_length={s['max_length']}", f"seed={seed}", *extra],
                 self.logs / f"{out.name}.log")
             summary = json.loads((out / "summary.json").read_text())
             summary["stage_seconds"] = round(seconds, 1)
@@ -307,9 +307,9 @@ class Study:
 
 def read_results(out: Path) -> list[dict]:
     """The rows written so far (a line cut by an interruption left out: that arm runs again)."""
-    from accel_train.tools.sample import whole_rows
+    from accel_train.data.sources import jsonl_rows
 
-    return whole_rows(out / "results.jsonl")
+    return [row for _, row in jsonl_rows(out / "results.jsonl", "--out", appended=True)]
 
 
 def table(rows: list[dict]) -> str:
