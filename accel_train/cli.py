@@ -20,8 +20,8 @@ from accel_train.runtime.checkpoint import StoppedWithCheckpoint
 from accel_train.config.schema import Config
 from accel_train.config.load import parse_cli
 from accel_train.config.sections import ConfigError
-from accel_train.training.preflight import preflight
-from accel_train.runtime.launched import is_local_main, launched_world_size
+from accel_train.training.preflight import preflight, say_unseen
+from accel_train.runtime.launched import first_process, is_local_main, launched_world_size
 from accel_train.runtime.tracking import announce
 from accel_train.tools import TOOLS
 
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = parse_cli(argv)
         resume = preflight(cfg)
         announce(cfg)
+        # after the start line, a run's first; not on a resume, whose batch is checked against its checkpoint's
+        if first_process() and resume is None:
+            say_unseen(cfg, launched_world_size())
         from accel_train.training.recipe import run  # the heavy imports (torch, transformers, ...) only now
 
         return run(cfg, resume)

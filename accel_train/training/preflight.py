@@ -43,8 +43,6 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
     resume = resolve_resume(cfg)
     read_gguf(cfg, say=split)
-    if split and first_process():
-        say_unseen(cfg, launched_world_size())
     return resume
 
 
