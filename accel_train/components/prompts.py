@@ -17,10 +17,7 @@ from datasets import Dataset, IterableDataset
 from accel_train.data import formats
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.data.pipeline import FileRows, file_rows, named_rows, row_counts
-from accel_train.runtime.tracking import get_logger
-
-logger = get_logger(__name__)
+from accel_train.data.pipeline import FileRows, file_rows, named_rows, row_counts, warn_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +162,8 @@ def log_prompt_counts(counts: dict, cfg: Config, budget: PromptBudget, split: st
     if n and counts["refused"] + counts["dropped"] == n:
         raise ConfigError(f"data: no prompt of {source} ({split}) fits {where} ({counts.get('first_dropped')}); "
                           f"{budget.fix}")
-    if counts["refused"]:
-        logger.warning(f"data ({split}): {counts['refused']} of {n} prompts refused by the chat template (first: "
-                       f"{counts['first_refused']})")
-    if counts["cut"] or counts["dropped"]:
-        logger.warning(f"data ({split}): {counts['cut']} of {n} prompts cut (the template's start kept, then their "
-                       f"last tokens) and {counts['dropped']} dropped at {where}"
-                       + (f"; first dropped: {counts['first_dropped']}" if counts["dropped"] else ""))
+    warn_counts(counts, split, "prompts refused by the chat template",
+                "prompts cut (the template's start kept, then their last tokens)", where)
 
 
 class PromptCollator:

@@ -308,13 +308,19 @@ def log_row_counts(counts: dict, cfg: Config, split: str = "train") -> None:
         source = d.eval_path if split == "eval" and d.eval_path else d.path
         raise ConfigError(f"data: every row of {source}{'' if split == 'train' else f' ({split})'} is refused "
                           f"({first}); {hint}")
+    warn_counts(counts, split, "rows refused, their assistant turns not found in the chat template's rendering",
+                "samples cut", f"data.max_length={d.max_length} (data.truncation={d.truncation})")
+
+
+def warn_counts(counts: dict, split: str, refused: str, cut: str, where: str) -> None:
+    """A warning each for the rows refused, and for those cut or dropped at `where` (counts: `row_counts`'s), as
+    "data (SPLIT): N of M `refused` (first: ...)" and "data (SPLIT): N of M `cut` and N dropped at `where`"."""
+    n = counts["rows"]
     if counts["refused"]:
-        logger.warning(f"data ({split}): {counts['refused']} of {n} rows refused, their assistant turns not found "
-                       f"in the chat template's rendering (first: {counts['first_refused']})")
+        logger.warning(f"data ({split}): {counts['refused']} of {n} {refused} (first: {counts['first_refused']})")
     if counts["cut"] or counts["dropped"]:
-        logger.warning(f"data ({split}): {counts['cut']} of {n} samples cut and {counts['dropped']} dropped at "
-                       f"data.max_length={d.max_length} (data.truncation={d.truncation}"
-                       + (f"; first dropped: {counts['first_dropped']})" if counts["dropped"] else ")"))
+        logger.warning(f"data ({split}): {counts['cut']} of {n} {cut} and {counts['dropped']} dropped at {where}"
+                       + (f"; first dropped: {counts['first_dropped']}" if counts["dropped"] else ""))
 
 
 class PackingCollator:
