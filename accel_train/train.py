@@ -17,7 +17,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    # Run as a file, Python puts this file's folder first on sys.path, where config.py, data.py, model.py, ...
+    # Run as a file, Python puts this file's folder first on sys.path, where config/, data/, models/, ...
     # would shadow any top-level module of the same name for every library imported later. Import the package
     # from the folder above instead.
     here = os.path.dirname(os.path.abspath(__file__))

@@ -267,7 +267,7 @@ def fresh_accelerator(**kwargs):
 
 
 # What a stand-in accelerator of one process (a SimpleNamespace) answers for accel_train's engine checks
-# (sharding.sharded: no FSDP, no DeepSpeed)
+# (Engine.shards_weights: no FSDP, no DeepSpeed)
 ONE_PROCESS = {"distributed_type": "NO", "state": SimpleNamespace(deepspeed_plugin=None)}
 
 

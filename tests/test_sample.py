@@ -220,7 +220,7 @@ def test_two_processes_under_accel_train_launch_sample_what_one_does(sampled, se
 def test_two_processes_under_the_sharding_engines_sample_what_one_does(sampled, setup, config):
     """Under a ZeRO-3 launch config (whose config accelerate registers with transformers: on its own, from_pretrained
     would build the model partitioned, with no engine to gather it) or an FSDP2 one (ram-efficient loading, which
-    transformers 5.24 still reads whole on every rank), each process loads the model whole (sharding.whole_model)
+    transformers 5.24 still reads whole on every rank), each process loads the model whole (runtime.engine.whole_model)
     and samples its share: one process's answers. (The launcher's own path, `accel-train launch ... sample`: the test above; here its workers, forked.)"""
     root, model = setup
     out = root / f"two-{config.removesuffix('.yaml')}"

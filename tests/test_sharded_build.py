@@ -115,7 +115,7 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
 
 
 def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretrained, tmp_path):
-    """build_model(empty=True) (sharding.building, on every process but the main one under
+    """build_model(empty=True) (Engine.building, on every process but the main one under
     fsdp_cpu_ram_efficient_loading): every parameter on the meta device, no storage; the buffers computed (rotary
     frequencies: accelerate re-registers the non-persistent ones from this process's model); the same parameters,
     dtypes and shapes as the main process's model (accelerate broadcasts into them), tied embeddings included."""
@@ -140,7 +140,7 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
 
 
 def test_only_the_processes_that_are_not_the_main_one_build_empty_under_ram_efficient_loading():
-    """sharding.building under FSDP2: with fsdp_cpu_ram_efficient_loading every process but the main one builds the
+    """Engine.building under FSDP2: with fsdp_cpu_ram_efficient_loading every process but the main one builds the
     model empty (the main one reads the weights), without it every process builds it whole."""
     from types import SimpleNamespace
 

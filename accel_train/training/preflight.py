@@ -63,7 +63,7 @@ def say_unseen(cfg: Config, processes: int) -> None:
 
 
 def read_gguf(cfg: Config, say: bool = True) -> None:
-    """model.name_or_path=FILE.gguf: the model becomes its transformers folder (model_sources.gguf_folder: converted
+    """model.name_or_path=FILE.gguf: the model becomes its transformers folder (models.sources.gguf_folder: converted
     once, after every cheap check, then read from the cache), which config.yaml records; `say`: one line naming it
     (the ranks', not accel-train launch's own process, which converts first)."""
     path = cfg.model.name_or_path
@@ -120,7 +120,7 @@ def _even(share: int, cap: int) -> bool:
 
 def check_model_source(cfg: Config) -> None:
     """A local model folder must exist, and hold weights unless random ones are asked for; a hub model must be
-    reachable, or in the cache when offline (model_sources.check_model: one request, not a minute of retries)."""
+    reachable, or in the cache when offline (models.sources.check_model: one request, not a minute of retries)."""
     path = cfg.model.name_or_path
     if cfg.model.quantization and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"model.quantization={cfg.model.quantization} needs bitsandbytes (GPUs only): "
