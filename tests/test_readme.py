@@ -78,7 +78,7 @@ RUN_BY = {
     'accel-train predict outputs/tiny_cls --text "a great fun film"':
         [("tests/test_checkpoint.py::test_predict_with_a_classification_adapter",
           ['tool="predict"', '"--text"'])],
-    'accel-train predict outputs/reward --prompt "reverse abcd" --response dcba --response dcb':
+    'accel-train predict outputs/reward --prompt "reverse abcd" --response dcba --response dcbj':
         [("tests/test_reward.py::test_predict_scores_and_ranks_answers_with_a_reward_model",
           ['tool="predict"', '"--prompt"', '"--response"'])],
     "accel-train sample outputs/default --out outputs/samples data.path=prompts.jsonl sample.num_generations=8 "

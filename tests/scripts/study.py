@@ -54,9 +54,10 @@ SIZES = {  # train prompts, eval prompts, answers sampled per prompt, new tokens
              "reward": "number_match"},
     # the tiny model's answers are noise, which number_match scores 0 throughout (no pair, no correct answer):
     # here a reward that tells noise apart (noise_reward), so that every arm has data to train on. Every sum is
-    # `sum` (held-out prompts too): a task the tiny random model learns, so that one arm shows learning: SFT on
-    # the gold answers, `sft_steps` steps at `sft_lr` (measured: 20 steps at 3e-3 take the loss from 4 to 0.02 and
-    # greedy accuracy from 0 to 1 on seeds 0, 1 and 2); every other arm trains 1 step (the path, not the method)
+    # `sum` (held-out prompts too): a constant the tiny random model learns, so that one arm shows learning (that
+    # loss, data and evaluation connect; not that it generalises): SFT on the gold answers, `sft_steps` steps at
+    # `sft_lr` (measured: 20 steps at 3e-3 take the loss to 0.02; 30 steps give greedy accuracy 1.0 against the
+    # base's 0.0 on seeds 0, 1 and 2); every other arm trains 1 step (the path, not the method)
     "smallest": {"train": 8, "eval": 4, "n": 4, "new_tokens": 4, "rl_prompts": 4, "max_length": 64,
                  "reward": "study:noise_reward", "sum": 100, "sft_steps": 30, "sft_lr": 3e-3},
 }

@@ -1,6 +1,7 @@
 """GRPO with tools, end to end offline on a real model: SmolLM2-135M-Instruct taught to call a tool, then trained with it.
 
     python tests/scripts/tool_recipe.py --out DIR [--seed 0]            # about 40 minutes on 2 CPU cores
+    python tests/scripts/tool_recipe.py --out DIR --quick               # the same stages in minutes (SIZES)
 
 SmolLM2 is a ChatML model whose own template shows no tools; Qwen2.5's template is ChatML too, shows the tools in its
 system turn and writes calls as <tool_call>{json}</tool_call>, which TRL's response schemas parse: the model here is
@@ -18,6 +19,10 @@ the real command forked from this process (study.stage), logs in DIR/logs:
                DAPO, beta 0, lr 2e-4, number_match on the final answer) on 4 prompts a step for 8 steps (a prompt
                with the tools is ~370 tokens: a step of 8 prompts took 170 s here); evaluated at its end
 
+--quick: 32 training sums, 8 held out, 4 completions a prompt, 2 prompts a GRPO step for 2 steps (the path, and
+whether the model calls the tool; too few prompts to compare stages' accuracy). Both end by printing one of GRPO's
+rollouts that called a tool: the turns as the model and the tool wrote them.
+
 DIR/results.json: per stage the held-out accuracy with tools (eval_reward on the study's 100 held-out sums, greedy,
 up to 3 assistant turns) and the step lines' tools/call_frequency, tools/failure_frequency, turns/mean.
 """
@@ -34,6 +39,10 @@ sys.path.insert(0, str(ROOT))
 TOOLS = [f"{ROOT / 'configs/tools/arithmetic.py'}:add", f"{ROOT / 'configs/tools/arithmetic.py'}:multiply"]
 QWEN = ROOT / "tests" / "data" / "chat_templates" / "qwen2.5.json"
 NEW_TOKENS, MAX_LENGTH = 64, 512  # a call (~30 tokens), its result and the answer; the prompt with the tools (~300)
+# training sums (of the study's full draw), held-out sums, completions a prompt, prompts a GRPO step, GRPO's
+# steps; the SFT's epochs and lr
+SIZES = {"full": {"train": 128, "eval": 100, "n": 8, "rl_prompts": 4, "grpo_steps": 8, "sft_epochs": 2, "sft_lr": 2e-4},
+         "quick": {"train": 32, "eval": 8, "n": 4, "rl_prompts": 2, "grpo_steps": 2, "sft_epochs": 4, "sft_lr": 5e-4}}
 
 
 def tool_model(study_base: Path, out: Path) -> None:
@@ -80,18 +89,15 @@ def common(out: Path, seed: int) -> list[str]:
             f"data.max_length={MAX_LENGTH}"]
 
 
-def grpo(model: Path, data: Path, out: Path, seed: int, evaluate_only: bool) -> list[str]:
-    from study import SIZES
-
-    size = SIZES["full"]
+def grpo(model: Path, data: Path, out: Path, seed: int, evaluate_only: bool, size: dict) -> list[str]:
     return [*common(out, seed), "task=grpo", f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'eval.jsonl'}", f"grpo.num_generations={size['n']}",
             f"grpo.max_new_tokens={NEW_TOKENS}", "grpo.temperature=0.7", "grpo.loss_type=dapo", "grpo.beta=0.0",
-            f"train.per_device_batch_size={size['rl_prompts'] // (1 if evaluate_only else 2)}",
+            f"train.per_device_batch_size={size['rl_prompts'] * (2 if evaluate_only else 1)}",
             "grpo.rewards=[number_match]",
             f"grpo.tools=[{','.join(TOOLS)}]", "grpo.max_turns=3", "merge=false",
             *(["train.max_steps=1", "train.lr=1e-12", "train.eval_every=1"] if evaluate_only else
-              ["train.max_steps=8", "train.lr=2e-4", "train.eval_every=8"])]
+              [f"train.max_steps={size['grpo_steps']}", "train.lr=2e-4", f"train.eval_every={size['grpo_steps']}"])]
 
 
 def measures(run: Path) -> dict:
@@ -105,21 +111,39 @@ def measures(run: Path) -> dict:
             "wall_seconds": json.loads((run / "summary.json").read_text())["wall_seconds"]}
 
 
+def a_call(run: Path) -> str:
+    """The last rollout of the run that called a tool, turn by turn (or a line saying none did)."""
+    rows = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    called = [r for r in rows if (r.get("tool_calls") or {}).get("parsed")]
+    if not called:
+        return f"no completion in {run / 'rollouts.jsonl'} called a tool"
+    row = called[-1]
+    turns = "\n".join(f"  {m['role']}: {m.get('content') or ''} {json.dumps(m['tool_calls']) if m.get('tool_calls') else ''}"
+                      for m in row["turns"])
+    question = row["prompt"].rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]  # the template's last user turn
+    return f"a completion that called a tool ({run.name}, step {row['step']}):\n  user: {question}\n{turns}"
+
+
 def main() -> None:
     import os
 
-    from study import SIZES, base_model, stage, write_data
+    from study import base_model, stage, write_data
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="the same stages on fewer sums and steps (minutes)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out, seed = args.out, args.seed
+    out, seed, size = args.out, args.seed, SIZES["quick" if args.quick else "full"]
     data, logs, runs = out / "data", out / "logs", out / "runs"
     for folder in (logs, runs):
         folder.mkdir(parents=True, exist_ok=True)
-    write_data(data, SIZES["full"])
+    saved = out / "sizes.json"
+    if saved.is_file() and json.loads(saved.read_text()) != size:
+        sys.exit(f"tool_recipe: error: --out {out} holds a run of other sizes ({saved}): give another --out")
+    saved.write_text(json.dumps(size) + "\n")
+    write_data(data, size)
     import accel_train.training.recipe  # noqa: F401  (imported once for the forked stages)
 
     if not (out / "models" / "base" / "config.json").is_file():
@@ -130,13 +154,14 @@ def main() -> None:
     transcripts(data)
     results = {}
     sft = runs / f"sft-s{seed}"
-    plan = [("base", runs / f"base-s{seed}", lambda run: grpo(model, data, run, seed, True)),
+    plan = [("base", runs / f"base-s{seed}", lambda run: grpo(model, data, run, seed, True, size)),
             (None, sft, lambda run: [*common(run, seed), "task=causal_lm", f"model.name_or_path={model}",
                                      f"data.path={data / 'transcripts.jsonl'}", "data.train_on=all_assistant",
-                                     "train.epochs=2", "train.per_device_batch_size=8", "train.lr=2e-4",
+                                     f"train.epochs={size['sft_epochs']}", "train.per_device_batch_size=8",
+                                     f"train.lr={size['sft_lr']}",
                                      "train.eval_every=null", "merge=true"]),
-            ("sft", runs / f"sft_eval-s{seed}", lambda run: grpo(sft / "merged", data, run, seed, True)),
-            ("grpo", runs / f"grpo-s{seed}", lambda run: grpo(sft / "merged", data, run, seed, False))]
+            ("sft", runs / f"sft_eval-s{seed}", lambda run: grpo(sft / "merged", data, run, seed, True, size)),
+            ("grpo", runs / f"grpo-s{seed}", lambda run: grpo(sft / "merged", data, run, seed, False, size))]
     for name, run, argv in plan:  # name: the stage's row in results.json (None: the SFT, measured by the next)
         if not (run / "summary.json").is_file():
             stage("accel_train", argv(run), logs / f"{run.name}.log")
@@ -144,6 +169,7 @@ def main() -> None:
             results[name] = measures(run)
             print(f"{name}: {results[name]}", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(a_call(plan[-1][1]))
 
 
 if __name__ == "__main__":
