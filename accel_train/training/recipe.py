@@ -1,7 +1,7 @@
 """One fine-tuning job, per rank, as named stages (`run` reads them in order):
 
     make_accelerator (dist.py: rank environment, device, precision, process group)
-    -> start_run_dir -> setup_data -> setup_model -> setup_loaders -> setup_optimization
+    -> check_fits (memory.py) -> start_run_dir -> setup_data -> setup_model -> setup_loaders -> setup_optimization
     -> prepare (accelerate wraps model, optimizer, loaders; resume) -> fit (loop.py) -> save_model
     -> final_evaluation (loop.py; save.final=best: save_model again with the best weights) -> report
     -> teardown (dist.py, in `finally`)
@@ -40,6 +40,7 @@ from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.runtime.engine import Engine
+from accel_train.training.memory import check_fits
 from accel_train.training.preflight import BASE_MODEL, make_output_dir, saved_random_base
 from accel_train.runtime.launched import launched_world_size
 from accel_train.runtime.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
@@ -53,6 +54,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
         configure_console(cfg)
         accelerator = make_accelerator(cfg, model_width(cfg))
         check_split(cfg, accelerator.num_processes)
+        check_fits(cfg, accelerator)  # weights, gradients and AdamW's state fit, before anything is read or written
         quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
