@@ -1,5 +1,6 @@
-"""The throughput benchmark runs end to end (`--quick`), repeats runs and takes their medians, and the automatic
-precision choice.
+"""The throughput benchmark runs end to end (`--quick`), repeats runs and takes their medians, writes its report after
+every run; the GPU suite (`--gpu`) lists its rows and their estimated seconds, refuses to start without a GPU, and
+runs its rows in order; and the automatic precision choice.
 
 No test here asserts a speed: speeds are what the benchmark measures and reports.
 """
@@ -7,16 +8,18 @@ No test here asserts a speed: speeds are what the benchmark measures and reports
 from __future__ import annotations
 
 import json
+import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import forked_launch, python_m
+from conftest import forked_launch, python_m, run
 
 from accel_train.runtime import dist
-from accel_train.bench import common, contenders, workloads
+from accel_train.bench import common, contenders, gpu_check, suite, workloads
 from accel_train.bench import grpo as bench_grpo
 from accel_train.bench import run as bench
 
@@ -30,7 +33,7 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
     2-process run's workers as conftest.forked_launch forks them. Small batches and rows, and 32 batches of classification texts
     (not 200: test_bench_rows_and_ratios_of_every_workload checks that count): this checks the figures are there
     and agree with each other, not their values. grpo's real run of ours is test_bench_reads_ours_grpo_run's."""
-    def run(cmd, tag):
+    def run(cmd, tag, timeout=None):
         if cmd[1] == "launch":  # accelerate launch --config_file CONFIG --main_process_port PORT SCRIPT ARGS
             assert cmd[2] == "--config_file" and cmd[4] == "--main_process_port", cmd
             proc = forked_launch(Path(cmd[3]).name, *cmd[7:], script=cmd[6])
@@ -40,6 +43,7 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
 
     monkeypatch.setattr(contenders, "run_process", run)
+    monkeypatch.setattr(common, "has_liger", lambda: False)  # TRL's options, wherever this runs
     monkeypatch.setattr(workloads, "cls_samples", lambda args: 32 * args.batch)
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         monkeypatch.setenv(key, value)  # what main sets, undone after the test
@@ -49,7 +53,7 @@ def test_bench_quick_writes_every_figure(tmp_path, monkeypatch, capsys):
                          "--workdir", str(tmp_path / "work")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["precision"] in ("bf16", "no") and report["peak_flops"] > 0
-    assert report["model"]["parameters"] > report["model"]["lora_parameters"] > 0
+    assert report["model"]["parameters"] > report["model"]["trained_parameters"] > 0
     by = {(r["contender"], r["workload"], r["processes"], *r["options"]): r for r in report["results"]}
     # Classification: no bare loop nor TRL, and Trainer also with its length-grouped sampler.
     assert set(by) == {("ours", "skewed", 1), ("trainer", "skewed", 1), ("bare", "skewed", 1),
@@ -95,7 +99,7 @@ def test_bench_reads_ours_grpo_run(tmp_path, monkeypatch):
     real tokens less its prompts' (2 template tokens + new_tokens - 1 characters each) are each step's generated
     tokens, which add up to summary.json's rollouts, and give the figures. TRL's GRPOTrainer runs in --quick; the
     rows and ratios of both are test_bench_rows_and_ratios_of_every_workload's."""
-    def run(cmd, tag):
+    def run(cmd, tag, timeout=None):
         assert cmd[:3] == [sys.executable, "-m", "accel_train"], cmd
         proc = python_m(*cmd[3:], timeout=300)
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
@@ -133,7 +137,7 @@ def test_bench_grpo_on_a_model_folder(tmp_path, monkeypatch):
     tokenizer.save_pretrained(folder)
     commands = {}
 
-    def run(cmd, tag):
+    def run(cmd, tag, timeout=None):
         commands[tag] = cmd
         assert cmd[:2] == [sys.executable, "-m"], cmd
         proc = python_m(*cmd[3:], module=cmd[2], timeout=300)
@@ -178,7 +182,7 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     # grpo: the run's seconds generating, and the rest (bare generation: all of it generating)
     split = {"ours": (3.0, 1.0), "trl_grpo": (2.0, 2.0), "generate": (4.0, 0.0)}
 
-    def run(cmd, tag):
+    def run(cmd, tag, timeout=None):
         commands[tag] = cmd
         if "--spec" in cmd:
             spec = json.loads(cmd[cmd.index("--spec") + 1])
@@ -210,6 +214,7 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(contenders, "run_process", run)
     monkeypatch.setattr(bench, "has_trl", lambda: True)
+    monkeypatch.setattr(common, "has_liger", lambda: False)  # TRL's options, whatever this machine has
     report = bench.main(["--quick", "--batch", "2", "--steps", "3", "--warmup", "1", "--grpo-steps", "2",
                          "--out", str(tmp_path / "b.json"), "--workdir", str(tmp_path / "work")])
     assert list(commands) == [  # ours, then the others in --contenders' order, the 2-process run last
@@ -305,9 +310,9 @@ def test_bench_repeat_interleaves_the_runs_and_reports_medians(tmp_path, monkeyp
                 "computed_tokens": [8, n + 1, n + 1], "rows": [1, 1, 1], "peak_memory_mb": 500.0 + n,
                 "mean_loss": 2.0}
 
-    monkeypatch.setattr(contenders, "run_ours", lambda args, wd, workload, precision, procs, extra=(): record(
+    monkeypatch.setattr(contenders, "run_ours", lambda args, wd, workload, precision, procs, extra=(), **_: record(
         "ours", workload, procs, extra))
-    monkeypatch.setattr(contenders, "run_child", lambda kind, args, wd, workload, precision, options=(): record(
+    monkeypatch.setattr(contenders, "run_child", lambda kind, args, wd, workload, precision, options=(), **_: record(
         kind, workload, 1, options))
     report = bench.main(["--quick", "--steps", "2", "--warmup", "1", "--repeat", "3", "--workloads", "fixed",
                          "--contenders", "ours,bare", "--no-scaling", "--out", str(tmp_path / "bench.json"),
@@ -325,6 +330,269 @@ def test_bench_repeat_interleaves_the_runs_and_reports_medians(tmp_path, monkeyp
     assert report["ratios"]["same_batches_fixed"] == 0.0  # the runs' token counts differ: the check sees it
     assert json.loads((tmp_path / "bench.json").read_text())["results"] == report["results"]
     assert "(median of 3 runs)" in capsys.readouterr().out
+
+
+def fake_record(contender: str, args, workload: str, processes: int = 1, options=()) -> dict:
+    """The record a contender's process leaves for the steps its settings ask for (warm-up and measured): every
+    contender alike, 10 real tokens a row, half a second a step."""
+    steps = args.warmup + workloads.measured_steps(args, workload, False)
+    rows = [workloads.batch_of(args, workload) * (args.generations if workload == "grpo" else 1)] * steps
+    record = {"contender": contender, "workload": workload, "processes": processes, "options": list(options),
+              "threads_per_process": 1, "seconds": [0.5] * steps, "real_tokens": [10 * n for n in rows],
+              "computed_tokens": [10 * n for n in rows], "rows": rows, "peak_memory_mb": 100.0, "mean_loss": 2.0}
+    if workload == "grpo":
+        record["generated_tokens"] = [4 * n for n in rows]
+        record["rollouts"] = {"generated_tokens": sum(record["generated_tokens"]), "generation_s": 1.0,
+                              "training_s": 1.0, "generated_tokens_per_s": 10.0}
+    return record
+
+
+def fake_processes(monkeypatch, row) -> None:
+    """Each contender's process replaced by `row(contender, args, workload, processes, options, timeout)` (timeout:
+    the seconds after which its process would be stopped)."""
+    monkeypatch.setattr(contenders, "run_ours", lambda args, wd, workload, precision, procs, extra=(), timeout=None:
+                        row("ours", args, workload, procs, extra, timeout))
+    monkeypatch.setattr(contenders, "run_child", lambda kind, args, wd, workload, precision, options=(), timeout=None:
+                        row(kind, args, workload, 1, options, timeout))
+
+
+def test_bench_writes_its_report_after_every_run(tmp_path, monkeypatch):
+    """A bench cut short (here: stopped in its third run, as by Ctrl-C or a time limit) keeps what it measured: main
+    writes the JSON and the Markdown after every run (each contender's process replaced by its record)."""
+    out, calls = tmp_path / "bench.json", []
+
+    def row(contender, args, workload, processes, options, timeout):
+        assert timeout is None  # no time limit outside a suite
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        if calls:  # the first run's report, before the second starts
+            assert [r["contender"] for r in json.loads(out.read_text())["results"]] == ["ours"]
+        calls.append(contender)
+        return fake_record(contender, args, workload, processes, options)
+
+    fake_processes(monkeypatch, row)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--quick", "--workloads", "fixed", "--contenders", "ours,bare,trainer", "--steps", "2",
+                    "--warmup", "1", "--no-scaling", "--out", str(out), "--workdir", str(tmp_path / "work")])
+    report = json.loads(out.read_text())
+    assert [r["contender"] for r in report["results"]] == calls == ["ours", "bare"]
+    assert report["ratios"]["ours_vs_bare_fixed"] == 1.0 and report["ratios"]["ours_vs_trainer_fixed"] is None
+    table = out.with_suffix(".md").read_text()
+    assert "| fixed | ours | 1 x 1 |" in table and "| fixed | bare | 1 x 1 |" in table and "trainer" not in table
+
+
+def test_gpu_suite_dry_run_lists_its_rows_within_8_minutes(capsys):
+    """`python -m accel_train bench --gpu --dry-run`, the real command in a fresh interpreter, without torch: the
+    rows GPU users run under their groups' settings, the most wanted first, each with its estimated seconds (said to
+    be estimates), and a total of at most 6 minutes: a session of 8 minutes on a GPU also pays the machine's start.
+    The groups are what their names say (LoRA of Qwen2.5-0.5B's shape at 32k tokens a step, the small skewed job,
+    GRPO at 64 new tokens, full SFT of the 1.5B shape). --gpu-full fits its own budget, and has the rows --gpu
+    leaves out; under --time-limit the listing marks the rows that would not start."""
+    proc = run([sys.executable, "-X", "importtime", "-m", "accel_train", "bench", "--gpu", "--dry-run"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not re.search(r"\|\s+torch$", proc.stderr, re.M)  # -X importtime: a line per module imported
+    lines = proc.stdout.splitlines()
+    assert "estimates, not measurements" in lines[0]
+    listed, group = {}, None
+    for line in lines[1:-1]:
+        if line.startswith("    "):
+            listed.setdefault(group, []).append(line.split()[0])
+        else:
+            group = line.split(":")[0]
+    assert list(listed.items()) == [("lora_0.5b_32k", ["ours", "trl", "bare"]),
+                                    ("skewed_0.5b", ["ours", "trl", "bare"]),
+                                    ("grpo_0.5b_64", ["ours", "trl", "generate"]), ("full_1.5b_32k", ["ours"])]
+    seconds = [int(s) for s in re.findall(r"^    \S+\s+(\d+) s", proc.stdout, re.M)]
+    total = int(re.fullmatch(r"total: (\d+) s \(an estimate\), of a budget of 480 s", lines[-1])[1])
+    assert total == suite.BENCH_START_S + sum(seconds) == suite.estimate("gpu") <= 360 and min(seconds) > suite.START_S
+    lora, skewed, grpo, full = (bench.parse_args(suite.group_argv("gpu", g)) for g in listed)
+    assert (lora.workloads, lora.size, lora.full, lora.compile) == (["fixed"], "0.5b", False, False)
+    assert lora.batch * lora.fixed_len >= 32768 and lora.fixed_len == lora.max_len
+    assert (full.workloads, full.size, full.full, full.batch * full.fixed_len) == (["fixed"], "1.5b", True, 32768)
+    assert (skewed.workloads, skewed.size, skewed.batch, skewed.max_len) == (["skewed"], "0.5b", 16, 1024)
+    assert (grpo.workloads, grpo.size, grpo.new_tokens) == (["grpo"], "0.5b", 64)
+    assert all(g.no_scaling for g in (lora, full, skewed, grpo))
+    assert bench.main(["--gpu-full", "--dry-run"]) is None
+    assert int(re.search(r"^total: (\d+) s", capsys.readouterr().out, re.M)[1]) <= suite.SUITES["gpu-full"][0]
+    assert {("lora_0.5b_32k", "trainer"), ("lora_0.5b_32k", "ours+compile"), ("full_1.5b_32k", "trl")} <= {
+        (g, r) for g, r, _ in suite.SUITES["gpu-full"][1]}
+    # a limit that leaves a second past the first three rows: none of the others starts
+    limit = suite.BENCH_START_S + sum(suite.row_estimate(work) for _, _, work in suite.SUITES["gpu"][1][:3]) + 1
+    assert bench.main(["--gpu", "--dry-run", "--time-limit", str(limit)]) is None
+    out = capsys.readouterr().out
+    skipped = re.findall(r"^    (\S+)\s+\d+ s \(not run: past --time-limit\)$", out, re.M)
+    assert len(skipped) == len(suite.SUITES["gpu"][1]) - 3 and out.endswith(f", time limit {limit} s\n")
+
+
+def test_gpu_suite_refuses_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """Without a CUDA GPU, --gpu stops in one line (exit 2) before anything is written; a suite whose estimate
+    exceeds its budget is refused alike, listed or run; a setting beside --gpu (which sets its own) is an error."""
+    monkeypatch.setattr(bench, "on_cuda", lambda: False)  # this machine's answer, wherever the suite runs
+    out = tmp_path / "gpu.json"
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--gpu", "--out", str(out), "--workdir", str(tmp_path / "work")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "bench: --gpu needs a CUDA GPU; --dry-run lists its rows\n"
+    assert not out.exists() and not (tmp_path / "work").exists()
+    monkeypatch.setitem(suite.SUITES, "gpu", (100, suite.SUITES["gpu"][1]))
+    for argv in (["--gpu", "--dry-run"], ["--gpu"]):
+        with pytest.raises(SystemExit) as stop:
+            bench.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and "over its budget of 100 s" in err, err
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--gpu", "--size", "0.5b"])
+    assert stop.value.code == 2 and "not with --size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--time-limit", "60"])
+    assert stop.value.code == 2 and "--time-limit is a suite's" in capsys.readouterr().err
+
+
+def test_gpu_suite_runs_its_rows_in_order_and_writes_the_report_after_each(tmp_path, monkeypatch, capsys):
+    """--gpu's runner, past its refusal, with each contender's process replaced by its record (the GPU runs the real
+    ones; test_bench_quick_writes_every_figure runs them on the CPU): the rows run in the suite's order with their
+    groups' settings, each process given its time limit (suite.row_timeout), the report (JSON and Markdown) is on
+    disk after every row, and a row whose process fails (the full 1.5B, out of memory) is reported so, with the end
+    of its output."""
+    out, calls = tmp_path / "gpu.json", []
+
+    def row(contender, args, workload, processes, options, timeout):
+        assert len(json.loads(out.read_text())["rows"]) == len(calls) if calls else not out.exists()
+        calls.append((contender, args.size, workload, args.full, list(options), timeout))
+        if args.full:
+            sys.exit("bench: ours-fixed-1p failed (exit 1):\ntorch.OutOfMemoryError: CUDA out of memory")
+        return fake_record(contender, args, workload, processes, options)
+
+    fake_processes(monkeypatch, row)
+    monkeypatch.setattr(bench, "on_cuda", lambda: True)
+    monkeypatch.setattr(bench, "has_trl", lambda: True)
+    monkeypatch.setattr(common, "has_liger", lambda: False)  # TRL's options, whatever this machine has
+    monkeypatch.setattr(bench, "peak_flops", lambda args, wd, precision: 1e15)  # the GPU's matmul probe
+    report = bench.main(["--gpu", "--out", str(out), "--workdir", str(tmp_path / "work")])
+    rows = suite.SUITES["gpu"][1]
+    assert [(r["group"], r["row"]) for r in report["rows"]] == [(g, r) for g, r, _ in rows]
+    assert [c[0] for c in calls] == [r.split("+")[0] for _, r, _ in rows]
+    assert [c[-1] for c in calls] == [suite.row_timeout(work) for _, _, work in rows]
+    assert {c[1:4] for c in calls} == {("0.5b", "fixed", False), ("1.5b", "fixed", True), ("0.5b", "skewed", False),
+                                       ("0.5b", "grpo", False)}
+    assert ("trl", "0.5b", "skewed", False, ["padding_free"]) in [c[:5] for c in calls]
+    assert [r["status"] for r in report["rows"]] == ["measured"] * (len(rows) - 1) + ["ours-fixed-1p failed (exit 1)"]
+    assert "out of memory" in report["rows"][-1]["output"] and report["rows"][-1]["estimate_s"] > suite.START_S
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    groups = report["groups"]
+    assert [r["contender"] for r in groups["lora_0.5b_32k"]["results"]] == ["ours", "trl", "bare"]
+    assert groups["lora_0.5b_32k"]["ratios"]["ours_vs_trl_fixed"] == 1.0
+    assert groups["full_1.5b_32k"]["model"]["trained_parameters"] == groups["full_1.5b_32k"]["model"]["parameters"]
+    assert groups["lora_0.5b_32k"]["model"]["parameters"] > groups["lora_0.5b_32k"]["model"]["trained_parameters"]
+    assert groups["grpo_0.5b_64"]["ratios"]["ours_vs_trl_grpo"] == 1.0
+    assert all(r["mfu"] is not None for g in ("lora_0.5b_32k", "skewed_0.5b") for r in groups[g]["results"])
+    table = out.with_suffix(".md").read_text()
+    assert "### full_1.5b_32k: 1.5b model; full fine-tuning" in table and "| fixed | bare | 1 x 1 |" in table
+    assert "| full_1.5b_32k | ours | ours-fixed-1p failed (exit 1) |" in table
+    assert "CUDA out of memory" in capsys.readouterr().err
+
+
+def test_gpu_suite_goes_on_past_every_row_that_fails(tmp_path, monkeypatch, capsys):
+    """No row stops the suite (a session on a GPU cannot fix a crash): a row whose figures cannot be read (an empty
+    measured window: ZeroDivisionError) is reported "error: <type>" with its traceback's end; one whose process
+    overruns its time, "timed out after N s"; a group whose preparation raises has its rows reported not run; under
+    --time-limit a row whose estimate exceeds the time left is not run, a later one that fits runs, and every
+    process's time limit is at most the time left."""
+    out, calls = tmp_path / "gpu.json", []
+    rows = [("lora_0.5b_32k", "ours", 100), ("lora_0.5b_32k", "bare", 100), ("grpo_0.5b_64", "ours", 100),
+            ("grpo_0.5b_64", "trl", 100), ("skewed_0.5b", "ours", 100), ("skewed_0.5b", "bare", 400),
+            ("skewed_0.5b", "trl", 100)]
+    monkeypatch.setitem(suite.SUITES, "gpu", (2000, rows))
+    limit = 300  # fits each small row (125 s), not the large one (425 s), nor a small row's time limit (375 s)
+
+    def row(contender, args, workload, processes, options, timeout):
+        calls.append((contender, workload, timeout))
+        record = fake_record(contender, args, workload, processes, options)
+        if (contender, workload) == ("ours", "fixed"):
+            return {**record, "seconds": [0.0] * len(record["seconds"])}  # no time measured: tokens / 0 s
+        if (contender, workload) == ("bare", "fixed"):
+            raise contenders.TimedOut(timeout, "still compiling")
+        return record
+
+    def write_workload(args, wd):
+        if args.workloads == ["grpo"]:
+            raise OSError("disk full")
+        workloads.write_workload(args, wd)
+
+    fake_processes(monkeypatch, row)
+    monkeypatch.setattr(bench, "write_workload", write_workload)
+    monkeypatch.setattr(bench, "on_cuda", lambda: True)
+    monkeypatch.setattr(bench, "has_trl", lambda: True)
+    monkeypatch.setattr(common, "has_liger", lambda: False)
+    monkeypatch.setattr(bench, "peak_flops", lambda args, wd, precision: 1e15)
+    report = bench.main(["--gpu", "--out", str(out), "--workdir", str(tmp_path / "work"), "--time-limit", str(limit)])
+    status = {(r["group"], r["row"]): r["status"] for r in report["rows"]}
+    assert status == {("lora_0.5b_32k", "ours"): "error: ZeroDivisionError",
+                      ("lora_0.5b_32k", "bare"): f"timed out after {calls[1][2]:.0f} s",
+                      ("grpo_0.5b_64", "ours"): "not run: group setup failed",
+                      ("grpo_0.5b_64", "trl"): "not run: group setup failed",
+                      ("skewed_0.5b", "ours"): "measured", ("skewed_0.5b", "bare"): "not run: out of time",
+                      ("skewed_0.5b", "trl"): "measured"}
+    assert [c[:2] for c in calls] == [("ours", "fixed"), ("bare", "fixed"), ("ours", "skewed"), ("trl", "skewed")]
+    assert all(suite.row_estimate(100) < timeout <= limit < suite.row_timeout(100) for _, _, timeout in calls)
+    by_row = {(r["group"], r["row"]): r for r in report["rows"]}
+    assert "ZeroDivisionError" in by_row["lora_0.5b_32k", "ours"]["output"]
+    assert by_row["lora_0.5b_32k", "bare"]["output"] == "still compiling"
+    assert "OSError: disk full" in by_row["grpo_0.5b_64", "ours"]["output"]
+    assert list(report["groups"]) == ["lora_0.5b_32k", "skewed_0.5b"] and report["time_limit_s"] == limit
+    assert [r["contender"] for r in report["groups"]["skewed_0.5b"]["results"]] == ["ours", "trl"]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert "| skewed_0.5b | bare | not run: out of time |" in out.with_suffix(".md").read_text()
+    assert "OSError: disk full" in capsys.readouterr().err
+
+
+def test_a_contender_past_its_time_is_killed_with_every_process_it_started():
+    """run_process: past its time limit the contender's process group is killed (a process it started included:
+    none keeps the GPU) and TimedOut carries the end of its stderr; a failed process exits with its stderr's end."""
+    script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(60)']); print('started', child.pid, file=sys.stderr, flush=True); time.sleep(60)")
+    with pytest.raises(contenders.TimedOut) as stop:
+        contenders.run_process([sys.executable, "-c", script], "hang", timeout=3)
+    assert str(stop.value) == "timed out after 3 s" and stop.value.output.startswith("started")
+    grandchild = Path(f"/proc/{stop.value.output.split()[1]}/stat")
+    assert not grandchild.exists() or grandchild.read_text().split(") ")[1][0] == "Z"  # gone, or dead unreaped
+    with pytest.raises(SystemExit) as stop:
+        contenders.run_process([sys.executable, "-c", "import sys; sys.exit('boom')"], "bad")
+    assert stop.value.code == "bench: bad failed (exit 1):\nboom\n"
+
+
+def test_trainer_token_counts_stay_on_the_device_until_the_step_ends():
+    """TRL's and the Trainer's counters (contenders._counting_batches) sum each micro-batch's real tokens where the
+    batch is, a tensor with no host sync, and Timer reads the sum once a step (one sync a step, as ours and bare)."""
+    class Plain:
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return 0.0
+
+    totals = {"real": 0, "computed": 0, "rows": 0}
+    counting = contenders._counting_batches(Plain, totals)()
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    for _ in range(4):  # a step's micro-batches
+        counting.training_step(None, {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": mask})
+    assert isinstance(totals["real"], torch.Tensor) and totals["real"].device == mask.device
+    assert (int(totals["real"]), totals["computed"], totals["rows"]) == (32, 40, 8)
+
+
+def test_gpu_check_writes_its_report_after_every_check(tmp_path, monkeypatch):
+    """gpu_check's JSON and Markdown hold every finished check before the next one starts (each run replaced by a
+    failed process here): a run cut short keeps them."""
+    done = []
+
+    def fake_run(cmd, **kw):
+        if done:
+            assert list(json.loads((tmp_path / "gpu_check.json").read_text())["checks"]) == done
+        done.append(next(c.name for c in gpu_check.plan(tmp_path) if c.cmd == cmd))
+        return subprocess.CompletedProcess(cmd, 1, "", "boom")
+
+    monkeypatch.setattr(gpu_check, "prepare_inputs", lambda out: None)
+    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
+    assert gpu_check.main(["--out", str(tmp_path), "--only", "lora_bf16", "fp16_broken_loss", "fsdp2"]) == 1
+    assert done == ["lora_bf16", "fp16_broken_loss", "reference_1gpu", "fsdp2"]
+    assert "| fsdp2 | fail |" in (tmp_path / "gpu_check.md").read_text()
 
 
 @pytest.mark.parametrize("requested, launcher, native, width, expected", [

@@ -156,6 +156,9 @@ NOT_HERE = {
          ["tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe"]),
     "accel_train.bench --size 0.5b": ("a GPU", ["tests/test_machines.py::test_gpu_check_plan_is_complete_and_every_"
                                                 "run_is_a_valid_configuration"]),
+    "accel_train.bench --gpu": ("a GPU (one H100/H200)",
+                                ["tests/test_bench.py::test_gpu_suite_dry_run_lists_its_rows_within_8_minutes",
+                                 "tests/test_bench.py::test_gpu_suite_runs_its_rows_in_order_and_writes_the_report_after_each"]),
 }
 
 

@@ -6,6 +6,8 @@ bare PyTorch loop.
     python -m accel_train.bench --quick --workloads grpo  # rollouts + updates only: ours vs TRL's GRPOTrainer
     python -m accel_train.bench --workloads grpo --model outputs/smollm2/teacher --new-tokens 24  # a real model
     python -m accel_train.bench --size 0.5b             # on a GPU
+    python -m accel_train.bench --gpu --dry-run         # the GPU suite's rows and their estimated seconds
+    python -m accel_train.bench --gpu                   # the GPU suite: ~6 min estimated on one H100/H200 (suite.py)
     python -m accel_train.bench --size large-vocab --batch 4 --steps 4 --warmup 1 --workloads fixed --no-scaling
     python -m accel_train.bench --repeat 3 --workloads fixed --contenders ours,bare --no-scaling
 
@@ -25,7 +27,9 @@ same seed, on the same tokenized samples:
            its default chunked loss, gradient checkpointing off and bf16 as ours (SFTConfig defaults both on); on
            `skewed`, where ours packs each batch's samples into rows, with padding_free=True (TRL's way to compute
            no padding: the whole batch in one row; ours picks its rows' width by cost), on `fixed` padded (nothing
-           to pad). Its shuffle is accelerate's seeded one, as ours': the same batches (checked step by step);
+           to pad); with use_liger_kernel (`+liger`: liger's fused kernels and linear cross-entropy) where
+           liger-kernel is installed and a GPU runs it. Its shuffle is accelerate's seeded one, as ours': the same
+           batches (checked step by step);
   bare     a plain PyTorch loop, no Accelerate, on the same batches as `ours` (checked step by step), with the loss
            from full logits; causal LM only (not run on `cls`).
 Warm-up steps are excluded; step times are medians; tokens are real (non-padding) tokens. Measured: --steps steps
@@ -43,7 +47,10 @@ memory is measured alike in every contender's process, from just before its firs
 torch.cuda.max_memory_allocated on a GPU (tracking.peak_memory_mb). Scaling: 2 processes' tokens/s over 1
 process's, and per device (over 2): the target is on the first on a CPU (both use the same cores), on the second
 on GPUs. With --repeat N each contender runs N times, interleaved, and the table and ratios give medians (each
-run's figures are in the JSON). Results: Markdown tables on stdout and a JSON file (--out).
+run's figures are in the JSON). --micro-batch N: each step's --batch samples in micro-batches of N (gradient
+accumulation, alike for every contender); --full: full fine-tuning instead of LoRA. Results: Markdown tables on
+stdout and a JSON file (--out) with the same tables beside it (.md), both rewritten after every run (a bench cut short
+keeps what it measured). --gpu and --gpu-full run a suite of such benches, the rows GPU users run (bench/suite.py).
 
 grpo: online RL's rollout + update throughput. Ours (`python -m accel_train task=grpo`) against TRL's GRPOTrainer
 (where trl is installed) and against `generate`, a bare model.generate of the same rows outside any trainer (the

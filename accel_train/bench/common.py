@@ -13,6 +13,8 @@ SIZES = {  # LlamaConfig fields; vocabulary of a small modern tokenizer (the cha
                 num_key_value_heads=8, vocab_size=8192),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),  # Qwen2.5-0.5B's shape
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),  # Qwen2.5-1.5B's shape
     # Qwen's vocabulary, tied to the input embeddings as in Qwen2.5-0.5B/1.5B and Qwen3-0.6B, on a model small enough
     # for a CPU: the logits of 1,024 tokens (0.6 GB in fp32 per sample) outweigh everything else.
     "large-vocab": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
@@ -33,6 +35,13 @@ CONTENDERS = ("ours", "trainer", "bare", "trl", "generate")
 TRL_OPTIONS = {"skewed": ["padding_free"], "fixed": []}  # where ours packs rows of varied samples: no padding
 
 
+def trl_options(workload: str) -> list[str]:
+    """TRL's SFTTrainer options on `workload`: TRL_OPTIONS, and use_liger_kernel ("liger": its fused kernels and
+    linear cross-entropy, TRL's fastest setup on a GPU) where liger-kernel is installed and a GPU runs its Triton
+    kernels."""
+    return [*TRL_OPTIONS[workload], *(["liger"] if has_liger() else [])]
+
+
 CLASSES = ("negative", "neutral", "positive")  # cls labels: strings, mapped to ids by the contenders
 
 
@@ -47,6 +56,11 @@ grpo_smollm2 recipe trains on)."""
 
 
 LORA = ["lora.r=16", "lora.alpha=32", "lora.target_modules=[all-linear]"]
+
+
+def adapter(full: bool) -> list[str]:
+    """What every contender trains: LORA, or (--full) every weight."""
+    return ["lora.enabled=false"] if full else LORA
 
 
 TARGETS = {"ours_vs_trainer_skewed": 1.3, "ours_vs_trainer_fixed": 1.0, "ours_vs_bare_skewed": 0.97,
@@ -88,6 +102,13 @@ def has_trl() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("trl") is not None
+
+
+def has_liger() -> bool:
+    """liger-kernel installed, and a GPU to run its Triton kernels."""
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None and on_cuda()
 
 
 def on_cuda() -> bool:

@@ -3,19 +3,25 @@ Trainer, TRL's SFTTrainer, a bare PyTorch loop."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from accel_train import tasks
-from accel_train.bench.common import TRL_OPTIONS, on_cuda, torch_threads
+from accel_train.bench.common import on_cuda, torch_threads, trl_options
 from accel_train.bench.workloads import batch_of, generated_per_step, measured_steps, overrides
 
 
-def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()) -> dict:
-    """This toolkit's real entry point, in its own process(es); timings from the run's steps.json."""
+def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=(), timeout: float | None = None) -> dict:
+    """This toolkit's real entry point, in its own process(es), stopped after `timeout` seconds (run_process);
+    timings from the run's steps.json."""
     from accel_train.config.schema import CONFIGS_DIR
 
     tag = f"ours-{workload}-{procs}p" + "".join(f"-{e.split('=')[0].split('.')[-1]}" for e in extra)
@@ -33,7 +39,7 @@ def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
                str(CONFIGS_DIR / "accelerate" / accel), "--main_process_port", str(free_port()),
                str(Path(__file__).parents[1] / "train.py"), *cfg]
-    run_process(cmd, tag)
+    run_process(cmd, tag, timeout)
     steps, summary = json.loads((out / "steps.json").read_text()), json.loads((out / "summary.json").read_text())
     final = summary["final"]
     record = {"contender": "ours", "workload": workload, "processes": procs, "options": list(extra),
@@ -45,17 +51,20 @@ def run_ours(args, wd: Path, workload: str, precision: str, procs: int, extra=()
     return record
 
 
-def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=()) -> dict:
-    """Trainer (options: "group_by_length"), TRL (options: "padding_free") or the bare loop, in a process of its
-    own."""
+def run_child(kind: str, args, wd: Path, workload: str, precision: str, options=(),
+              timeout: float | None = None) -> dict:
+    """Trainer (options: "group_by_length"), TRL (options: "padding_free", "liger") or the bare loop, in a process
+    of its own, stopped after `timeout` seconds (run_process)."""
     tag = f"{kind}-{workload}" + "".join(f"-{o}" for o in options)
     out = wd / "runs" / tag
     steps = measured_steps(args, workload, "group_by_length" in options)
     spec = {"overrides": overrides(args, wd, workload, out, batch_of(args, workload), precision, steps),
-            "result": str(out / "result.json"), **{o: o in options for o in ("group_by_length", "padding_free")}}
+            "result": str(out / "result.json"),
+            **{o: o in options for o in ("group_by_length", "padding_free", "liger")}}
     out.mkdir(parents=True, exist_ok=True)
     child = "trl_grpo" if kind == "trl" and workload == "grpo" else kind
-    run_process([sys.executable, "-m", "accel_train.bench", "--child", child, "--spec", json.dumps(spec)], tag)
+    run_process([sys.executable, "-m", "accel_train.bench", "--child", child, "--spec", json.dumps(spec)], tag,
+                timeout)
     return {"contender": kind, "workload": workload, "processes": 1, "options": list(options),
             "threads_per_process": torch_threads(), **json.loads(Path(spec["result"]).read_text())}
 
@@ -102,24 +111,27 @@ def child_trl(spec: dict) -> dict:
     accuracy and entropy it logs), but gradient checkpointing off and bf16 only where ours has it (SFTConfig turns
     both on by default). spec["padding_free"]: each batch flattened into one row whose position_ids restart per
     sample (transformers' sdpa masks see the restarts, as for ours' packed rows); TRL then asks for
-    max_length=None (the rows are cut to data.max_length already)."""
+    max_length=None (the rows are cut to data.max_length already). spec["liger"]: use_liger_kernel (TRL then computes
+    its loss with liger's fused linear cross-entropy instead of its chunked one)."""
     from trl import SFTConfig, SFTTrainer
 
     cfg, _, tokenizer, ds, model = setup_child(spec)
     targs = SFTConfig(**trainer_args(spec, cfg), gradient_checkpointing=False, padding_free=spec["padding_free"],
-                      max_length=None if spec["padding_free"] else cfg.data.max_length, completion_only_loss=True)
+                      max_length=None if spec["padding_free"] else cfg.data.max_length, completion_only_loss=True,
+                      use_liger_kernel=spec["liger"])
     return train_timed(SFTTrainer, spec, model, targs, dict(train_dataset=ds, processing_class=tokenizer))
 
 
 def trainer_args(spec: dict, cfg) -> dict:
-    """TrainingArguments (or SFTConfig) fields for ours' config: the same steps, schedule, clipping, precision, seed
-    (data_seed: accelerate's seeded shuffle, the same batches as ours where not grouped by length)."""
+    """TrainingArguments (or SFTConfig) fields for ours' config: the same steps, micro-batches, schedule, clipping,
+    precision, seed (data_seed: accelerate's seeded shuffle, the same batches as ours where not grouped by length)."""
     import torch
 
     t = cfg.train
     return dict(
         output_dir=str(Path(spec["result"]).parent / "trainer"), per_device_train_batch_size=t.per_device_batch_size,
-        max_steps=t.max_steps, learning_rate=t.lr, lr_scheduler_type="linear", warmup_steps=t.warmup_steps,
+        gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, learning_rate=t.lr,
+        lr_scheduler_type="linear", warmup_steps=t.warmup_steps,
         max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, bf16=t.mixed_precision == "bf16",
         use_cpu=not torch.cuda.is_available(), seed=cfg.seed, data_seed=cfg.seed, logging_steps=t.max_steps,
         save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=cfg.data.num_workers)
@@ -129,14 +141,15 @@ def train_timed(trainer_class, spec: dict, model, targs, kwargs: dict, counting=
     """trainer_class(...).train(), timed step to step and counting the real and computed tokens of its batches
     (`counting`: _counting_batches, or grpo.py's rollout counter for GRPO, which also counts generated tokens and
     the rollouts' time)."""
-    import torch
     from transformers import TrainerCallback
 
     from accel_train.runtime.tracking import reset_peak_memory
 
-    steps, totals = [], {"real": torch.zeros((), dtype=torch.long), "computed": 0, "rows": 0}
+    # real (and generated) tokens are summed where the batches are (a tensor on the GPU) and read once a step, in
+    # on_step_end: one host sync a step, as ours and the bare loop
+    steps, totals = [], {"real": 0, "computed": 0, "rows": 0}
     if counting is not None:  # GRPO's
-        totals.update(generated=torch.zeros((), dtype=torch.long), generation_s=0.0)
+        totals.update(generated=0, generation_s=0.0)
 
     class Timer(TrainerCallback):  # step to step, data loading included, as ours and bare are timed
         def on_train_begin(self, *_, **__):
@@ -146,11 +159,11 @@ def train_timed(trainer_class, spec: dict, model, targs, kwargs: dict, counting=
         def on_step_end(self, *_, **__):
             steps.append((time.perf_counter() - self.t_last, int(totals["real"]), totals["computed"], totals["rows"],
                           *((int(totals["generated"]), totals["generation_s"]) if "generated" in totals else ())))
-            for k, v in totals.items():
-                totals[k] = v.zero_() if isinstance(v, torch.Tensor) else type(v)(0)
+            totals.update(dict.fromkeys(totals, 0))
             self.t_last = time.perf_counter()
 
-    trainer = (counting or _counting_batches)(trainer_class, totals)(model=model, args=targs, callbacks=[Timer()], **kwargs)
+    trainer_class = (counting or _counting_batches)(trainer_class, totals)
+    trainer = trainer_class(model=model, args=targs, callbacks=[Timer()], **kwargs)
     return child_result(steps, trainer.train().training_loss)
 
 
@@ -161,7 +174,7 @@ def _counting_batches(trainer_class, totals: dict):
         def training_step(self, model, inputs, num_items_in_batch=None):
             # a padding-free row (no attention mask) holds no padding: every token is real
             mask = inputs.get("attention_mask")
-            totals["real"] += mask.sum().cpu() if mask is not None else inputs["input_ids"].numel()
+            totals["real"] += mask.sum() if mask is not None else inputs["input_ids"].numel()  # no sync: on_step_end
             totals["computed"] += inputs["input_ids"].numel()
             totals["rows"] += inputs["input_ids"].shape[0]  # rows as computed (MFU's width), as ours counts them
             return super().training_step(model, inputs, num_items_in_batch)
@@ -171,10 +184,10 @@ def _counting_batches(trainer_class, totals: dict):
 
 def child_bare(spec: dict) -> dict:
     """A plain PyTorch loop on the batches `ours` trains on: the same seeded shuffle (accelerate's seedable
-    sampler seeds a generator with seed + epoch), the same collator, the same loss normalisation. Its loss comes
-    from the full logits (batch x length x vocabulary, upcast to fp32), as a plain loop computes it: it is the
-    reference without any of ours' machinery, chunked loss (loss.py) included, and stays so on purpose (on a
-    large vocabulary its peak memory is that of the logits). Causal LM only."""
+    sampler seeds a generator with seed + epoch), the same collator, the same micro-batches a step, the same loss
+    normalisation. Its loss comes from the full logits (batch x length x vocabulary, upcast to fp32), as a plain
+    loop computes it: it is the reference without any of ours' machinery, chunked loss (loss.py) included, and
+    stays so on purpose (on a large vocabulary its peak memory is that of the logits). Causal LM only."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, RandomSampler
@@ -199,23 +212,31 @@ def child_bare(spec: dict) -> dict:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.mixed_precision == "bf16")
     reset_peak_memory(device)  # as ours does before its first step (tracking.reset_peak_memory)
+    micro_batches = iter(dl)
     steps, loss_total, targets_total, t_last = [], 0.0, 0, time.perf_counter()
-    for _, batch in zip(range(t.max_steps), dl):
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        labels = batch["labels"][:, 1:]
-        targets = task.count_targets(batch)  # ours' loss normaliser
-        with autocast:
-            logits = model(**data_lib.model_inputs(batch), use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        (loss / targets).backward()
+    for _ in range(t.max_steps):
+        # the step's grad_accum_steps micro-batches, consecutive as ours takes them, fetched first: the loss is
+        # normalised by the targets of the whole step, as ours'
+        window = [{k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                  for batch in itertools.islice(micro_batches, t.grad_accum_steps)]
+        if not window:
+            break
+        targets = sum(task.count_targets(batch) for batch in window)  # ours' loss normaliser
+        for batch in window:
+            with autocast:
+                logits = model(**data_lib.model_inputs(batch), use_cache=False).logits[:, :-1]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), reduction="sum")
+            (loss / targets).backward()
+            loss_total = loss_total + loss.detach()
         torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_total, targets_total = loss_total + loss.detach(), targets_total + targets
-        real, computed = data_lib.token_counts(batch)
-        real = int(real)  # the synchronisation every loop needs once per step to know it is done
-        steps.append((time.perf_counter() - t_last, real, computed, batch["input_ids"].shape[0]))
+        targets_total = targets_total + targets
+        counts = [data_lib.token_counts(batch) for batch in window]
+        real = int(sum(r for r, _ in counts))  # the synchronisation every loop needs once per step to know it is done
+        steps.append((time.perf_counter() - t_last, real, sum(c for _, c in counts),
+                      sum(batch["input_ids"].shape[0] for batch in window)))
         t_last = time.perf_counter()
     return child_result(steps, float(loss_total / targets_total))
 
@@ -231,39 +252,82 @@ def child_result(steps: list[tuple], mean_loss: float) -> dict:
             "mean_loss": mean_loss}
 
 
-def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list:
-    """One round of `workload`: each contender's run (a function returning its record), in --contenders' order,
-    then ours' gradient-checkpointing and compile variants, then (`scale`) ours on 2 processes."""
-    jobs = []
+def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list[tuple[str, Callable]]:
+    """One round of `workload`: each contender's run (a function returning its record, given its process's time
+    limit as `timeout`, None for none), named, in --contenders' order, then ours' gradient-checkpointing and compile
+    variants ("ours+compile"), then (`scale`) ours on 2 processes ("ours x2"). A name is the contender's whatever
+    its options (TRL's depend on the machine)."""
+    jobs, run_on = [], (args, wd, workload, precision)
     for contender in args.contenders:
         if contender == "ours":
-            jobs.append(lambda: run_ours(args, wd, workload, precision, 1))
+            jobs.append(("ours", partial(run_ours, *run_on, 1)))
         elif workload == "grpo":  # TRL's GRPOTrainer, bare generation; Trainer and the bare loop have no rollouts
             if contender in ("trl", "generate"):
-                jobs.append(lambda c=contender: run_child(c, args, wd, workload, precision))
+                jobs.append((contender, partial(run_child, contender, *run_on)))
         elif contender == "generate":  # grpo only
             continue
         elif contender == "trainer":
-            jobs.append(lambda: run_child("trainer", args, wd, workload, precision))
+            jobs.append(("trainer", partial(run_child, "trainer", *run_on)))
             if workload == "cls":
-                jobs.append(lambda: run_child("trainer", args, wd, workload, precision, ["group_by_length"]))
+                jobs.append(("trainer+group_by_length", partial(run_child, "trainer", *run_on, ["group_by_length"])))
         elif workload != "cls":  # the bare loop and TRL's SFTTrainer: causal LM
-            jobs.append(lambda c=contender: run_child(c, args, wd, workload, precision,
-                                                      TRL_OPTIONS[workload] if c == "trl" else []))
+            options = trl_options(workload) if contender == "trl" else []
+            jobs.append((contender, partial(run_child, contender, *run_on, options)))
     for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
         if flag and "ours" in args.contenders and workload != "grpo":
-            jobs.append(lambda o=option: run_ours(args, wd, workload, precision, 1, [o]))
+            name = "ours+" + option.split("=")[0].split(".")[-1]
+            jobs.append((name, partial(run_ours, *run_on, 1, [option])))
     if scale:
-        jobs.append(lambda: run_ours(args, wd, workload, precision, 2))
+        jobs.append(("ours x2", partial(run_ours, *run_on, 2)))
     return jobs
 
 
-def run_process(cmd: list[str], tag: str) -> None:
+class TimedOut(Exception):
+    """A contender's process stopped at its time limit (run_process): str() is the row's status, `output` the end of
+    its stderr."""
+
+    def __init__(self, seconds: float, output: str):
+        super().__init__(f"timed out after {seconds:.0f} s")
+        self.output = output
+
+
+def run_process(cmd: list[str], tag: str, timeout: float | None = None) -> None:
+    """`cmd` to its end: a failure exits (SystemExit) with the end of its stderr; past `timeout` seconds its
+    process group is killed and TimedOut raised. The process and whatever it starts (accelerate's workers, compile
+    workers) are a process group of their own, killed with it when this process is stopped (Ctrl-C, or SIGTERM from
+    an outer `timeout`): no contender is left holding the GPU."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def stop(signum, _frame):  # the group first, then this process as the signal asked
+        kill_group(proc)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        try:  # what it wrote, unless a process outside its group still holds the pipe
+            stderr = proc.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            stderr = ""
+        raise TimedOut(timeout, stderr[-3000:]) from None
+    finally:
+        kill_group(proc)  # on any way out (KeyboardInterrupt included): nothing of it outlives the row
+        signal.signal(signal.SIGTERM, previous)
     if proc.returncode != 0:
-        sys.exit(f"bench: {tag} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        sys.exit(f"bench: {tag} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
     print(f"  {tag}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to `proc`'s process group (run_process started it as its leader), if any of it is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone: every process of it has ended and been reaped
+        pass
 
 
 def free_port() -> int:

@@ -3,7 +3,8 @@
     accel-train gpu-check --out DIR [--only NAME ...] [--dry-run]
 
 Each check is a real run through the entries users use (accelerate launch, python -m); DIR/gpu_check.json and
-DIR/gpu_check.md report what passed, what failed and what could not run (a package missing), with the figures:
+DIR/gpu_check.md report what passed, what failed and what could not run (a package missing), with the figures,
+rewritten after every check (a run cut short keeps the checks it finished):
 
     quickstart_1gpu      the default recipe on configs/accelerate/1gpu.yaml learns (eval accuracy > 0.8)
     quickstart_cpu       the README's first command (configs/accelerate/cpu_2proc.yaml) runs on the CPU beside a GPU
@@ -34,6 +35,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from accel_train.bench.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
 ACCEL = REPO / "configs" / "accelerate"
@@ -223,14 +226,15 @@ def adapter_loads_on_bf16_base(run_dir: Path) -> tuple[bool, str]:
 
 
 def report(results: dict, out: Path, seconds: float) -> str:
-    (out / "gpu_check.json").write_text(json.dumps({"seconds": round(seconds, 1), "checks": results}, indent=1))
+    """DIR/gpu_check.json and DIR/gpu_check.md of the checks run so far, each replaced whole (report.write_report);
+    the Markdown table returned."""
     lines = ["| check | status | figures |", "|---|---|---|"]
     for name, r in results.items():
         figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                             if k not in ("status", "losses", "log_tail"))
         lines.append(f"| {name} | {r['status']} | {figures} |")
-    table = "\n".join(lines) + f"\n\n{seconds:.0f} s in all\n"
-    (out / "gpu_check.md").write_text(table)
+    table = "\n".join(lines) + f"\n\n{seconds:.0f} s in all"
+    write_report({"seconds": round(seconds, 1), "checks": results}, out / "gpu_check.json", table)
     return table
 
 
@@ -256,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         missing = [p for p in check.needs if importlib.util.find_spec(p) is None]
         if missing:
             results[check.name] = {"status": f"not run: pip install {' '.join(missing)}"}
-            continue
-        t0 = time.perf_counter()
-        proc = subprocess.run(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env},
-                              capture_output=True, text=True, cwd=REPO)
-        results[check.name] = {**judge(check, proc, results), "seconds": round(time.perf_counter() - t0, 1)}
-        print(f"{check.name}: {results[check.name]['status']} ({results[check.name]['seconds']} s)", flush=True)
+        else:
+            t0 = time.perf_counter()
+            proc = subprocess.run(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env},
+                                  capture_output=True, text=True, cwd=REPO)
+            results[check.name] = {**judge(check, proc, results), "seconds": round(time.perf_counter() - t0, 1)}
+            print(f"{check.name}: {results[check.name]['status']} ({results[check.name]['seconds']} s)", flush=True)
+        report(results, args.out, time.perf_counter() - start)  # after every check: a run cut short keeps them
     print(report(results, args.out, time.perf_counter() - start))
     return 0 if all(r["status"] == "pass" for r in results.values()) else 1
 

@@ -38,7 +38,6 @@ def child_trl_grpo(spec: dict) -> dict:
 
     targs = GRPOConfig(**{**trainer_args(spec, cfg), "per_device_train_batch_size":
                           cfg.train.per_device_batch_size * g.num_generations},
-                       gradient_accumulation_steps=cfg.train.grad_accum_steps,
                        steps_per_generation=cfg.train.grad_accum_steps,
                        num_generations=g.num_generations, max_completion_length=g.max_new_tokens,
                        temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, loss_type=g.loss_type,

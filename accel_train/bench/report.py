@@ -2,15 +2,67 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 from pathlib import Path
 
 from accel_train.config import registry
-from accel_train.bench.common import (CLASSES, GRPO_MEDIANS, LORA, MEDIANS, TARGETS_AT_MOST, TASK_OF, TRL_OPTIONS, on_cuda,
-                                      rounded)
+from accel_train.bench.common import (CLASSES, GRPO_MEDIANS, MEDIANS, TARGETS_AT_MOST, TASK_OF, adapter, on_cuda,
+                                      rounded, targets, trl_options)
 from accel_train.bench.workloads import model_shape
+
+
+def bench_report(args, wd: Path, info: dict, precision: str, flops: dict, peak: float, runs: dict,
+                 first: str | None, scaled: bool, seconds: float) -> dict:
+    """The report of the runs so far (`runs`: each contender's records by contender, workload, processes and
+    options): a row per contender (the medians of its repeats), the ratios, the model, the settings."""
+    results = [merge(rs) for rs in runs.values()]
+    ratios = compare(args.workloads, results, first, scaled)
+    for r in results:
+        r.pop("real_tokens_per_step")
+    n_params, n_trained, (matmul_weights, _, attention) = flops[first or args.workloads[0]]
+    return {"machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("child", "spec")},
+            "precision": precision, "model": {"parameters": n_params, "trained_parameters": n_trained,
+                                              "matmul_weights": matmul_weights, "attention_size": attention,
+                                              **model_shape(args, wd)},
+            "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(on_cuda()),
+            "targets_at_most": TARGETS_AT_MOST, "wall_seconds": round(seconds, 1)}
+
+
+def bench_markdown(report: dict) -> str:
+    return markdown(report["results"], report["ratios"], report["peak_flops"], report["machine"],
+                    report["settings"]["repeat"], report["targets"])
+
+
+def suite_markdown(report: dict) -> str:
+    """A suite's report (run.run_suite): each group's tables under its settings (or the error that building them
+    raised), then every row's status and seconds beside its estimate."""
+    rows = report["rows"]
+    lines = [f"bench --{report['suite']}: {sum(r['status'] == 'measured' for r in rows)} of {report['planned']} rows "
+             f"measured in {report['wall_seconds']:.0f} s (estimated {report['estimate_s']} s"
+             + (f", time limit {report['time_limit_s']} s" if report.get("time_limit_s") else "")
+             + f"), precision {report['precision']}"]
+    for name, group in report["groups"].items():
+        try:  # a group's odd figures cost its tables, not the report
+            tables = f"error:\n```\n{group['error']}\n```" if "error" in group else bench_markdown(group)
+        except Exception as e:
+            tables = f"error: {type(e).__name__}: {e}"
+        lines += ["", f"### {name}: {group['description']}", "", tables]
+    lines += ["", "| group | row | status | seconds | estimated (s) |", "|---|---|---|---:|---:|"]
+    lines += [f"| {r['group']} | {r['row']} | {r['status']} | {r['seconds']} | {r['estimate_s']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: str | Path, text: str) -> None:
+    """`report` as JSON at `out` and `text` (its tables) as Markdown beside it (`out` with .md): each replaced whole,
+    so that a run stopped while writing keeps the previous row's report."""
+    out = Path(out)
+    for path, content in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), text + "\n")):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(content)
+        partial.replace(path)
 
 
 def figures(record: dict, warmup: int, flops: tuple[int, int, int], peak_flops: float, cuda: bool = False) -> dict:
@@ -46,10 +98,10 @@ def merge(runs: list[dict]) -> dict:
     return row
 
 
-def model_flops(path: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
-    """(parameters, LoRA parameters, (matmul weights, trainable ones, attention size)) of the bench model with its
-    adapter, with the head `task` trains (causal_lm: the vocabulary's output head; seq_cls: a 3-class one):
-    tracking.flops_per_token's arguments but the width."""
+def model_flops(path: Path, task: str, full: bool = False) -> tuple[int, int, tuple[int, int, int]]:
+    """(parameters, trained parameters, (matmul weights, trainable ones, attention size)) of the bench model with
+    its adapter (or without, `full`), with the head `task` trains (causal_lm: the vocabulary's output head; seq_cls:
+    a 3-class one): tracking.flops_per_token's arguments but the width."""
     import torch
     from transformers import AutoConfig
 
@@ -59,16 +111,17 @@ def model_flops(path: Path, task: str) -> tuple[int, int, tuple[int, int, int]]:
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(path, num_labels=len(CLASSES))
         model = AUTO_CLASS[registry.info(task).head].from_config(config)
-    model = apply_lora(load_config(None, [f"task={task}", *LORA]), model)
+    model = apply_lora(load_config(None, [f"task={task}", *adapter(full)]), model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return total, trainable, (*matmul_parameters(model), attention_size(model))
 
 
-def model_figures(path: Path, workloads: list[str]) -> dict:
+def model_figures(path: Path, workloads: list[str], full: bool = False) -> dict:
     """model_flops of each workload's model, built once per head (grpo trains the same causal LM as skewed)."""
     heads = {w: registry.info(TASK_OF[w]).head for w in workloads}
-    built = {h: model_flops(path, next(TASK_OF[w] for w in workloads if heads[w] == h)) for h in set(heads.values())}
+    built = {h: model_flops(path, next(TASK_OF[w] for w in workloads if heads[w] == h), full)
+             for h in set(heads.values())}
     return {w: built[h] for w, h in heads.items()}
 
 
@@ -137,7 +190,7 @@ def compare(workloads: list[str], results: list[dict], first: str | None, scaled
             # the two measured epochs' real tokens: 1 where they hold the same samples (module docstring)
             ratios["measured_tokens_ours_vs_trainer_grouped_cls"] = _ratio(ours, grouped, "real_tokens_measured")
         else:
-            trl = _find(results, "trl", w, 1, TRL_OPTIONS[w])
+            trl = _find(results, "trl", w, 1, trl_options(w))
             ratios[f"ours_vs_bare_{w}"] = _ratio(ours, bare)
             ratios[f"ours_vs_trl_{w}"] = _ratio(ours, trl)
             for name, other in ((f"same_batches_{w}", bare), (f"same_batches_trl_{w}", trl)):
@@ -149,8 +202,8 @@ def compare(workloads: list[str], results: list[dict], first: str | None, scaled
         ratios["mfu_of_peak"] = _find(results, "ours", first)["mfu"]
     if scaled:  # targets(): which of the two the target is on
         two, one = _find(results, "ours", first, 2), _find(results, "ours", first)
-        ratios["scaling_efficiency"] = _ratio(two, one)
-        ratios["scaling_efficiency_per_device"] = round(ratios["scaling_efficiency"] / 2, 4)
+        scaling = ratios["scaling_efficiency"] = _ratio(two, one)  # None until both have run
+        ratios["scaling_efficiency_per_device"] = None if scaling is None else round(scaling / 2, 4)
     return ratios
 
 
@@ -174,5 +227,8 @@ def peak_flops(args, wd: Path, precision: str) -> float:
     device = torch.device("cuda" if on_cuda() else "cpu")
     size = model_shape(args, wd)
     dims = matmul_dims([(size["intermediate_size"], size["hidden_size"]), (size["vocab_size"], size["hidden_size"])])
-    return measure_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32,
+    peak = measure_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32,
                               seconds=0.25 if args.quick else 0.5, inner_dims=dims)  # per shape
+    if device.type == "cuda":  # the probe's buffers (GBs with a vocabulary-wide product) back to the contenders
+        torch.cuda.empty_cache()
+    return peak

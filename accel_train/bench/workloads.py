@@ -9,7 +9,7 @@ import random
 import sys
 from pathlib import Path
 
-from accel_train.bench.common import CLASSES, GRPO_SETTINGS, LORA, REAL_MODEL_DATA, SIZES, TASK_OF
+from accel_train.bench.common import CLASSES, GRPO_SETTINGS, REAL_MODEL_DATA, SIZES, TASK_OF, adapter
 
 
 def model_dir(args, wd: Path) -> Path:
@@ -101,8 +101,10 @@ def batch_of(args, workload: str) -> int:
 
 
 def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: str, steps: int) -> list[str]:
-    """The training config every contender follows (ours takes it as its command line)."""
+    """The training config every contender follows (ours takes it as its command line): `batch` samples a step, in
+    micro-batches of --micro-batch where given (not on grpo, whose micro-batch is its step's prompts)."""
     total = args.warmup + steps
+    micro = batch if workload == "grpo" else min(args.micro_batch or batch, batch)
     # grpo: `batch` prompts a step, each sampled --generations times; TRL's options spelled out where ours' defaults
     # could drift from them (GRPO_SETTINGS)
     grpo = [f"grpo.num_generations={args.generations}", f"grpo.max_new_tokens={args.new_tokens}",
@@ -112,7 +114,8 @@ def overrides(args, wd: Path, workload: str, out: Path, batch: int, precision: s
         model = [f"model.name_or_path={model_dir(args, wd)}", "model.random_init=false",
                  f"data.builtin_size={batch * (total + 1)}", *REAL_MODEL_DATA]
     return [f"task={TASK_OF[workload]}", *grpo, *model,
-            "data.eval_fraction=0", f"data.max_length={args.max_len}", *LORA, f"train.per_device_batch_size={batch}",
+            "data.eval_fraction=0", f"data.max_length={args.max_len}", *adapter(args.full),
+            f"train.per_device_batch_size={micro}", f"train.grad_accum_steps={batch // micro}",
             f"train.max_steps={total}", f"train.warmup_steps={args.warmup}", "train.lr=2e-4",
             f"train.log_every={total}", f"train.mixed_precision={precision}", "track.log_with=[]",
             f"seed={args.seed}", f"output_dir={out}", "overwrite=true"]
