@@ -98,3 +98,27 @@ def test_dpo_precompute_ref_is_refused_where_the_model_is_built_sharded():
             f"computed at each step), or {key}: false")
     with patch_environment(**launched("cpu_deepspeed_zero3.yaml")[0]):
         check_engine(cfg)  # built whole, then sharded: the reference log-probs precomputed first
+
+@pytest.mark.parametrize("name", ["cpu_deepspeed_zero2.yaml", "cpu_deepspeed_zero3.yaml"])
+def test_deepspeed_buffers_are_sized_for_the_model_not_deepspeed_defaults(name):
+    """The shipped configs leave DeepSpeed's buffers out: its defaults (a 5e8-element reduce bucket, 2 GB in fp32;
+    ZeRO-3 keeps every parameter under 1e5 elements whole) are sized for GPUs and large models. Filled from the
+    model's hidden size h as accelerate fills "auto": reduce bucket h², ZeRO-3's prefetch bucket 0.9 h² and
+    persistence threshold 10 h; a value the config gives is kept."""
+    from accel_train.runtime.dist import configure_deepspeed
+
+    h, cfg = 896, load_config(None, [])
+    with patch_environment(**launch_environment(ACCEL_CONFIGS / name)):
+        plugin = DeepSpeedPlugin()
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert "reduce_bucket_size" not in zero  # as shipped
+    configure_deepspeed(plugin.deepspeed_config, cfg, h)
+    stage3 = zero["stage"] == 3
+    assert zero["reduce_bucket_size"] == h * h
+    assert zero.get("stage3_prefetch_bucket_size") == (int(0.9 * h * h) if stage3 else None)
+    assert zero.get("stage3_param_persistence_threshold") == (10 * h if stage3 else None)
+    with patch_environment(**launch_environment(ACCEL_CONFIGS / name)):
+        plugin = DeepSpeedPlugin()
+    plugin.deepspeed_config["zero_optimization"]["reduce_bucket_size"] = 12345
+    configure_deepspeed(plugin.deepspeed_config, cfg, h)
+    assert plugin.deepspeed_config["zero_optimization"]["reduce_bucket_size"] == 12345

@@ -121,7 +121,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         _setup_group = torch.distributed.new_group(timeout=max(SETUP_TIMEOUT, timedelta(seconds=cfg.train.dist_timeout_s)))
         _store = torch.distributed.distributed_c10d._get_default_store()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
+        configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, model_width)
     # What sharded parameters rule out was refused before (launched.check_engine): a launch asking for FSDP or
     # DeepSpeed either gets it or stops in check_launch.
     return accelerator
@@ -311,11 +311,23 @@ DEEPSPEED_KEYS = {"train_micro_batch_size_per_gpu": "train.per_device_batch_size
                   "gradient_accumulation_steps": "train.grad_accum_steps", "gradient_clipping": "train.max_grad_norm"}
 
 
-def configure_deepspeed(ds: dict, cfg: Config) -> None:
+def configure_deepspeed(ds: dict, cfg: Config, width: int | None = None) -> None:
     """Give DeepSpeed this run's micro-batch, accumulation and clipping where its config says "auto" (or nothing);
     refuse a config that says otherwise. The engine steps, clips and scales the loss by its accumulation itself:
     a different number there would silently change the training. The micro-batch also lets accelerate prepare the
-    model apart from the dataloaders (it needs a batch size from one or the other)."""
+    model apart from the dataloaders (it needs a batch size from one or the other).
+    Its buffers sized for the model of hidden size `width` where the config leaves them out or says "auto" (the
+    values accelerate and transformers give "auto": DeepSpeed's own defaults, a 5e8-element reduce bucket (2 GB in
+    fp32) and parameters under 1e5 elements kept whole on every rank, are sized for GPUs and large models)."""
+    zero = ds.setdefault("zero_optimization", {})
+    if width:
+        sized = {"reduce_bucket_size": width * width}
+        if zero.get("stage") == 3:
+            sized.update(stage3_prefetch_bucket_size=int(0.9 * width * width),
+                         stage3_param_persistence_threshold=10 * width)
+        for key, value in sized.items():
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
     ours = {"train_micro_batch_size_per_gpu": cfg.train.per_device_batch_size,
             "gradient_accumulation_steps": cfg.train.grad_accum_steps,
             "gradient_clipping": cfg.train.max_grad_norm or 0.0}  # DeepSpeed: 0 = no clipping
