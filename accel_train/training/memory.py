@@ -109,7 +109,7 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
 
 def _refusal(params: int, w: int, full: bool, n: int, engine: str, each: float, here: int, have: float, where: str,
              device: torch.device) -> str:
-    """The one line: what the job needs a process and in all, what the place has, and what would fit."""
+    """The one line: what the job needs a process and in all, what the place has, and what needs less and is within it."""
     what = "full fine-tuning" if full else "LoRA"
     kind = "of GPU memory free" if device.type == "cuda" else "available (RAM and free swap)"
     options = [(name, bytes_a_process(params, w, f, n, s)) for name, f, s in (
@@ -122,6 +122,6 @@ def _refusal(params: int, w: int, full: bool, n: int, engine: str, each: float, 
              f"{where}" if here > 1 else f"{each / GB:.1f} GB ({engine}) on {where}")
     return (f"memory: {what} of this model (at least {params / 1e9:.2f}B parameters, {w}-byte weights"
             f"{', their gradients and AdamW' if full else ''}) needs at least {needs}, which has {have / GB:.1f} GB "
-            f"{kind}; " + (f"would fit: {'; '.join(fits)}" if fits else "nothing here fits: a larger machine, or "
-                                                                            "more of them")
-            + " (a lower bound: activations not counted)")
+            f"{kind}; " + (f"needing less, within it: {'; '.join(fits)}" if fits else "nothing needs less than it has: "
+                                                                                "a larger machine, or more of them")
+            + " (lower bounds: activations not counted)")
