@@ -85,6 +85,22 @@ def prompt_once(model: torch.nn.Module, batch: dict, width: int) -> dict | None:
             "position_ids": batch["position_ids"][:, prompt - 1:], "use_cache": True, CACHE_ARG: cache}
 
 
+def forward_tokens(batch: dict, shared: bool) -> torch.Tensor:
+    """[tokens, attention pairs] the policy's forward over `batch` computes, for its FLOPs (tracking.step_flops):
+    real tokens (padding is computed, not credited), and the sum over them of the keys each attends to (the row
+    width computed, padding included). `shared` (PolicyLoss.share_prompts): as prompt_once runs it, each group's
+    prompt but its last token once (keys: that prompt), then every row's last prompt token and completion (keys:
+    the whole row); else whole rows."""
+    mask, width = batch["attention_mask"], batch["completion_width"]
+    G, row = batch.get("group", 1), mask.shape[1]
+    prompt = row - width
+    if not shared or G < 2 or prompt < 2:
+        tokens = mask.sum()
+        return torch.stack([tokens, tokens * row])
+    once, rows = mask[::G, :prompt - 1].sum(), mask[:, prompt - 1:].sum()
+    return torch.stack([once + rows, once * (prompt - 1) + rows * row])
+
+
 def _same(logits: torch.Tensor) -> torch.Tensor:
     return logits
 

@@ -3,6 +3,9 @@
 Everything here acts on the main process only, so the loop calls it without asking which rank it is on.
 Trackers go through accelerate (`log_with` / `init_trackers` / `accelerator.log`); TensorBoard is the default
 because it needs no account. Importing this module imports no torch: preflight checks the trackers with it.
+MFU credits a step with the FLOPs its trained model's forwards and backwards compute (step_flops: a shared
+prompt once per group; frozen models' forwards, which do no training, not counted), and says once where that
+exceeds the measured peak.
 """
 
 from __future__ import annotations
@@ -165,6 +168,18 @@ def flops_per_token(n_matmul: int, n_trainable: int, attention_size: int, width:
     return 4 * n_matmul + 2 * n_trainable + 12 * attention_size * width
 
 
+def step_flops(n_matmul: int, n_trainable: int, attention_size: int, tokens: int, attention_pairs: int) -> float:
+    """The FLOPs a step is credited with: flops_per_token's, for the `tokens` the trained model's forwards run
+    (loop.window_stats: grpo's shared prompt once per group, components.logprobs.forward_tokens) and the keys they
+    attend to, summed (`attention_pairs`: a token x the width it attends to). Only the trained model's forwards and
+    backwards count; frozen models' forwards (a reference, a teacher, a reward model) do not, as generation does
+    not: MFU is then the utilisation of the model being trained, comparable across tasks and with other tools'
+    (HF Trainer, TRL) figures, which count the trained model's tokens alone. Not counted either: the output head's
+    positions a task skips (grpo computes it on completion tokens only; on the tiny model 4% of N) and recomputation
+    (gradient checkpointing, loss chunks)."""
+    return (4 * n_matmul + 2 * n_trainable) * tokens + 12 * attention_size * attention_pairs
+
+
 GROW_WHILE_UNDER_S = 0.003  # measure_peak_flops: a product this long is large enough to reach the peak
 
 
@@ -303,36 +318,50 @@ class RunLog:
         if cfg.track.log_with:
             accelerator.init_trackers(cfg.track.project, config=flat_config(cfg))
         self.out = Path(cfg.output_dir)
-        self.steps: list[tuple[float, int, int, int]] = []  # (seconds, real tokens, computed tokens, rows) per step
+        # (seconds, real tokens, computed tokens, rows, credited FLOPs: step_flops) per step
+        self.steps: list[tuple[float, int, int, int, float]] = []
+        self.task, self.above_peak = cfg.task, False  # above_peak: the MFU > 1 warning was given (RunLog.mfu)
         self.t_last = self.t_logged = time.perf_counter()
         self.n_logged = 0  # steps up to the last throughput()
 
-    def mfu(self, tokens_per_sec: float, width: float) -> float | None:
-        """Model FLOPs utilisation: achieved matmul FLOP/s over the peak of every rank that did the work, for real
-        tokens (all ranks') in rows `width` tokens wide on average."""
-        return mfu(flops_per_token(*self.model_flops, width) * tokens_per_sec, sum(self.peak_flops))
+    def mfu(self, flops_per_sec: float) -> float | None:
+        """Model FLOPs utilisation: the credited FLOP/s (step_flops, all ranks') over the peak of every rank that did
+        the work. Above 1 it is not shown, and the run says so once: the count or the probe is wrong."""
+        peak = sum(self.peak_flops)
+        if peak and flops_per_sec > peak and not self.above_peak:
+            self.above_peak = True
+            self.warn(f"task {self.task}: the FLOPs credited to the steps ran at {flops_per_sec / peak:.2f}x the "
+                      f"measured peak ({peak / 1e9:.1f} GFLOP/s); MFU is not shown (the peak probe measured low, or "
+                      "the step's FLOPs are over-counted)")
+        return mfu(flops_per_sec, peak)
 
-    def step(self, real_tokens: int, computed_tokens: int, rows: int) -> None:
-        """One optimizer step ended: its duration, tokens and rows (over all ranks) go to steps.json at the end."""
+    def step(self, real_tokens: int, computed_tokens: int, rows: int, tokens: int | None = None,
+             attention_pairs: int | None = None) -> None:
+        """One optimizer step ended: its duration, tokens and rows (over all ranks) go to steps.json at the end;
+        `tokens` and `attention_pairs` (step_flops'; by default the real tokens over rows as wide as the average
+        computed) give the FLOPs it is credited with."""
         now = time.perf_counter()
-        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows))
+        if tokens is None:
+            tokens, attention_pairs = real_tokens, real_tokens * computed_tokens / max(rows, 1)
+        flops = step_flops(*self.model_flops, tokens, attention_pairs)
+        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows, flops))
         self.t_last = now
         self.bar.update(1)
 
     def throughput(self) -> dict:
         """Real tokens per second and MFU over the steps since the previous call (the previous log line)."""
         now = time.perf_counter()
-        _, real, computed, rows = zip(*self.steps[self.n_logged:]) if len(self.steps) > self.n_logged else ((0,),) * 4
-        rate = sum(real) / (now - self.t_logged)
+        _, real, _, _, flops = zip(*self.steps[self.n_logged:]) if len(self.steps) > self.n_logged else ((0,),) * 5
+        seconds = now - self.t_logged
         self.n_logged, self.t_logged = len(self.steps), now
-        return {"tokens_per_sec": rate, "mfu": self.mfu(rate, sum(computed) / max(sum(rows), 1))}
+        return {"tokens_per_sec": sum(real) / seconds, "mfu": self.mfu(sum(flops) / seconds)}
 
     def timing(self) -> dict:
         """Real tokens trained on, median step time and padding efficiency (real / computed tokens) of this run's
         steps."""
         if not self.steps:
             return {"train_tokens": 0}
-        seconds, real, computed, _ = zip(*self.steps)
+        seconds, real, computed, *_ = zip(*self.steps)
         return {"train_tokens": sum(real), "step_seconds_median": round(statistics.median(seconds), 5),
                 "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4),
                 "peak_flops": [round(p) for p in self.peak_flops]}
@@ -375,10 +404,10 @@ class RunLog:
         self.console.close()
         if self.file:
             self.file.close()
-            seconds, real, computed, rows = zip(*self.steps) if self.steps else ((), (), (), ())
+            seconds, real, computed, rows, flops = zip(*self.steps) if self.steps else ((),) * 5
             (self.out / "steps.json").write_text(json.dumps(
                 {"seconds": [round(x, 6) for x in seconds], "real_tokens": real, "computed_tokens": computed,
-                 "rows": rows}))
+                 "rows": rows, "flops": [round(f) for f in flops]}))
 
 
 def truncate_log(path: Path, step: int) -> None:

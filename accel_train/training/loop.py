@@ -65,15 +65,22 @@ class TrainingJob:
 
 
 def window_stats(window: list[dict], task: Task, device) -> torch.Tensor:
-    """This rank's [targets, real tokens, computed tokens, rows] for one step (on the device: summing there costs
-    no host sync)."""
-    stats = torch.zeros(4, dtype=torch.long, device=device)
+    """This rank's [targets, real tokens, computed tokens, rows, trained tokens, attention pairs] for one step (on
+    the device: summing there costs no host sync). The last two are what the trained model's forwards compute
+    (tracking.step_flops): a batch's "flop_tokens" where the task sets them (grpo: each group's prompt once),
+    else its real tokens, each attending to the row's whole width."""
+    stats = torch.zeros(6, dtype=torch.long, device=device)
     for batch in window:
         real, computed = data_lib.token_counts(batch)
         stats[0] += task.count_targets(batch)
         stats[1] += real
         stats[2] += computed
         stats[3] += batch["input_ids"].shape[0]
+        if "flop_tokens" in batch:
+            stats[4:] += batch["flop_tokens"]
+        else:
+            stats[4] += real
+            stats[5] += real * batch["input_ids"].shape[1]
     return stats
 
 
@@ -259,7 +266,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             real = len(window)
             window = task.step_batches(window + [replay() for _ in range(n_micro - real)], real, state.step)
             rows = accelerator.gather(window_stats(window[:real], task, accelerator.device)[None]).tolist()
-            targets, real_tokens, computed_tokens, n_rows = (sum(r[i] for r in rows) for i in range(4))
+            targets, real_tokens, computed_tokens, n_rows, *flop_tokens = (sum(r[i] for r in rows) for i in range(6))
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
             # effective batch.
@@ -290,7 +297,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.step_in_epoch += 1
-            run_log.step(real_tokens, computed_tokens, n_rows)
+            run_log.step(real_tokens, computed_tokens, n_rows, *flop_tokens)
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 last = log_training(cfg, job, since_log, lr, grad_norm)  # a collective, on every rank

@@ -66,7 +66,7 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from accel_train.components import tools as tools_lib
-from accel_train.components.logprobs import completion_logps, output_head, shares_prompts
+from accel_train.components.logprobs import completion_logps, forward_tokens, output_head, shares_prompts
 from accel_train.components.prompts import (PromptBudget, PromptCollator, inspect_prompts, prompt_column,
                                              tokenize_prompts)
 from accel_train.components.reference import reference_mode, reference_model
@@ -269,7 +269,10 @@ class GRPO(Task):
         return self.rollouts.window(batches, step)
 
     def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
-        return self.rollouts.step_batches(window, real)
+        batches = self.rollouts.step_batches(window, real)
+        for batch in batches:  # the FLOPs the policy's forward computes (loop.window_stats): prompts once per group
+            batch["flop_tokens"] = forward_tokens(batch, self.policy.share_prompts)
+        return batches
 
     def replay(self, batch: dict) -> dict:
         return batch  # a prompt batch: rolled out, with weight 0, by prepare
