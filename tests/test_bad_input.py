@@ -293,16 +293,16 @@ def test_fp16_on_cpu_falls_back_and_says_so(tmp_path):
 
 def _model_of(tmp_path, params: float) -> tuple:
     """A model folder (the tiny model's config resized: random weights, never built here) of about `params`
-    parameters by the count the memory check uses: vocab x hidden + layers x (2 hidden² + 3 hidden x intermediate)."""
+    parameters by the count the memory check uses: vocab x hidden + layers x (2 hidden² + 2 hidden x intermediate)."""
     hidden, inner, vocab = 2048, 8192, 52
-    layers = max(1, round((params - vocab * hidden) / (2 * hidden * hidden + 3 * hidden * inner)))
+    layers = max(1, round((params - vocab * hidden) / (2 * hidden * hidden + 2 * hidden * inner)))
     folder = tmp_path / "model"
     shutil.copytree(TINY_MODEL, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers, head_dim=128,
                   num_attention_heads=16, num_key_value_heads=16)
     (folder / "config.json").write_text(json.dumps(config))
-    return folder, vocab * hidden + layers * (2 * hidden * hidden + 3 * hidden * inner)
+    return folder, vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * inner)
 
 
 def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_naming_what_fits(tmp_path):

@@ -143,6 +143,7 @@ def grpo_figures(record: dict, warmup: int) -> dict:
     warmup_seconds = sum(record["seconds"][:warmup])
     seconds, real, computed, rows, generated = (
         record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens", "rows", "generated_tokens"))
+    record.pop("flops", None)  # the run's per-step credit (steps.json): the bench credits its own, alike for all
     total, split = sum(seconds), record["rollouts"]
     record.update({"steps_measured": len(seconds), "steps_per_sec": significant(len(seconds) / total),
                    "generated_tokens_per_sec": significant(sum(generated) / total),

@@ -74,6 +74,7 @@ def figures(record: dict, warmup: int, flops: tuple[int, int, int], peak_flops: 
     warmup_seconds = sum(record["seconds"][:warmup])  # includes torch.compile's compilation, when on
     seconds, real, computed, rows = (record.pop(k)[warmup:] for k in ("seconds", "real_tokens", "computed_tokens",
                                                                       "rows"))
+    record.pop("flops", None)  # the run's per-step credit (steps.json): the bench credits its own, alike for all
     tps = sum(real) / sum(seconds)
     fpt = flops_per_token(*flops, sum(computed) / sum(rows))
     record.update({"steps_measured": len(seconds), "tokens_per_sec": round(tps, 1),

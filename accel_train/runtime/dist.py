@@ -121,7 +121,10 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         _setup_group = torch.distributed.new_group(timeout=max(SETUP_TIMEOUT, timedelta(seconds=cfg.train.dist_timeout_s)))
         _store = torch.distributed.distributed_c10d._get_default_store()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, model_width)
+        plugin = accelerator.state.deepspeed_plugin
+        configure_deepspeed(plugin.deepspeed_config, cfg, model_width)
+        if getattr(plugin, "dschf", None) is not None:  # transformers' copy (zero.Init reads it): made again
+            plugin.set_deepspeed_weakref()
     # What sharded parameters rule out was refused before (launched.check_engine): a launch asking for FSDP or
     # DeepSpeed either gets it or stops in check_launch.
     return accelerator

@@ -3,10 +3,12 @@ config.json before any weight is read: a job that cannot fit stops in one line, 
 killed by the kernel (or running out of device memory) minutes later.
 
 The estimate is a lower bound, so that a refusal is certain: the parameters are counted from config.json's sizes
-(embeddings, and per layer the query and output projections and a gated MLP: key/value projections, norms, biases,
-an untied head and experts beyond the first are left out), at the weights' dtype (`model.dtype`; "auto" as 2 bytes).
-Full fine-tuning holds per parameter the weight, its gradient and AdamW's two moments (4 of the weight's bytes;
-DeepSpeed's fp32 master weights, activations and each process's fixed cost are on top); LoRA holds the frozen
+(embeddings, and per layer the query and output projections and two MLP matrices: key/value projections, norms,
+biases, a gated MLP's third matrix, an untied head and experts beyond the first are left out; a quantized checkpoint
+is not measured), at the weights' dtype (`model.dtype`; "auto" as 2 bytes; under DeepSpeed's fp16/bf16 2 bytes, with
+fp32 master weights and moments, 12 bytes, as its optimizer state). Full fine-tuning holds per parameter the
+weight, its gradient and AdamW's two moments (4 of the weight's bytes; activations and each process's fixed cost
+are on top); LoRA holds the frozen
 weights. Sharded where the engine shards them (the ZeRO paper's arithmetic, N processes): ZeRO-1 the moments, ZeRO-2
 the gradients too, ZeRO-3 and FSDP all of it. Every rank reports its own need and what its machine (host memory and
 free swap, for a CPU run) or its GPU (free device memory) has; the ranks decide together from the gathered reports
@@ -16,6 +18,7 @@ free swap, for a CPU run) or its GPU (free device memory) has; the ranks decide 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import psutil
 import torch
@@ -32,24 +35,32 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
 def parameters_at_least(config) -> int:
-    """A lower bound on the model's parameters from its config: vocab x hidden + layers x (2 hidden² + 3 hidden x
-    intermediate); 0 where the config does not give these sizes."""
-    text = config.get_text_config()
-    hidden, layers = getattr(text, "hidden_size", None), getattr(text, "num_hidden_layers", None)
-    if not hidden or not layers:
+    """A lower bound on the model's parameters from its config: vocab x hidden + layers x (2 hidden² + 2 hidden x
+    intermediate); 0 (not measured) where the config does not give these sizes as integers, or is quantized."""
+    try:
+        text = config.get_text_config()
+        if getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None):
+            return 0  # a pre-quantized checkpoint: its weights are not model.dtype's bytes
+        sizes = [getattr(text, k, 0) or 0 for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                     "intermediate_size")]
+    except Exception:  # an unusual config: build_model reads it and says what is wrong
         return 0
-    vocab, inner = getattr(text, "vocab_size", 0) or 0, getattr(text, "intermediate_size", 0) or 0
-    return vocab * hidden + layers * (2 * hidden * hidden + 3 * hidden * inner)
+    if not all(isinstance(v, int) for v in sizes) or not sizes[0] or not sizes[1]:
+        return 0
+    hidden, layers, vocab, inner = sizes
+    return vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * inner)
 
 
-def bytes_a_process(params: int, weight_bytes: int, full: bool, processes: int, stage: int) -> float:
-    """What one process holds at least: `stage` 0 (DDP), 1-3 (ZeRO), 3 also for FSDP."""
+def bytes_a_process(params: int, weight_bytes: int, full: bool, processes: int, stage: int,
+                    state_bytes: int | None = None) -> float:
+    """What one process holds at least: `stage` 0 (DDP), 1-3 (ZeRO), 3 also for FSDP; `state_bytes` the optimizer's
+    a parameter (AdamW's two moments at the weight's dtype; DeepSpeed in mixed precision: fp32 master and moments, 12)."""
     n = max(processes, 1)
     weights = weight_bytes * params / (n if stage >= 3 else 1)
     if not full:
         return weights
     gradients = weight_bytes * params / (n if stage >= 2 else 1)
-    moments = 2 * weight_bytes * params / (n if stage >= 1 else 1)
+    moments = (2 * weight_bytes if state_bytes is None else state_bytes) * params / (n if stage >= 1 else 1)
     return weights + gradients + moments
 
 
@@ -69,16 +80,26 @@ def _offloads(accelerator: Accelerator) -> bool:
     zero = (plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {})
     return any(str((zero.get(k) or {}).get("device", "none")) not in ("none", "None")
                for k in ("offload_optimizer", "offload_param")) or (
-        accelerator.distributed_type == DistributedType.FSDP
-        and bool(getattr(accelerator.state.fsdp_plugin, "cpu_offload", False)))
+        accelerator.distributed_type == DistributedType.FSDP and _fsdp_offloads(accelerator.state.fsdp_plugin))
+
+
+def _fsdp_offloads(plugin) -> bool:
+    """FSDP's cpu_offload, as accelerate holds it (FSDP2: an OffloadPolicy, CPUOffloadPolicy when on; FSDP1:
+    CPUOffload(offload_params))."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offload = getattr(plugin, "cpu_offload", None)
+    return isinstance(offload, CPUOffloadPolicy) or getattr(offload, "offload_params", False) is True
 
 
 def _available(device: torch.device) -> tuple[str, float]:
     """(where this rank's weights live, the bytes free there): the GPU's free memory, or the host's available
     memory and free swap."""
+    boot = Path("/proc/sys/kernel/random/boot_id")  # machines that share a host name are told apart
+    host = f"{socket.gethostname()}:{boot.read_text().strip()[:8]}" if boot.is_file() else socket.gethostname()
     if device.type == "cuda":
-        return f"{socket.gethostname()}:cuda{device.index}", float(torch.cuda.mem_get_info(device)[0])
-    return socket.gethostname(), float(psutil.virtual_memory().available + psutil.swap_memory().free)
+        return f"{host}:cuda{device.index}", float(torch.cuda.mem_get_info(device)[0])
+    return host, float(psutil.virtual_memory().available + psutil.swap_memory().free)
 
 
 def check_fits(cfg: Config, accelerator: Accelerator) -> None:
@@ -93,8 +114,10 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     measured = device.type in ("cpu", "cuda") and params and cfg.model.quantization is None and not (
         device.type == "cuda" and _offloads(accelerator))
     stage, engine = sharding_stage(accelerator)
-    w, full, n = _BYTES[cfg.model.dtype], not cfg.lora.enabled, accelerator.num_processes
-    need = bytes_a_process(params, w, full, n, stage) if measured else 0.0
+    w, full, n, states = _BYTES[cfg.model.dtype], not cfg.lora.enabled, accelerator.num_processes, None
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("fp16", "bf16"):
+        w, states = 2, 12  # DeepSpeed casts the weights to 16 bits and keeps fp32 master weights and moments
+    need = bytes_a_process(params, w, full, n, stage, states) if measured else 0.0
     place, free = _available(device) if measured else ("", 0.0)
     reports = gather_setup(accelerator, (place, free, need))
     by_place: dict[str, list] = {}
@@ -104,17 +127,22 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     for where, rows in sorted(by_place.items()):
         needs, have = sum(r[1] for r in rows), min(r[0] for r in rows)
         if needs > have:
-            raise ConfigError(_refusal(params, w, full, n, engine, needs / len(rows), len(rows), have, where, device))
+            raise ConfigError(_refusal(params, (w, states), full, n, engine, needs / len(rows), len(rows), have,
+                                       where.split(":")[0], device))
 
 
-def _refusal(params: int, w: int, full: bool, n: int, engine: str, each: float, here: int, have: float, where: str,
-             device: torch.device) -> str:
-    """The one line: what the job needs a process and in all, what the place has, and what needs less and is within it."""
-    what = "full fine-tuning" if full else "LoRA"
-    kind = "of GPU memory free" if device.type == "cuda" else "available (RAM and free swap)"
-    options = [(name, bytes_a_process(params, w, f, n, s)) for name, f, s in (
-        ("ZeRO-2 (configs/accelerate/cpu_deepspeed_zero2.yaml)", True, 2),
-        ("ZeRO-3 or FSDP2 (cpu_deepspeed_zero3.yaml, fsdp2.yaml)", True, 3), ("LoRA (lora.enabled=true)", False, 0),
+def _refusal(params: int, sizes: tuple, full: bool, n: int, engine: str, each: float, here: int, have: float,
+             where: str, device: torch.device) -> str:
+    """The one line: what the job needs a process and in all, what the place has, and what needs less and is
+    within it. `sizes`: (the weight's bytes, the optimizer state's a parameter or None)."""
+    (w, states), what = sizes, "full fine-tuning" if full else "LoRA"
+    gpu = device.type == "cuda"
+    kind = "of GPU memory free" if gpu else "available (RAM and free swap)"
+    configs = ("deepspeed_zero2.yaml", "deepspeed_zero3.yaml") if gpu else ("cpu_deepspeed_zero2.yaml",
+                                                                            "cpu_deepspeed_zero3.yaml")
+    options = [(name, bytes_a_process(params, w, f, n, s, states)) for name, f, s in (
+        (f"ZeRO-2 (configs/accelerate/{configs[0]})", True, 2),
+        (f"ZeRO-3 or FSDP2 ({configs[1]}, fsdp2.yaml)", True, 3), ("LoRA (lora.enabled=true)", False, 0),
         ("LoRA under ZeRO-3 or FSDP2", False, 3))]
     fits = [f"{name} {b / GB:.1f} GB a process" for name, b in (options if n > 1 else options[2:3])
             if b * here <= have and (full or name.startswith("LoRA under"))]
@@ -122,6 +150,6 @@ def _refusal(params: int, w: int, full: bool, n: int, engine: str, each: float, 
              f"{where}" if here > 1 else f"{each / GB:.1f} GB ({engine}) on {where}")
     return (f"memory: {what} of this model (at least {params / 1e9:.2f}B parameters, {w}-byte weights"
             f"{', their gradients and AdamW' if full else ''}) needs at least {needs}, which has {have / GB:.1f} GB "
-            f"{kind}; " + (f"needing less, within it: {'; '.join(fits)}" if fits else "nothing needs less than it has: "
-                                                                                "a larger machine, or more of them")
+            f"{kind}; " + (f"needing less, within it: {'; '.join(fits)}" if fits else
+                           "nothing needs less than it has: a larger machine, or more of them")
             + " (lower bounds: activations not counted)")

@@ -110,7 +110,8 @@ def noise_reward(prompts, completions, **_) -> list[float]:
 
 
 def write_data(out: Path, size: dict) -> None:
-    """DIR/data: train.jsonl (prompt, answer), gold.jsonl (prompt, response), eval.jsonl: disjoint sums."""
+    """DIR/data: train.jsonl (prompt, answer), gold.jsonl (prompt, response), eval.jsonl: disjoint pairs of addends
+    (all of one sum where `size` gives one)."""
     out.mkdir(parents=True, exist_ok=True)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a + b == size.get("sum", a + b)]
     random.Random(DATA_SEED).shuffle(pairs)
