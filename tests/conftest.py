@@ -170,15 +170,21 @@ def forked_launch(config: str, *args, script: str = "accel_train/train.py", time
     """`accelerate launch --config_file configs/accelerate/CONFIG SCRIPT ARGS` where the launcher is not what a
     test looks at: its workers, with the environment accelerate launch gives them (launch_environment) and the
     variables torchrun adds (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT ...), forked from the fork server
-    instead of started as fresh interpreters (~5 s of imports each, twice per launch). As torchrun: they share
+    instead of started as fresh interpreters (~5 s of imports each, twice per launch). As torchrun: a store hosted
+    here as its agent hosts it (it outlives every rank), they share
     stdout and stderr; when one fails, the others get SIGTERM (SIGKILL 30 s later) and the status is 1 (each
     rank's own: `.codes`, in rank order; the first failed rank's: `.first`).
     Launchers themselves (exit statuses, signals, a killed launcher) are tested with real launches:
     `accelerate_launch`, `accel_train_launch`, test_launch.py, test_faults.py."""
     import multiprocessing.connection
 
+    import torch.distributed
+
     added, nproc = launch_environment(config)
     port = free_port()
+    # torchrun's agent hosts the store its workers rendezvous through (TORCHELASTIC_USE_AGENT_STORE): it outlives
+    # any rank, as under accelerate launch (hosted by rank 0, it would vanish with the first rank to leave)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cmd = ["accelerate", "launch", "--config_file", str(ACCEL_CONFIGS / config), script, *map(str, args)]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
@@ -190,6 +196,7 @@ def forked_launch(config: str, *args, script: str = "accel_train/train.py", time
                         "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
                         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True",
                         "OMP_NUM_THREADS": {**os.environ, **(env or {})}.get("OMP_NUM_THREADS", "1")}
             worker = _forkserver().Process(target=forked_cli.child, args=(
                 script, list(map(str, args)), {**os.environ, **(env or {}), **added, **torchrun}, str(REPO),
@@ -220,6 +227,7 @@ def forked_launch(config: str, *args, script: str = "accel_train/train.py", time
         proc = subprocess.CompletedProcess(cmd, 1 if any(ended) or timed_out else 0, out.read_text(), err.read_text())
         proc.codes = codes = [w.exitcode for w in workers]  # each rank's (-N: killed by signal N)
         proc.first = next((code for code in ended if code), 0)  # the first failed rank's: what stopped the job
+    del store
     print(f"$ {' '.join(cmd)} (workers forked; exit codes {codes})\n--- stdout\n{proc.stdout[-4000:]}\n"
           f"--- stderr\n{proc.stderr[-8000:]}")
     if timed_out:
