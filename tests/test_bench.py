@@ -388,6 +388,34 @@ def test_bench_writes_its_report_after_every_run(tmp_path, monkeypatch):
     assert "| fixed | ours | 1 x 1 |" in table and "| fixed | bare | 1 x 1 |" in table and "trainer" not in table
 
 
+def test_a_contender_that_fails_is_a_row_and_the_others_are_measured(tmp_path, monkeypatch, capsys):
+    """The bare loop's process fails (out of memory, as on a GPU with its full fp32 logits): its row says so in the
+    JSON and the Markdown, the contenders after it are still measured and written, and the bench ends in one line
+    naming it, with status 1, after writing everything."""
+    out, calls = tmp_path / "bench.json", []
+
+    def row(contender, args, workload, processes, options, timeout):
+        calls.append(contender)
+        if contender == "bare":
+            sys.exit("bench: bare failed (exit 1):\ntorch.OutOfMemoryError: CUDA out of memory")
+        return fake_record(contender, args, workload, processes, options)
+
+    fake_processes(monkeypatch, row)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--quick", "--workloads", "fixed", "--contenders", "ours,bare,trainer", "--steps", "2",
+                    "--warmup", "1", "--no-scaling", "--out", str(out), "--workdir", str(tmp_path / "work")])
+    assert stop.value.code == ("bench: 1 contender run(s) failed: bare fixed (the table says why; the others were "
+                               "measured)")
+    assert calls == ["ours", "bare", "trainer"]
+    report = json.loads(out.read_text())
+    assert [r["contender"] for r in report["results"]] == ["ours", "trainer"]
+    assert report["failed"] == [{"contender": "bare", "workload": "fixed", "status": "bare failed (exit 1)",
+                                 "output": "bench: bare failed (exit 1):\ntorch.OutOfMemoryError: CUDA out of memory"}]
+    table = out.with_suffix(".md").read_text()
+    assert "| fixed | trainer | 1 x 1 |" in table and "| fixed | bare | bare failed (exit 1) |" in table
+    assert "CUDA out of memory" in capsys.readouterr().err
+
+
 def test_gpu_suite_dry_run_lists_its_rows_within_8_minutes(capsys):
     """`python -m accel_train bench --gpu --dry-run`, the real command in a fresh interpreter, without torch: the
     rows GPU users run under their groups' settings, the most wanted first, each with its estimated seconds (said to

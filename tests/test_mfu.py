@@ -1,18 +1,22 @@
 """MFU counts the FLOPs a step computes: the FLOPs credited to one step (loop.window_stats, then
 tracking.step_flops, as the run's RunLog credits them) equal torch's FlopCounterMode count of that step's forwards
 and backwards on the tiny model (5%), for sft (causal_lm) and grpo with its shared prompts (beta 0: the policy's
-forward alone; generation is not in the step's loss and backward). The rows are unpadded: the credit counts real
+forward alone; generation is not in the step's loss and backward), and for every registered task's real run
+(tests/scripts/flop_probe.py counts its steps). The rows are unpadded: the credit counts real
 tokens, FlopCounterMode every computed one. And an MFU above the measured peak is said once, not printed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import types
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from accel_train.config import registry
 from accel_train.config.load import load_config
 from accel_train.config.schema import TINY_MODEL
 from accel_train.models.build import attention_size, matmul_parameters
@@ -83,6 +87,7 @@ def test_grpo_step_credit_counts_a_shared_prompt_once():
 
 
 def test_an_mfu_above_the_peak_is_said_once(tmp_path, caplog):
+    fresh_accelerator()  # the run's state, which accelerate's logging reads
     accelerator = types.SimpleNamespace(is_main_process=True, is_local_main_process=True, log=lambda *a, **k: None)
     cfg = load_config(None, ["task=grpo", f"output_dir={tmp_path}", "track.log_with=[]"])
     run_log = tracking.RunLog(accelerator, cfg, 10, 0, model_flops=(10**9, 10**9, 0), peak_flops=[1.0])
@@ -93,3 +98,41 @@ def test_an_mfu_above_the_peak_is_said_once(tmp_path, caplog):
     run_log.close()
     said = [r.getMessage() for r in caplog.records if "measured peak" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("task grpo: ") and "x the measured peak" in said[0]
+
+
+# Every registered task, run as users run it (a forked `python -m accel_train`, 1 process, eager attention: CPU
+# sdpa's kernel has no FlopCounterMode formula), batch 1 (no padding: the credit counts real tokens, the counter
+# every computed one) with accumulation 2, 2 steps; grpo also with whole rows and with a reference (beta > 0). The
+# tiny model with 8 layers: under LoRA the first layer's frozen projections of the frozen embeddings need no input
+# gradient, which the credit does not subtract (tracking.step_flops): 8% of a 2-layer model's step, 2% of 8 layers'.
+RUNS = [(name, ()) for name in registry.NAMES] + [("grpo", ("--no-shared-prompts",)), ("grpo", ("grpo.beta=0.1",))]
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    from conftest import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny8"), num_hidden_layers=8)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name,extra", RUNS, ids=[" ".join((n, *e)) for n, e in RUNS])
+def test_every_task_is_credited_the_flops_its_steps_compute(name, extra, eight_layers, tmp_path):
+    from conftest import python_script
+
+    out, counted = tmp_path / "run", tmp_path / "counted.json"
+    proc = python_script("tests/scripts/flop_probe.py", counted, *extra, f"task={name}",
+                         *registry.info(name).example, f"model.name_or_path={eight_layers}",
+                         "model.attn_implementation=eager", "train.per_device_batch_size=1",
+                         "train.grad_accum_steps=2", "train.max_steps=2", "train.mixed_precision=no",
+                         "track.log_with=[]", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected, got = json.loads(counted.read_text()), json.loads((out / "steps.json").read_text())["flops"]
+    assert len(expected) == len(got) == 2 and min(expected) > 0
+    for want, have in zip(expected, got):
+        assert abs(have / want - 1) < 0.05, (name, extra, have, want)
+    # tokens_per_sec counts every row's tokens; forward_tokens those the forwards ran: fewer where prompts are shared
+    summary = json.loads((out / "summary.json").read_text())
+    shared = name == "grpo" and "--no-shared-prompts" not in extra
+    assert (summary["forward_tokens"] < summary["train_tokens"]) if shared else (
+        summary["forward_tokens"] == summary["train_tokens"])

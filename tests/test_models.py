@@ -199,6 +199,57 @@ def test_attention_implementation_and_revision_reach_from_pretrained(tmp_path, m
     assert seen["revision"] == "v1.0"
 
 
+OFFLINE_KERNEL = ("Version 2 of 'kernels-community/rotary' is not available in the local cache and Hugging Face "
+                  "Hub is in offline mode")
+
+
+@pytest.mark.parametrize("choice", ["auto", "on", "off", "fetched"])
+def test_a_hub_kernel_that_cannot_be_fetched_offline_is_said_and_the_model_keeps_its_layers(choice, tmp_path,
+                                                                                            monkeypatch, caplog):
+    """transformers' kernelize (the hub kernels it applies by default where the kernels package is installed) stands
+    in here for what it raised on a GPU offline (a 4-bit base loaded onto the GPU): auto says so in one line and the
+    model trains on its own layers; on stops with that reason in one line; off never asks; where the kernels can be
+    had (`fetched`, auto), the model is kernelized as transformers would have done."""
+    import logging
+
+    import transformers.modeling_utils
+
+    from accel_train.config.load import load_config
+    from accel_train.config.sections import ConfigError
+    from accel_train.models import build as model_lib
+
+    calls = []
+
+    def kernelize(model, **kwargs):
+        calls.append(kwargs)
+        if "kernel_config" not in kwargs and choice != "fetched":  # reset_kernels passes an empty mapping
+            raise ValueError(OFFLINE_KERNEL)
+        model._use_kernels = "kernel_config" not in kwargs  # as transformers' kernelize marks it
+
+    monkeypatch.setattr(transformers.modeling_utils, "kernelize", kernelize)
+    base = pretrained_tiny_classifier(tmp_path / "base")
+    cfg = load_config(None, ["task=seq_cls", f"model.name_or_path={base}", "model.num_labels=2",
+                             f"model.hub_kernels={'auto' if choice == 'fetched' else choice}"])
+    tokenizer = model_lib.build_tokenizer(cfg)
+    if choice == "on":
+        with pytest.raises(ConfigError) as error:
+            model_lib.build_model(cfg, tokenizer)
+        assert str(error.value) == f"model.hub_kernels=on: {OFFLINE_KERNEL}"
+        return
+    with caplog.at_level(logging.WARNING):
+        model = model_lib.build_model(cfg, tokenizer)
+    lines = [r.getMessage() for r in caplog.records if "hub kernels" in r.getMessage()]
+    if choice == "off":
+        assert calls == [] and lines == [] and not model.use_kernels
+    elif choice == "fetched":
+        assert len(calls) == 1 and lines == [] and model.use_kernels
+    else:
+        assert lines == [f"model: hub kernels not used ({OFFLINE_KERNEL}): the model's own layers run instead; "
+                         "model.hub_kernels=off does not try them"]
+        assert not model.use_kernels and "kernel_config" in calls[-1]  # any layer kernelized is put back
+    assert model(**tokenizer(["a b"], return_tensors="pt")).logits.isfinite().all()
+
+
 def test_a_new_classifier_head_is_one_line_not_a_load_report(tmp_path, caplog):
     """A classifier (task seq_cls or reward) on a causal LM's checkpoint lacks only its head (score): transformers'
     LOAD REPORT table (with its ANSI colours) is held back and one line says the head is new."""

@@ -32,8 +32,13 @@ def bench_report(args, wd: Path, info: dict, precision: str, flops: dict, peak: 
 
 
 def bench_markdown(report: dict) -> str:
-    return markdown(report["results"], report["ratios"], report["peak_flops"], report["machine"],
+    """The tables, then a row for each contender's run that failed (why: the status its process ended with)."""
+    text = markdown(report["results"], report["ratios"], report["peak_flops"], report["machine"],
                     report["settings"]["repeat"], report["targets"])
+    failed = report.get("failed") or []
+    rows = [f"| {f['workload']} | {f['contender']} | {f['status']} |" for f in failed]
+    return text + ("\n\nFailed runs:\n\n| workload | contender | status |\n|---|---|---|\n" + "\n".join(rows)
+                   if rows else "")
 
 
 def suite_markdown(report: dict) -> str:

@@ -152,21 +152,28 @@ def main(argv=None) -> dict | None:
     can_scale = (not args.no_scaling and "ours" in args.contenders and first is not None
                  and (not on_cuda() or torch.cuda.device_count() >= 2))
     runs: dict[tuple, list[dict]] = {}
+    failed: list[dict] = []  # a contender's run that failed (out of memory, a crash): a row, the others still run
 
     def report() -> dict:
-        return bench_report(args, wd, info, precision, flops, peak, runs, first, can_scale,
-                            time.perf_counter() - t_start)
+        return {**bench_report(args, wd, info, precision, flops, peak, runs, first, can_scale,
+                               time.perf_counter() - t_start), "failed": failed}
 
     for workload in args.workloads:
         jobs = contender_jobs(args, wd, workload, precision, can_scale and workload == first)
         for _ in range(args.repeat):
-            for _, job in jobs:
-                measure(job, args, flops, peak, runs)
+            for name, job in jobs:
+                outcome = attempt(lambda: measure(job, args, flops, peak, runs))
+                if outcome:
+                    failed.append({"contender": name, "workload": workload, **outcome})
                 now = report()  # written after every run: a bench cut short keeps what it measured
                 write_report(now, args.out, bench_markdown(now))
     final = report()
     write_report(final, args.out, bench_markdown(final))
     finish(args, wd, bench_markdown(final), final["wall_seconds"])
+    if failed:
+        raise SystemExit(f"bench: {len(failed)} contender run(s) failed: "
+                         f"{', '.join(sorted({f['contender'] + ' ' + f['workload'] for f in failed}))} (the table "
+                         f"says why; the others were measured)")
     return final
 
 
@@ -305,8 +312,15 @@ def run_row(group: dict, name: str, timeout: float | None = None) -> dict:
     job = group["jobs"].get(name)
     if job is None:  # the only contender that can be missing is TRL (suite.group_argv)
         return {"status": "not run: pip install trl"}
+    return attempt(lambda: measure(job, group["args"], group["flops"], group["peak"], group["runs"], timeout)) or {
+        "status": "measured"}
+
+
+def attempt(run) -> dict | None:
+    """run(), a contender's measurement: None where it succeeded, else why not ({"status", "output": the end of the
+    failed process's stderr, or the traceback of an error here, e.g. a result that cannot be read}), printed."""
     try:
-        measure(job, group["args"], group["flops"], group["peak"], group["runs"], timeout)
+        run()
     except TimedOut as e:
         status, output = str(e), e.output
     except SystemExit as e:  # contenders.run_process: "bench: TAG failed (exit N):" and the process's stderr
@@ -315,7 +329,7 @@ def run_row(group: dict, name: str, timeout: float | None = None) -> dict:
     except Exception as e:
         status, output = f"error: {type(e).__name__}", failure()
     else:
-        return {"status": "measured"}
+        return None
     print(output, file=sys.stderr, flush=True)
     return {"status": status, "output": output[-2000:]}
 

@@ -52,6 +52,10 @@ class ModelConfig:
     bf16) and train a LoRA adapter on it; GPUs only."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (only for models that need it)."""
+    hub_kernels: Literal["auto", "on", "off"] = "auto"
+    """transformers' hub kernels (the `kernels` package's layers, fetched from the Hub). auto: used where they can
+    be had; offline without them cached the model keeps its own layers and the run says so. on: required. off: not
+    tried."""
     adapter_from: Optional[str] = None
     """A LoRA adapter folder (a run's output_dir/adapter) to continue training instead of a fresh adapter; its own
     adapter_config.json (r, alpha, targets) applies, lora.r etc. are not used. model.name_or_path must be its base."""

@@ -15,7 +15,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.models.sources import check_model, trained_folder
+from accel_train.models.sources import check_model, one_line, trained_folder
 from accel_train.runtime.tracking import get_logger, quiet_libraries
 
 logger = get_logger(__name__)
@@ -79,7 +79,8 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
     extra = {**(head_kwargs or {}), **attn_implementation(cfg)}
     dtype = m.dtype if m.dtype == "auto" else getattr(torch, m.dtype)
     if weights_from is not None:
-        model = auto.from_pretrained(weights_from, dtype=dtype, **extra)
+        model = with_hub_kernels(auto.from_pretrained(weights_from, dtype=dtype, use_kernels=False, **extra),
+                                 m.hub_kernels)
     elif m.random_init or empty:
         config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
                                             **extra)
@@ -100,14 +101,16 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
         classifier = head_of(cfg) == "seq_cls"
         mismatch = {"ignore_mismatched_sizes": True} if classifier else {}
         with held_load_report() as held:
+            placed = quantization(cfg, device)
             model, loading = auto.from_pretrained(m.name_or_path, revision=m.revision, dtype=dtype,
                                                   trust_remote_code=m.trust_remote_code, **extra, **mismatch,
-                                                  **quantization(cfg, device), output_loading_info=True)
+                                                  **placed, output_loading_info=True, use_kernels=False)
             new = sorted(set(loading["missing_keys"]) | {key for key, *_ in loading["mismatched_keys"]})
             if classifier and new and supplied_by(list(CLASSIFIER_HEADS), loading):
                 held.drop = True
                 logger.info(f"model: a new classification head ({', '.join(new)}) on {m.name_or_path}, trained "
                             "from scratch")
+        model = with_hub_kernels(model, m.hub_kernels, placed.get("device_map"))
         if m.quantization:
             # Casts norms and the head to fp32 and makes the frozen embeddings' output require grad, so that
             # gradients reach the adapter through checkpointed layers.
@@ -115,6 +118,33 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
                 model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
                 gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
+    return model
+
+
+def with_hub_kernels(model, choice: str = "auto", device_map=None):
+    """`model` (loaded with use_kernels=False) with transformers' hub kernels as model.hub_kernels says: the layers
+    the `kernels` package replaces with kernels fetched from the Hub (transformers' default wherever it is installed;
+    on a model loaded onto a GPU it fetches them). on: a kernel that cannot be had stops the run in one line. auto:
+    the model keeps its own layers there (offline with the kernel not cached, the Hub unreachable, as on most
+    clusters' compute nodes) and the run says so once. off: never tried."""
+    from transformers.integrations.hub_kernels import _kernels_enabled
+    from transformers.utils import is_kernels_available
+
+    if choice == "off" or not hasattr(model, "set_use_kernels"):
+        return model
+    if not (is_kernels_available() and _kernels_enabled()):
+        if choice == "on":
+            raise ConfigError("model.hub_kernels=on: transformers' hub kernels need the kernels package (pip install "
+                              "kernels) and USE_HUB_KERNELS not set to a false value")
+        return model
+    try:
+        model.set_use_kernels(True, device_map=device_map)
+    except Exception as e:  # the Hub's or the cache's error, or the kernel's own: the layers stay the model's
+        if choice == "on":
+            raise ConfigError(f"model.hub_kernels=on: {one_line(e)}") from e
+        model.reset_kernels()
+        logger.warning(f"model: hub kernels not used ({one_line(e)}): the model's own layers run instead; "
+                       "model.hub_kernels=off does not try them")
     return model
 
 
@@ -251,13 +281,14 @@ def load_trained(path, auto_cls, **kw):
         # the head's weights come from the adapter (modules_to_save): a base head of another size is replaced
         with held_load_report() as held:
             base_model, loading = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True,
-                                                           output_loading_info=True, **kw)
+                                                           output_loading_info=True, use_kernels=False, **kw)
+            base_model = with_hub_kernels(base_model, device_map=kw.get("device_map"))
             held.drop = supplied_by(adapter_config.modules_to_save, loading)
         if (path / GENERATION_CONFIG_NAME).is_file():
             base_model.generation_config = GenerationConfig.from_pretrained(path)
         model = peft.PeftModel.from_pretrained(base_model, path)
     else:
-        model = auto_cls.from_pretrained(path, **kw)
+        model = with_hub_kernels(auto_cls.from_pretrained(path, use_kernels=False, **kw), device_map=kw.get("device_map"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
     set_pad_token_id(model, tokenizer)

@@ -125,6 +125,14 @@ def _adapter_class():
             rank = PartialState().process_index
             return (f"[RANK {rank}] {msg}" if rank else msg), kwargs
 
+        def log(self, level, msg, *args, **kwargs):
+            if PartialState._shared_state:
+                return super().log(level, msg, *args, **kwargs)
+            # No accelerate state: a lone process (a tool loading a model), where accelerate's would raise
+            kwargs.pop("main_process_only", None), kwargs.pop("in_order", None)
+            if self.isEnabledFor(level):
+                self.logger.log(level, msg, *args, stacklevel=kwargs.pop("stacklevel", 2) + 1, **kwargs)
+
     return RankLogger
 
 
@@ -174,9 +182,11 @@ def step_flops(n_matmul: int, n_trainable: int, attention_size: int, tokens: int
     attend to, summed (`attention_pairs`: a token x the width it attends to). Only the trained model's forwards and
     backwards count; frozen models' forwards (a reference, a teacher, a reward model) do not, as generation does
     not: MFU is then the utilisation of the model being trained, comparable across tasks and with other tools'
-    (HF Trainer, TRL) figures, which count the trained model's tokens alone. Not counted either: the output head's
-    positions a task skips (grpo computes it on completion tokens only; on the tiny model 4% of N) and recomputation
-    (gradient checkpointing, loss chunks)."""
+    (HF Trainer, TRL) figures, which count the trained model's tokens alone. Not subtracted: the output head's
+    positions a task skips (grpo computes it on completion tokens only; on the tiny model 4% of N) and, under LoRA,
+    the input gradients the first layer's frozen projections of the frozen embeddings never compute (8% of the
+    2-layer tiny model's step, 2% of 8 layers', under 1% of a 30-layer model's); not added: recomputation
+    (gradient checkpointing, loss chunks). tests/test_mfu.py holds every task's credit to FlopCounterMode's count."""
     return (4 * n_matmul + 2 * n_trainable) * tokens + 12 * attention_size * attention_pairs
 
 
@@ -318,8 +328,9 @@ class RunLog:
         if cfg.track.log_with:
             accelerator.init_trackers(cfg.track.project, config=flat_config(cfg))
         self.out = Path(cfg.output_dir)
-        # (seconds, real tokens, computed tokens, rows, credited FLOPs: step_flops) per step
-        self.steps: list[tuple[float, int, int, int, float]] = []
+        # (seconds, real tokens, computed tokens, rows, credited FLOPs: step_flops, the tokens the trained model's
+        # forwards ran: grpo's shared prompt once a group) per step
+        self.steps: list[tuple[float, int, int, int, float, int]] = []
         self.task, self.above_peak = cfg.task, False  # above_peak: the MFU > 1 warning was given (RunLog.mfu)
         self.t_last = self.t_logged = time.perf_counter()
         self.n_logged = 0  # steps up to the last throughput()
@@ -344,25 +355,27 @@ class RunLog:
         if tokens is None:
             tokens, attention_pairs = real_tokens, real_tokens * computed_tokens / max(rows, 1)
         flops = step_flops(*self.model_flops, tokens, attention_pairs)
-        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows, flops))
+        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows, flops, tokens))
         self.t_last = now
         self.bar.update(1)
 
     def throughput(self) -> dict:
         """Real tokens per second and MFU over the steps since the previous call (the previous log line)."""
         now = time.perf_counter()
-        _, real, _, _, flops = zip(*self.steps[self.n_logged:]) if len(self.steps) > self.n_logged else ((0,),) * 5
+        _, real, _, _, flops, _ = zip(*self.steps[self.n_logged:]) if len(self.steps) > self.n_logged else ((0,),) * 6
         seconds = now - self.t_logged
         self.n_logged, self.t_logged = len(self.steps), now
         return {"tokens_per_sec": sum(real) / seconds, "mfu": self.mfu(sum(flops) / seconds)}
 
     def timing(self) -> dict:
-        """Real tokens trained on, median step time and padding efficiency (real / computed tokens) of this run's
-        steps."""
+        """Real tokens trained on (every row's: tokens_per_sec's), the tokens the trained model's forwards ran (fewer
+        where grpo shares each group's prompt: MFU's), median step time and padding efficiency (real / computed
+        tokens) of this run's steps."""
         if not self.steps:
-            return {"train_tokens": 0}
-        seconds, real, computed, *_ = zip(*self.steps)
-        return {"train_tokens": sum(real), "step_seconds_median": round(statistics.median(seconds), 5),
+            return {"train_tokens": 0, "forward_tokens": 0}
+        seconds, real, computed, _, _, forward = zip(*self.steps)
+        return {"train_tokens": sum(real), "forward_tokens": sum(forward),
+                "step_seconds_median": round(statistics.median(seconds), 5),
                 "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4),
                 "peak_flops": [round(p) for p in self.peak_flops]}
 
@@ -404,7 +417,7 @@ class RunLog:
         self.console.close()
         if self.file:
             self.file.close()
-            seconds, real, computed, rows, flops = zip(*self.steps) if self.steps else ((),) * 5
+            seconds, real, computed, rows, flops, _ = zip(*self.steps) if self.steps else ((),) * 6
             (self.out / "steps.json").write_text(json.dumps(
                 {"seconds": [round(x, 6) for x in seconds], "real_tokens": real, "computed_tokens": computed,
                  "rows": rows, "flops": [round(f) for f in flops]}))
@@ -435,6 +448,8 @@ def write_summary(cfg: Config, results: dict, train_seconds: float, wall_seconds
         **({"rollouts": results["rollouts"]} if "rollouts" in results else {}),
         "wall_seconds": round(wall_seconds, 2), "train_seconds": round(train_seconds, 2),
         "tokens_per_sec": round(results.get("train_tokens", 0) / train_seconds, 1),
+        # every row's real tokens, and those the trained model's forwards ran (grpo: each group's prompt once)
+        "train_tokens": results.get("train_tokens"), "forward_tokens": results.get("forward_tokens"),
         "step_seconds_median": results.get("step_seconds_median"),
         "padding_efficiency": results.get("padding_efficiency"),
         "peak_flops": results.get("peak_flops"),  # per process, measured at start: MFU's denominator is their sum
