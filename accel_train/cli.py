@@ -22,7 +22,7 @@ from accel_train.config.load import parse_cli
 from accel_train.config.sections import ConfigError
 from accel_train.training.preflight import preflight, say_unseen
 from accel_train.runtime.launched import first_process, is_local_main, launched_world_size
-from accel_train.runtime.tracking import announce
+from accel_train.runtime.tracking import announce, quiet_imports
 from accel_train.tools import TOOLS
 
 
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
         # after the start line, a run's first; not on a resume, whose batch is checked against its checkpoint's
         if first_process() and resume is None:
             say_unseen(cfg, launched_world_size())
+        if cfg.log_level != "debug":
+            quiet_imports()
         from accel_train.training.recipe import run  # the heavy imports (torch, transformers, ...) only now
 
         return run(cfg, resume)

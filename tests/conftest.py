@@ -312,7 +312,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 # Modules whose tests start no process (a fraction of a second each): run last, they even out the workers' ends.
-IN_PROCESS = {"test_chat_templates_data.py", "test_config.py", "test_data.py", "test_masking.py", "test_deepspeed_config.py", "test_loss.py", "test_metrics.py",
+IN_PROCESS = {"test_chat_templates_data.py", "test_config.py", "test_optimizers.py", "test_data.py", "test_masking.py", "test_deepspeed_config.py", "test_loss.py", "test_metrics.py",
               "test_packing.py", "test_tracking.py"}
 
 

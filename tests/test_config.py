@@ -186,7 +186,10 @@ def test_list_keys_take_comma_lists():
     ("data.max_seq_length", "data.max_length"),
     ("train.max_length", "data.max_length"),
     ("gradient_accumulation_steps", "train.grad_accum_steps"),
-    ("train.warmup_ratio", "train.warmup_steps"),
+    ("warmup_ratio", "train.warmup_ratio"),  # ours now: the same name in a section
+    ("optim", "train.optimizer"),
+    ("adam_beta2", "train.adam_betas"),
+    ("min_lr_rate", "train.min_lr_ratio"),
     ("out_dir", "output_dir"),
     ("train.output_dir", "output_dir"),
     ("model.name", "model.name_or_path"),

@@ -49,6 +49,11 @@ RECIPES_TINY = "tests/test_readme.py::test_the_recipes_after_sft_tiny"
 
 # command -> [(node id, [distinctive arguments its module holds]), ...]: together the tests run the command
 RUN_BY = {
+    "accel_train lora.enabled=false train.optimizer=adamw_8bit train.lr_scheduler=cosine_with_min_lr "
+    "train.min_lr_ratio=0.1 train.warmup_ratio=0.05": [
+        ("tests/test_optimizers.py::test_each_optimizer_is_built_with_its_settings", ["train.optimizer=", "adamw_8bit"]),
+        ("tests/test_optimizers.py::test_each_schedule_follows_its_formula",
+         ["cosine_with_min_lr", "train.min_lr_ratio=0.1", "train.warmup_ratio="])],
     QUICK_START: [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ["accel_train_launch", "cpu_2proc.yaml", "configs/train/default.yaml"])],
     GRPO_RECIPE: [(RECIPES_TINY, ["GRPO_RECIPE"])],
     DISTILL_RECIPE: [(RECIPES_TINY, ["DISTILL_RECIPE"])],

@@ -122,16 +122,26 @@ def child_trl(spec: dict) -> dict:
     return train_timed(SFTTrainer, spec, model, targs, dict(train_dataset=ds, processing_class=tokenizer))
 
 
+# The Trainer's `optim` for ours' train.optimizer (the same class and settings: training/optimizers.py)
+TRAINER_OPTIM = {"adamw": "adamw_torch_fused", "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+                 "adafactor": "adafactor", "schedule_free_adamw": "schedule_free_adamw"}
+
+
 def trainer_args(spec: dict, cfg) -> dict:
     """TrainingArguments (or SFTConfig) fields for ours' config: the same steps, micro-batches, schedule, clipping,
     precision, seed (data_seed: accelerate's seeded shuffle, the same batches as ours where not grouped by length)."""
     import torch
 
+    from accel_train.training.optimizers import schedule_args
+
     t = cfg.train
+    schedule, warmup, schedule_kwargs = schedule_args(cfg, t.max_steps)
     return dict(
         output_dir=str(Path(spec["result"]).parent / "trainer"), per_device_train_batch_size=t.per_device_batch_size,
         gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, learning_rate=t.lr,
-        lr_scheduler_type="linear", warmup_steps=t.warmup_steps,
+        lr_scheduler_type=schedule, warmup_steps=warmup, lr_scheduler_kwargs=schedule_kwargs or {},
+        optim=TRAINER_OPTIM[t.optimizer], adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
+        adam_epsilon=t.adam_eps,
         max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, bf16=t.mixed_precision == "bf16",
         use_cpu=not torch.cuda.is_available(), seed=cfg.seed, data_seed=cfg.seed, logging_steps=t.max_steps,
         save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=cfg.data.num_workers)
@@ -191,10 +201,9 @@ def child_bare(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, RandomSampler
-    from transformers import get_scheduler
-
     from accel_train.data import pipeline as data_lib
     from accel_train.models.build import attention_cost
+    from accel_train.training.optimizers import build_optimizer, build_scheduler
     from accel_train.runtime.tracking import reset_peak_memory
 
     cfg, task, tokenizer, ds, model = setup_child(spec)
@@ -208,8 +217,10 @@ def child_bare(spec: dict) -> dict:
                     sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(cfg.seed)),
                     pin_memory=device.type == "cuda")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
+    optimizer = build_optimizer(cfg, model, t.max_steps, fused=True)  # ours' train.optimizer and schedule
+    scheduler = build_scheduler(cfg, optimizer, t.max_steps)
+    if t.optimizer == "schedule_free_adamw":
+        optimizer.train()  # its training point for the whole loop (the loop evaluates nothing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.mixed_precision == "bf16")
     reset_peak_memory(device)  # as ours does before its first step (tracking.reset_peak_memory)
     micro_batches = iter(dl)

@@ -6,6 +6,8 @@ section's `resolve` and `check` run on load (sections.py). Loading from YAML and
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -29,6 +31,18 @@ def is_embedded_tiny_model(name_or_path: str) -> bool:
 
 
 YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "schedule_free_adamw")
+# train.optimizer's that need a package of an optional extra: (its module, the extra)
+OPTIMIZER_PACKAGES = {"adamw_8bit": ("bitsandbytes", "bnb"), "paged_adamw_8bit": ("bitsandbytes", "bnb"),
+                      "schedule_free_adamw": ("schedulefree", "schedulefree")}
+# transformers' get_scheduler names (our constant is its constant_with_warmup)
+SCHEDULES = ("linear", "cosine", "constant", "cosine_with_min_lr", "cosine_with_restarts", "polynomial",
+             "warmup_stable_decay")
+# the train.* keys of some schedules only: the schedules that read each
+SCHEDULE_KEYS = {"min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "polynomial"),
+                 "decay_ratio": ("warmup_stable_decay",), "lr_cycles": ("cosine_with_restarts",),
+                 "polynomial_power": ("polynomial",)}
 
 
 @dataclass
@@ -215,11 +229,34 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate (reached after warmup)."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
-    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
-    """Learning-rate schedule after warmup."""
+    """Decoupled weight decay, on every weight but biases and norm weights (transformers' Trainer's rule)."""
+    optimizer: Literal[OPTIMIZERS] = "adamw"
+    """adamw: torch's AdamW (fused where the device allows); adamw_8bit, paged_adamw_8bit: bitsandbytes' AdamW with
+    8-bit moments (paged: moved to host memory under GPU memory pressure; pip install "accel_train[bnb]");
+    adafactor: transformers' Adafactor as the Trainer's optim=adafactor (train.lr fixed, no relative step);
+    schedule_free_adamw: schedulefree's AdamWScheduleFree (pip install "accel_train[schedulefree]"): no
+    schedule (train.lr_scheduler constant), its own warmup of train.warmup_steps, evaluated and saved at its average."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """The decay rates [beta1, beta2] of the Adam moments (every optimizer but adafactor)."""
+    adam_eps: float = 1e-8
+    """Added to the Adam update's denominator (every optimizer but adafactor)."""
+    lr_scheduler: Optional[Literal[SCHEDULES]] = None
+    """Learning-rate schedule after warmup (transformers' get_scheduler); None: linear, or constant under
+    schedule_free_adamw. cosine_with_min_lr needs train.min_lr_ratio, warmup_stable_decay train.decay_ratio."""
+    min_lr_ratio: Optional[float] = None
+    """The rate a decay ends at, as a fraction of train.lr: cosine_with_min_lr (transformers' min_lr_rate),
+    warmup_stable_decay (its min_lr_ratio, also where its warmup starts) and polynomial (lr_end / lr); None: 0."""
+    decay_ratio: Optional[float] = None
+    """warmup_stable_decay: the fraction of the run's steps (rounded) in its final cosine decay; the rate stays at
+    train.lr between the warmup and the decay."""
+    lr_cycles: Optional[int] = None
+    """cosine_with_restarts: cosine decays from train.lr to 0 after warmup, each restarting at train.lr; None: 1."""
+    polynomial_power: Optional[float] = None
+    """polynomial: the decay's power, from train.lr to min_lr_ratio x train.lr; None: 1 (a straight line)."""
     warmup_steps: int = 10
     """Optimizer steps of linear warmup."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the run's optimizer steps (rounded up), instead of train.warmup_steps; 0: not used."""
     max_grad_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -268,6 +305,60 @@ class TrainConfig:
                   "train.early_stopping_patience": self.early_stopping_patience})
         non_negative({"train.warmup_steps": self.warmup_steps, "train.weight_decay": self.weight_decay,
                       "train.early_stopping_threshold": self.early_stopping_threshold})
+        self._check_optimizer()
+        self._check_schedule()
+
+    def resolve(self, cfg) -> None:
+        if self.lr_scheduler is None:  # resolved here, so config.yaml records what the run did
+            self.lr_scheduler = "constant" if self.optimizer == "schedule_free_adamw" else "linear"
+
+    def warmup(self, total_steps: int) -> int:
+        """The warmup of a run of `total_steps` optimizer steps: train.warmup_ratio of them rounded up (as the
+        Trainer rounds), else train.warmup_steps."""
+        return math.ceil(self.warmup_ratio * total_steps) if self.warmup_ratio else self.warmup_steps
+
+    def describe_optimizer(self) -> str:
+        """The optimizer as the model card states it."""
+        name = {"adamw": "AdamW (torch)", "adamw_8bit": "AdamW 8-bit (bitsandbytes)",
+                "paged_adamw_8bit": "paged AdamW 8-bit (bitsandbytes)", "adafactor": "Adafactor (transformers)",
+                "schedule_free_adamw": "schedule-free AdamW (schedulefree)"}[self.optimizer]
+        adam = "" if self.optimizer == "adafactor" else f", betas {tuple(self.adam_betas)}, eps {self.adam_eps:g}"
+        return f"{name}{adam}, weight decay {self.weight_decay:g} (none on biases and norm weights)"
+
+    def _check_optimizer(self) -> None:
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        positive({"train.adam_eps": self.adam_eps})
+        if self.optimizer == "adafactor" and (self.adam_betas != [0.9, 0.999] or self.adam_eps != 1e-8):
+            raise ConfigError("train.adam_betas and train.adam_eps are Adam's: train.optimizer=adafactor takes "
+                              "neither (leave them at their defaults)")
+        package = OPTIMIZER_PACKAGES.get(self.optimizer)
+        if package and importlib.util.find_spec(package[0]) is None:
+            raise ConfigError(f"train.optimizer={self.optimizer} needs {package[0]}: pip install "
+                              f"\"accel_train[{package[1]}]\"")
+        if self.optimizer == "schedule_free_adamw" and self.lr_scheduler != "constant":
+            raise ConfigError(f"train.lr_scheduler={self.lr_scheduler}: train.optimizer=schedule_free_adamw "
+                              "schedules itself (warmup: train.warmup_steps); set train.lr_scheduler=constant")
+
+    def _check_schedule(self) -> None:
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_ratio and self.warmup_steps != TrainConfig.warmup_steps:
+            raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} and train.warmup_steps={self.warmup_steps} "
+                              "both set the warmup; pass one of them")
+        for key, schedules in SCHEDULE_KEYS.items():
+            value = getattr(self, key)
+            if value is not None and self.lr_scheduler not in schedules:
+                raise ConfigError(f"train.{key}={value} is used by train.lr_scheduler={' or '.join(schedules)} "
+                                  f"only, not {self.lr_scheduler}")
+        for key, schedule in (("min_lr_ratio", "cosine_with_min_lr"), ("decay_ratio", "warmup_stable_decay")):
+            if self.lr_scheduler == schedule and getattr(self, key) is None:
+                raise ConfigError(f"train.lr_scheduler={schedule} needs train.{key}")
+        if self.min_lr_ratio is not None and not 0 <= self.min_lr_ratio < 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1), got {self.min_lr_ratio}")
+        if self.decay_ratio is not None and not 0 < self.decay_ratio <= 1:
+            raise ConfigError(f"train.decay_ratio must be in (0, 1], got {self.decay_ratio}")
+        positive({}, {"train.lr_cycles": self.lr_cycles, "train.polynomial_power": self.polynomial_power})
 
 
 @dataclass

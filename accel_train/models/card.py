@@ -18,7 +18,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from accel_train.config.schema import Config, is_embedded_tiny_model
+from accel_train.config.schema import SCHEDULE_KEYS, Config, is_embedded_tiny_model
 from accel_train.config.load import load_config, to_dict
 from accel_train.data.sources import FILE_BUILDERS
 from accel_train.config.registry import info
@@ -166,9 +166,12 @@ def results_section(cfg: Config, summary: dict) -> list[str]:
 
 def hyperparameters_section(cfg: Config, summary: dict) -> list[str]:
     t = cfg.train
+    schedule = [f"{t.lr_scheduler}", f"{summary.get('warmup_steps', t.warmup_steps)} warmup steps"
+                + (" (the optimizer's own)" if t.optimizer == "schedule_free_adamw" else ""),
+                *(f"{key} {getattr(t, key)}" for key in SCHEDULE_KEYS if getattr(t, key) is not None)]
     params = {
-        "learning rate": t.lr, "schedule": f"{t.lr_scheduler}, {t.warmup_steps} warmup steps",
-        "optimizer": f"AdamW, weight decay {t.weight_decay}", "max grad norm": t.max_grad_norm,
+        "learning rate": t.lr, "schedule": ", ".join(schedule),
+        "optimizer": t.describe_optimizer(), "max grad norm": t.max_grad_norm,
         "training length": f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epochs",
         "per-device batch": t.per_device_batch_size, "gradient accumulation": t.grad_accum_steps,
         "effective batch": summary.get("effective_batch"), "mixed precision": t.mixed_precision,

@@ -6,8 +6,10 @@ The cheap checks (training/preflight.py, the tasks' own) ask here; the running p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
@@ -56,12 +58,43 @@ def built_sharded_launch() -> str | None:
     return None
 
 
+# train.optimizer's a launch's engine cannot take, and why. ZeRO hands its client optimizer flat fp32 partitions of
+# the weights, not the weights; bitsandbytes' kernels take plain tensors, not FSDP2's DTensor shards.
+ENGINE_REFUSES = {
+    "DEEPSPEED": {"adafactor": "Adafactor's factored moments need the weights' 2-D shapes, which ZeRO flattens",
+                  "schedule_free_adamw": "its train/eval switch would move ZeRO's flat fp32 partitions, not the "
+                                         "model's weights",
+                  "adamw_8bit": "ZeRO's flat partitions are not what bitsandbytes' 8-bit state is built for",
+                  "paged_adamw_8bit": "ZeRO's flat partitions are not what bitsandbytes' 8-bit state is built for"},
+    "FSDP": {"adamw_8bit": "bitsandbytes' kernels take plain tensors, not FSDP2's DTensor shards",
+             "paged_adamw_8bit": "bitsandbytes' kernels take plain tensors, not FSDP2's DTensor shards"},
+}
+
+
+def check_optimizer(cfg: Config) -> None:
+    """train.optimizer under the launch's engine, and a DeepSpeed config that would build its own optimizer or
+    schedule (accelerate then asks for DummyOptim, and train.* would be ignored)."""
+    engine = ("DEEPSPEED" if launcher_asks("ACCELERATE_USE_DEEPSPEED") else
+              "FSDP" if launcher_asks("ACCELERATE_USE_FSDP") else None)
+    why = ENGINE_REFUSES.get(engine, {}).get(cfg.train.optimizer)
+    if why:
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer} is not supported under {engine} ({why}); use "
+                          "train.optimizer=adamw")
+    ds_file = Path(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none"))
+    if engine == "DEEPSPEED" and ds_file.is_file():
+        own = [k for k in ("optimizer", "scheduler") if k in json.loads(ds_file.read_text())]
+        if own:
+            raise ConfigError(f"the DeepSpeed config {ds_file} has its own {' and '.join(own)}: accel_train builds "
+                              "them from train.optimizer and train.lr_scheduler; remove that section from it")
+
+
 def check_engine(cfg: Config, say: bool = True) -> None:
     """What the launch's engine cannot do for the task, decided here from what the task states it needs (registry's
     TaskInfo: it generates, it runs the model before accelerator.prepare, its ranks may generate unevenly), said
     before any rank loads anything rather than hang or fail at the end. Sharded parameters (an FSDP or DeepSpeed
     ZeRO-3 launch): generation runs on the weights gathered for it, or in lock-step on every rank
     (train.gather_for_generation=false, Engine.generates_in_lockstep), built for FSDP2."""
+    check_optimizer(cfg)
     info = registry.info(cfg.task)
     generates = info.generating(cfg)
     # said by the first rank (`say`: not by accel-train launch's own process, whose ranks say it), before the run's

@@ -66,6 +66,18 @@ HARMLESS_WARNINGS = (
 )
 
 
+# Loggers of what the libraries say at import that is known-harmless: bitsandbytes, which peft imports wherever it is
+# installed, on a CPU with AVX512-BF16 asks the hub (kernels) for a 4-bit matmul kernel that no accel_train run uses
+# on a CPU, and warns when it is not there (and kernels, that it cannot check its publisher offline).
+HARMLESS_IMPORT_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels")
+
+
+def quiet_imports() -> None:
+    """Before the heavy imports (log_level=info): no warning from HARMLESS_IMPORT_LOGGERS."""
+    for name in HARMLESS_IMPORT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 # Set by `accel-train launch` (launch.py), which printed the start line itself before starting the processes.
 ANNOUNCED = "ACCEL_TRAIN_ANNOUNCED"
 
@@ -93,6 +105,7 @@ def configure_console(cfg: Config) -> None:
 def quiet_libraries() -> None:
     """No progress bars from datasets and transformers ("Loading weights"), none of HARMLESS_WARNINGS: a run at
     log_level=info, and the tools (generate, predict, export), whose output is their answer."""
+    quiet_imports()
     import datasets
     import torch
     import transformers

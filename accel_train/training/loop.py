@@ -121,6 +121,7 @@ def step_or_skip(cfg: Config, job: TrainingJob, grad_norm: float) -> bool:
     floored = bad and scaling is not None and scaling[0] <= scaling[1]
     if bad and (cfg.train.on_nonfinite == "stop" or floored
                 or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
+        job.optimizer.eval()  # saved as between steps (fit: schedule-free's average)
         raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(job.accelerator, cfg, state))
     if not finite:
         state.skipped_steps += 1
@@ -263,6 +264,11 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # A rank short of micro-batches (an epoch's end) replays one with weight 0 for each it lacks: all ranks
             # then run the same forwards, hence the same collectives, from the task's own work on the step's
             # micro-batches (prepare: kto's reference point, grpo's rollouts) to the last backward.
+            # A schedule-free optimizer (train.optimizer=schedule_free_adamw) computes gradients at a point of its
+            # own (y) and evaluates at the average (x): the parameters hold y from here to the step's end and x
+            # between steps, where every evaluation, checkpoint and the saved model read them. Other optimizers
+            # have no train/eval (accelerate's wrapper then does nothing).
+            optimizer.train()
             real = len(window)
             window = task.step_batches(window + [replay() for _ in range(n_micro - real)], real, state.step)
             rows = accelerator.gather(window_stats(window[:real], task, accelerator.device)[None]).tolist()
@@ -289,12 +295,14 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
             lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
             finite = step_or_skip(cfg, job, grad_norm)
+            lr = optimizer.param_groups[0].get("scheduled_lr", lr)  # schedule-free: its own warmup's rate
             if finite:
                 since_log.add(window_sums, targets)
             # once per optimizer step, skipped or not: the rate follows state.step. Under DeepSpeed too: accelerate
             # gives the engine only DeepSpeed's own schedule types, so it neither steps nor skips this one.
             job.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            optimizer.eval()
             state.step += 1
             state.step_in_epoch += 1
             run_log.step(real_tokens, computed_tokens, n_rows, *flop_tokens)

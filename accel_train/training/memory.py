@@ -114,7 +114,10 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     measured = device.type in ("cpu", "cuda") and params and cfg.model.quantization is None and not (
         device.type == "cuda" and _offloads(accelerator))
     stage, engine = sharding_stage(accelerator)
-    w, full, n, states = _BYTES[cfg.model.dtype], not cfg.lora.enabled, accelerator.num_processes, None
+    w, full, n = _BYTES[cfg.model.dtype], not cfg.lora.enabled, accelerator.num_processes
+    # train.optimizer's state a parameter where it is not two moments at the weight's dtype: bitsandbytes' 8-bit
+    # moments (2 bytes), Adafactor's factored ones (a row and a column a matrix: about none)
+    states = {"adamw_8bit": 2, "paged_adamw_8bit": 2, "adafactor": 0}.get(cfg.train.optimizer)
     if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("fp16", "bf16"):
         w, states = 2, 12  # DeepSpeed casts the weights to 16 bits and keeps fp32 master weights and moments
     need = bytes_a_process(params, w, full, n, stage, states) if measured else 0.0
@@ -149,7 +152,7 @@ def _refusal(params: int, sizes: tuple, full: bool, n: int, engine: str, each: f
     needs = (f"{each / GB:.1f} GB a process under {engine}, {each * here / GB:.1f} GB for its {here} processes on "
              f"{where}" if here > 1 else f"{each / GB:.1f} GB ({engine}) on {where}")
     return (f"memory: {what} of this model (at least {params / 1e9:.2f}B parameters, {w}-byte weights"
-            f"{', their gradients and AdamW' if full else ''}) needs at least {needs}, which has {have / GB:.1f} GB "
+            f"{', their gradients and the optimizer state' if full else ''}) needs at least {needs}, which has {have / GB:.1f} GB "
             f"{kind}; " + (f"needing less, within it: {'; '.join(fits)}" if fits else
                            "nothing needs less than it has: a larger machine, or more of them")
             + " (lower bounds: activations not counted)")

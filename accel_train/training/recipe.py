@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from datasets import IterableDataset
-from transformers import get_scheduler
 
 from accel_train.data import pipeline as data_lib
 from accel_train import tasks
@@ -41,6 +40,7 @@ from accel_train.models.build import (apply_lora, attention_cost, attention_size
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
 from accel_train.runtime.engine import Engine
 from accel_train.training.memory import check_fits
+from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, make_output_dir, saved_random_base
 from accel_train.runtime.launched import launched_world_size
 from accel_train.runtime.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
@@ -76,6 +76,7 @@ def run(cfg: Config, resume: Path | None) -> dict:
                 job.preemption.install()  # during training only: elsewhere Ctrl-C interrupts at once, as usual
                 results = fit(cfg, job)
             except StopTogether as e:  # raised on every rank at the same point: they save together, then stop
+                job.optimizer.eval()  # saved as between steps (loop.fit: schedule-free's average)
                 raise e.with_checkpoint(save_checkpoint(accelerator, cfg, job.state)) from None
             finally:
                 job.preemption.restore()
@@ -106,7 +107,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
                 accelerator.load_state(str(best_dir))
             target = save_model(cfg, accelerator, task, job.model, tokenizer)  # consolidated, as the last weights
         results.update(saved_weights=f"{'best' if best else 'last'} (step {saved_step})", hardware=hardware(accelerator),
-                       effective_batch=job.state.effective_batch, data={k: v for k, v in data_report.items() if v})
+                       effective_batch=job.state.effective_batch, warmup_steps=cfg.train.warmup(job.total_steps),
+                       data={k: v for k, v in data_report.items() if v})
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
                 faults.inject_phase("merge", accelerator.process_index)
@@ -234,15 +236,9 @@ def count_steps(cfg: Config, accelerator, task, train_ds) -> int:
 
 
 def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tuple:
-    """AdamW over the trainable parameters and the learning-rate schedule."""
-    # Fused AdamW updates all parameters in one kernel (Trainer's default too); FSDP's sharded DTensor
-    # parameters take the default implementation.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                  weight_decay=cfg.train.weight_decay, fused=not accelerator.is_fsdp2)
-    schedule = {"constant": "constant_with_warmup"}.get(cfg.train.lr_scheduler, cfg.train.lr_scheduler)
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
-                              num_training_steps=total_steps)
-    return optimizer, scheduler
+    """train.optimizer over the trainable parameters and the learning-rate schedule (optimizers.py)."""
+    optimizer = build_optimizer(cfg, model, total_steps, fused=not accelerator.is_fsdp2)
+    return optimizer, build_scheduler(cfg, optimizer, total_steps)
 
 
 def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
@@ -304,13 +300,15 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
            "train.per_device_batch_size)" if cfg.train.global_batch_size else "")
         + job.task.batch_unit()
         + f"; {job.total_steps} steps")
-    warmup = cfg.train.warmup_steps
+    warmup = cfg.train.warmup(job.total_steps)
+    key = (f"train.warmup_ratio={cfg.train.warmup_ratio:g} ({warmup} steps)" if cfg.train.warmup_ratio
+           else f"train.warmup_steps={warmup}")
     if warmup * 2 > job.total_steps and job.state.step == 0:
         main_logger().warning(
-            f"train.warmup_steps={warmup} covers {'all' if warmup >= job.total_steps else 'most'} of the run's "
+            f"{key} covers {'all' if warmup >= job.total_steps else 'most'} of the run's "
             f"{job.total_steps} steps: the learning rate " + (f"never reaches train.lr={cfg.train.lr:g}" if
             warmup >= job.total_steps else f"reaches train.lr={cfg.train.lr:g} only at step {warmup}")
-            + "; lower train.warmup_steps")
+            + f"; lower {key.split('=')[0]}")
 
 
 def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:

@@ -95,6 +95,8 @@ TASKS = {
     "distill": ["task=distill", "data.path=builtin:reverse", "data.max_length=64", "distill.teacher={model}"],
 }
 TASKS["grpo-lockstep"] = [*TASKS["grpo"], "train.gather_for_generation=false"]
+# sft with bitsandbytes' 8-bit AdamW (embeddings keep 32-bit state, as the Trainer's): beside sft's AdamW
+TASKS["sft-adamw_8bit"] = [*TASKS["sft"], "train.optimizer=adamw_8bit"]
 MODES = {"full": ["lora.enabled=false"], "lora": ["lora.enabled=true", f"lora.r={LORA_R}"]}
 COMMON = ["train.mixed_precision=no", "train.per_device_batch_size=2", "train.grad_accum_steps=1",
           "data.builtin_size=64", "train.eval_every=null", "checkpoint.save_every=null", "track.log_with=[]",
@@ -103,6 +105,9 @@ TIED = {"tie_word_embeddings": True}
 SIZES = {  # LlamaConfig fields
     "fixed": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, vocab_size=32000, **TIED),
+    # 110M, a quarter of it the embeddings: full fine-tuning under DDP fits 6 GB on 2 processes
+    "0.1b": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, vocab_size=32000, **TIED),
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=32000, **TIED),
     "large-vocab": BENCH_SIZES["large-vocab"],
