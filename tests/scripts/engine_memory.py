@@ -39,8 +39,8 @@ Sizes: Llama shapes without biases, embeddings tied to the head, the char tokeni
 32,000-token vocabulary (1.04B; its own 128,256 would make 1.24B); 0.1b: 110M (hidden 768, 12 layers, 32,000
 tokens), for experiments: its parameters' memory outweighs a process's fixed part (engine_memory_0.1b_results.jsonl:
 before and after the mmap threshold and ZeRO-3's shared master partitions); small: 29M, for smoke tests;
-large-vocab: the bench's (84M, 93% the tied embeddings); fixed: 2M. A model is built by a child process on the meta device, then
-filled in place: its peak is the fp32 weights plus a shard being written (cache/SIZE/build.json: 2.29 GB for 0.5b,
+large-vocab: the bench's (84M, 93% the tied embeddings); fixed: 2M. A model is built by a child process on the meta
+device, then filled in place: its peak is the fp32 weights plus a shard being written (cache/SIZE/build.json: 2.29 GB for 0.5b,
 2.0 GB on disk; 1b: about 4.2 GB on disk, 4.5 GB to build). On a CPU-only machine (fsdp2.yaml takes GPUs where
 present).
 """
