@@ -38,7 +38,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import Engine
+from accel_train.runtime.engine import Engine, share_zero3_master_weights
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, make_output_dir, saved_random_base
@@ -248,6 +248,8 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
+    if type(model).__name__ == "DeepSpeedEngine":
+        share_zero3_master_weights(model)
     if cfg.data.packing and task.packs and Engine(accelerator).builds_sharded:  # its weights are whole only now
         check_packing(accelerator.unwrap_model(model, keep_torch_compile=False),  # a collective: every rank
                       low_precision=accelerator.mixed_precision != "no")

@@ -36,9 +36,11 @@ counts file-backed pages too, batch 4, data.max_length 128.)
 
 Sizes: Llama shapes without biases, embeddings tied to the head, the char tokenizer of configs/model/tiny-llama.
 0.5b: Qwen2.5-0.5B's shape and its 151,936-token vocabulary (494M parameters); 1b: Llama-3.2-1B's shape with a
-32,000-token vocabulary (1.04B; its own 128,256 would make 1.24B); small: 29M, for smoke tests; large-vocab: the
-bench's (84M, 93% the tied embeddings); fixed: 2M. A model is built by a child process on the meta device, then
-filled in place: its peak is the fp32 weights plus a shard being written (cache/SIZE/build.json: 2.29 GB for 0.5b,
+32,000-token vocabulary (1.04B; its own 128,256 would make 1.24B); 0.1b: 110M (hidden 768, 12 layers, 32,000
+tokens), for experiments: its parameters' memory outweighs a process's fixed part (engine_memory_0.1b_results.jsonl:
+before and after the mmap threshold and ZeRO-3's shared master partitions); small: 29M, for smoke tests;
+large-vocab: the bench's (84M, 93% the tied embeddings); fixed: 2M. A model is built by a child process on the meta
+device, then filled in place: its peak is the fp32 weights plus a shard being written (cache/SIZE/build.json: 2.29 GB for 0.5b,
 2.0 GB on disk; 1b: about 4.2 GB on disk, 4.5 GB to build). On a CPU-only machine (fsdp2.yaml takes GPUs where
 present).
 """
@@ -111,6 +113,9 @@ SIZES = {  # LlamaConfig fields
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=32000, **TIED),
     "large-vocab": BENCH_SIZES["large-vocab"],
+    # 110M: where the parameters' 16 bytes (1.75 GB) outweigh a process's fixed part, small enough for many runs
+    "0.1b": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, vocab_size=32000, **TIED),
     "0.5b": BENCH_SIZES["0.5b"],
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32000, **TIED),
