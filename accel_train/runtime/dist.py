@@ -46,7 +46,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullySha
 from accel_train.runtime.checkpoint import StoppedWithCheckpoint
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.launched import launched_world_size, launcher_asks
+from accel_train.runtime.launched import launched_world_size, launcher_asks, sharded_launch
 
 
 class LaunchError(ConfigError):
@@ -59,7 +59,9 @@ class LaunchError(ConfigError):
 # fragment and keep what is freed. A fixed threshold keeps larger tensors mmapped, given back to the system when
 # freed. Measured (0.1B Llama, full fine-tuning, 2 CPU processes, training peak a process, tests/scripts/
 # engine_memory_0.1b_results.jsonl): FSDP2 3.33 -> 1.71 GB, ZeRO-3 2.93 -> 2.05, DDP 2.89 -> 2.84 (128 KiB gave
-# the same); a GPU run's host memory is served alike.
+# the same). Each large tensor is then a fresh mapping whose pages are faulted in: on the CPU a step costs more (the
+# bench's 25M model 1.8x slower under DDP; FSDP2 on the 0.1B model 12 steps 67 s against 56 s). So it is fixed only
+# where the weights are sharded (FSDP, ZeRO-3), engines chosen to fit memory; MALLOC_MMAP_THRESHOLD_ overrides it.
 MMAP_THRESHOLD = 1 << 20
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
@@ -78,12 +80,18 @@ def fix_mmap_threshold() -> bool:
     return True
 
 
+def lean_host_memory() -> bool:
+    """Under a launch that shards the weights (FSDP, ZeRO-3), freed tensors go back to the system
+    (fix_mmap_threshold); whether the threshold was fixed here."""
+    return bool(sharded_launch()) and fix_mmap_threshold()
+
+
 def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator:
     """Read the rank environment, choose the device and precision (for a model of hidden size `model_width`)
     and, with several processes, form the process group (with train.dist_timeout_s as its timeout) and the setup
     group (SETUP_TIMEOUT)."""
     global _setup_group, _store
-    fix_mmap_threshold()  # before the model's tensors: freed ones go back to the system (above)
+    lean_host_memory()  # before the model's tensors
     world = launched_world_size()
     if world > 1:
         stop_with_launcher()

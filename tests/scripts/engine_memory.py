@@ -113,9 +113,6 @@ SIZES = {  # LlamaConfig fields
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=32000, **TIED),
     "large-vocab": BENCH_SIZES["large-vocab"],
-    # 110M: where the parameters' 16 bytes (1.75 GB) outweigh a process's fixed part, small enough for many runs
-    "0.1b": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=12, vocab_size=32000, **TIED),
     "0.5b": BENCH_SIZES["0.5b"],
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32000, **TIED),
