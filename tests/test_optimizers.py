@@ -5,6 +5,7 @@ for every optimizer: test_checkpoint.py (test_full_fine_tuning_saves_a_model_and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -179,6 +180,24 @@ def test_deepspeed_refuses_what_it_cannot_take(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
     with pytest.raises(ConfigError, match="has its own optimizer: accel_train builds them from train.optimizer"):
         check_optimizer(load_config(None, []))
+
+
+def test_fsdp_refuses_what_it_cannot_take_and_a_missing_package_is_named_before_training(monkeypatch):
+    """FSDP2: 8-bit state and Adafactor's factored moments are plain tensors beside DTensor shards; schedule-free's
+    state loading steps it in evaluation mode. A package an optimizer needs is asked for when training starts, not
+    when a finished run's config is read (export, push)."""
+    from accel_train.runtime.launched import check_optimizer
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    for name in ("adafactor", "schedule_free_adamw", "adamw_8bit", "paged_adamw_8bit"):
+        with pytest.raises(ConfigError, match=f"train.optimizer={name} is not supported under FSDP"):
+            check_optimizer(load_config(None, [f"train.optimizer={name}"]))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "schedulefree" else real(name, *a))
+    cfg = load_config(None, ["train.optimizer=schedule_free_adamw", "train.lr_scheduler=constant"])  # loads
+    with pytest.raises(ConfigError, match=r'needs schedulefree: pip install "accel_train\[schedulefree\]"'):
+        check_optimizer(cfg)
 
 
 def test_schedule_free_trains_at_y_and_evaluates_and_saves_at_x(tmp_path, monkeypatch):

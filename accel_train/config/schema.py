@@ -6,7 +6,6 @@ section's `resolve` and `check` run on load (sections.py). Loading from YAML and
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,10 +331,6 @@ class TrainConfig:
         if self.optimizer == "adafactor" and (self.adam_betas != [0.9, 0.999] or self.adam_eps != 1e-8):
             raise ConfigError("train.adam_betas and train.adam_eps are Adam's: train.optimizer=adafactor takes "
                               "neither (leave them at their defaults)")
-        package = OPTIMIZER_PACKAGES.get(self.optimizer)
-        if package and importlib.util.find_spec(package[0]) is None:
-            raise ConfigError(f"train.optimizer={self.optimizer} needs {package[0]}: pip install "
-                              f"\"accel_train[{package[1]}]\"")
         if self.optimizer == "schedule_free_adamw" and self.lr_scheduler != "constant":
             raise ConfigError(f"train.lr_scheduler={self.lr_scheduler}: train.optimizer=schedule_free_adamw "
                               "schedules itself (warmup: train.warmup_steps); set train.lr_scheduler=constant")

@@ -127,11 +127,14 @@ def with_hub_kernels(model, choice: str = "auto", device_map=None):
     on a model loaded onto a GPU it fetches them). on: a kernel that cannot be had stops the run in one line. auto:
     the model keeps its own layers there (offline with the kernel not cached, the Hub unreachable, as on most
     clusters' compute nodes) and the run says so once. off: never tried."""
-    from transformers.integrations.hub_kernels import _kernels_enabled
-    from transformers.utils import is_kernels_available
-
     if choice == "off" or not hasattr(model, "set_use_kernels"):
         return model
+    from transformers.utils import is_kernels_available
+
+    try:  # USE_HUB_KERNELS, as from_pretrained reads it (a private helper of transformers 5.x)
+        from transformers.integrations.hub_kernels import _kernels_enabled
+    except ImportError:
+        _kernels_enabled = lambda: True  # noqa: E731
     if not (is_kernels_available() and _kernels_enabled()):
         if choice == "on":
             raise ConfigError("model.hub_kernels=on: transformers' hub kernels need the kernels package (pip install "

@@ -362,7 +362,7 @@ def configure_deepspeed(ds: dict, cfg: Config, width: int | None = None) -> None
         sized = {"reduce_bucket_size": width * width}
         if zero.get("stage") == 3:
             # sub_group_size: the optimizer steps its partition in groups, each group's gradients flattened first;
-            # DeepSpeed's 1e9 elements make one group of a model under 1e9 parameters: a transient copy of the
+            # DeepSpeed's 1e9 elements make one group of a rank's partition under 1e9 elements: a transient copy of the
             # whole partition's gradients (2.1 GB a process for a 1B model on 2) where 10 h² keeps it at a few layers
             sized.update(stage3_prefetch_bucket_size=int(0.9 * width * width),
                          stage3_param_persistence_threshold=10 * width, sub_group_size=10 * width * width)

@@ -6,12 +6,13 @@ The cheap checks (training/preflight.py, the tasks' own) ask here; the running p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
 
-from accel_train.config.schema import Config
+from accel_train.config.schema import OPTIMIZER_PACKAGES, Config
 from accel_train.config.sections import ConfigError
 from accel_train.config import registry
 
@@ -67,7 +68,10 @@ ENGINE_REFUSES = {
                   "adamw_8bit": "ZeRO's flat partitions are not what bitsandbytes' 8-bit state is built for",
                   "paged_adamw_8bit": "ZeRO's flat partitions are not what bitsandbytes' 8-bit state is built for"},
     "FSDP": {"adamw_8bit": "bitsandbytes' kernels take plain tensors, not FSDP2's DTensor shards",
-             "paged_adamw_8bit": "bitsandbytes' kernels take plain tensors, not FSDP2's DTensor shards"},
+             "paged_adamw_8bit": "bitsandbytes' kernels take plain tensors, not FSDP2's DTensor shards",
+             "adafactor": "its factored moments are plain tensors beside FSDP2's DTensor shards",
+             "schedule_free_adamw": "torch's FSDP2 optimizer state loading steps it once, which it refuses in the "
+                                    "evaluation mode checkpoints are saved in"},
 }
 
 
@@ -76,6 +80,10 @@ def check_optimizer(cfg: Config) -> None:
     schedule (accelerate then asks for DummyOptim, and train.* would be ignored)."""
     engine = ("DEEPSPEED" if launcher_asks("ACCELERATE_USE_DEEPSPEED") else
               "FSDP" if launcher_asks("ACCELERATE_USE_FSDP") else None)
+    package = OPTIMIZER_PACKAGES.get(cfg.train.optimizer)  # here, not at config load: export and push read the
+    if package and importlib.util.find_spec(package[0]) is None:  # run's config without training
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer} needs {package[0]}: pip install "
+                          f"\"accel_train[{package[1]}]\"")
     why = ENGINE_REFUSES.get(engine, {}).get(cfg.train.optimizer)
     if why:
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} is not supported under {engine} ({why}); use "

@@ -74,10 +74,11 @@ FIXED_GB = 1.0  # a process's memory besides the formula, until the engine's `fi
 GUARD_GB = 1.0  # a run is stopped where the machine's MemAvailable falls under this
 MARGIN = 0.85  # a row is refused where its estimate exceeds this share of MemAvailable (activations, allocators)
 FIXED_STEPS = 30  # the `fixed` rows' steps at least: about 0.1 s each there, so that training spans several polls
-# DeepSpeed's defaults (elements; deepspeed/runtime/zero/config.py), which the ZeRO configs here keep: accelerate
-# builds zero_optimization from the yaml's deepspeed_config without these keys, and fills only "auto" ones
-DS_REDUCE_BUCKET = 500_000_000  # reduce_bucket_size
-DS_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size
+# DeepSpeed's buffers (elements) as the run sizes them for a model of hidden size h where the config leaves them out
+# (runtime/dist.configure_deepspeed): reduce_bucket_size h², stage3_prefetch_bucket_size 0.9 h²
+def ds_buckets(size: str) -> tuple[int, int]:
+    h = SIZES[size]["hidden_size"]
+    return h * h, int(0.9 * h * h)
 LORA_R = 8
 # (config file, (a line it must hold, what replaces it)): None keeps the file as shipped
 ENGINES = {
@@ -393,9 +394,10 @@ def buckets_gb(engine: str, mode: str, size: str) -> float:
     gradients (freed layer by layer), activations (MARGIN)."""
     params, adapter = parameters(SIZES[size])
     trained, family = params if mode == "full" else adapter, engine.split("-")[0]
-    staged = 4 * min(DS_REDUCE_BUCKET, trained)
+    reduce_bucket, prefetch_bucket = ds_buckets(size)
+    staged = 4 * min(reduce_bucket, trained)
     extra = {"ddp": 4 * trained, "zero2": staged + 4 * trained / PROCESSES,
-             "zero3": staged + 4 * min(DS_PREFETCH_BUCKET, params)}.get(family, 0)
+             "zero3": staged + 4 * min(prefetch_bucket, params)}.get(family, 0)
     return extra / 1e9
 
 
