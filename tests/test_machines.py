@@ -89,7 +89,8 @@ def test_nonfinite_policy_under_deepspeed_fp16_stops_before_the_engine_raises(mo
     engine_scaler = ds_scaler.DynamicLossScaler(init_scale=2.0**4, scale_window=1000, min_scale=1, delayed_shift=2,
                                                 consecutive_hysteresis=False)
     stepped = []
-    optimizer = SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=engine_scaler), step=lambda: stepped.append(1))
+    optimizer = SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=engine_scaler), step=lambda: stepped.append(1),
+                                eval=lambda: None, train=lambda: None)  # AcceleratedOptimizer's mode switches
     accelerator = SimpleNamespace(scaler=None, distributed_type=DistributedType.DEEPSPEED, mixed_precision="fp16")
     warned = []
     job = SimpleNamespace(accelerator=accelerator, optimizer=optimizer, state=TrainState(),

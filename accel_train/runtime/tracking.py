@@ -100,6 +100,9 @@ def configure_console(cfg: Config) -> None:
     logging.getLogger("matplotlib").setLevel(logging.INFO if debug else logging.WARNING)  # "generated new fontManager"
     if not debug:
         quiet_libraries()
+    else:  # everything, also what quiet_imports held back (accel_train.tools does at its import)
+        for name in HARMLESS_IMPORT_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
 
 
 def quiet_libraries() -> None:

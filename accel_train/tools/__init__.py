@@ -15,6 +15,10 @@ A tool that runs on every process of a launch (`accel-train launch [accelerate o
 too, run once before any process starts: those are `LAUNCHED`.
 """
 
+from accel_train.runtime.tracking import quiet_imports
+
+quiet_imports()  # a tool's modules import peft (and with it bitsandbytes) as they load: its output is its answer
+
 TOOLS = {
     "inspect": "accel_train.tools.inspect",
     "generate": "accel_train.tools.generate",

@@ -125,6 +125,12 @@ def check_model_source(cfg: Config) -> None:
     if cfg.model.quantization and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"model.quantization={cfg.model.quantization} needs bitsandbytes (GPUs only): "
                           "pip install bitsandbytes")
+    if cfg.model.quantization:  # before the model is looked for: on a machine without a GPU it cannot run at all
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.quantization={cfg.model.quantization} needs a GPU (bitsandbytes); this machine "
+                              "has none: train without it (LoRA on the full-precision base)")
     if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package (GPUs only): "
                           "pip install flash-attn, or use sdpa")
