@@ -4,6 +4,7 @@ signal to one rank (to the launcher: test_launch.py), no silent overwrite, and a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 
@@ -141,13 +142,23 @@ def test_resume_on_another_number_of_processes(tmp_path, uninterrupted, crashed,
     assert_quiet(resumed.stderr)
 
 
-def test_resume_refuses_another_effective_batch(tmp_path):
+def test_resume_refuses_another_effective_batch_or_optimizer(tmp_path):
     out = tmp_path / "run"
     assert launch(1, *BASE, *ONE, "train.max_steps=3", f"output_dir={out}").returncode == 0
     proc = launch(1, *BASE, "train.per_device_batch_size=4", "train.grad_accum_steps=1", f"output_dir={out}",
                   "resume_from=latest")
     assert proc.returncode == 2
     assert "trained with effective batch 8" in proc.stderr and "this run has 4" in proc.stderr
+    # weight decay splits the parameters in two groups (no decay on norms and biases): another optimizer state
+    saved = (out / "config.yaml").read_text()
+    proc = launch(1, *BASE, *ONE, "train.max_steps=3", "train.weight_decay=0.1", f"output_dir={out}",
+                  "resume_from=latest")
+    assert proc.returncode == 2
+    refusal = [line for line in proc.stderr.splitlines() if "resume_from:" in line]
+    assert len(refusal) == 1, proc.stderr
+    assert re.search(r"trained with optimizer adamw \(parameter groups of (\d+) tensors\); this run has adamw "
+                     r"\(parameter groups of \1, 0 tensors\)\. Resume with the same train.optimizer", refusal[0])
+    assert (out / "config.yaml").read_text() == saved  # a refused resume changes nothing
 
 
 def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):

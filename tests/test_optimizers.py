@@ -167,6 +167,17 @@ def test_impossible_combinations_are_one_line_errors(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_warmup_and_decay_longer_than_the_run_are_refused_when_its_length_is_known():
+    cfg = load_config(None, ["train.lr_scheduler=warmup_stable_decay", "train.decay_ratio=0.6", "train.warmup_steps=9"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    build_scheduler(cfg, optimizer, 23)  # 9 + round(13.8) = 23: no stable phase, but it fits
+    with pytest.raises(ConfigError) as e:
+        build_scheduler(cfg, optimizer, 21)  # 9 + round(12.6) > 21
+    assert str(e.value) == ("train.lr_scheduler=warmup_stable_decay: 9 warmup steps and 13 decay steps "
+                            "(train.decay_ratio=0.6) exceed the run's 21 optimizer steps; shorten the warmup or "
+                            "the decay")
+
+
 def test_deepspeed_refuses_what_it_cannot_take(monkeypatch, tmp_path):
     from accel_train.runtime.launched import check_optimizer
 

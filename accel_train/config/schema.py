@@ -263,6 +263,12 @@ class TrainConfig:
     it natively (recent GPUs, CPUs with AVX512-BF16/AMX), else fp32. no: fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    neftune_alpha: Optional[float] = None
+    """NEFTune (Jain et al. 2023; TRL's and the Trainer's neftune_noise_alpha; 5 in the paper): uniform noise of
+    magnitude alpha / sqrt(L x d) added to the input embeddings in training forwards only (transformers'
+    activate_neftune: L the row's computed length, packed rows' included; d the hidden size), never in evaluation
+    or generation. None: off. For the tasks that fit the model to given data (causal_lm, seq_cls, reward, distill);
+    refused by those that compare the policy's log-probs with ones computed without noise (dpo, kto, grpo)."""
     compile: bool = False
     """torch.compile the model (inductor, dynamic shapes), through accelerate: faster steps once compiled; the
     compilation is paid in the first steps (their times are in output_dir/steps.json)."""
@@ -301,7 +307,8 @@ class TrainConfig:
                   "train.dist_timeout_s": self.dist_timeout_s, "train.max_nonfinite_steps": self.max_nonfinite_steps},
                  {"train.max_steps": self.max_steps, "train.eval_every": self.eval_every,
                   "train.max_grad_norm": self.max_grad_norm, "train.global_batch_size": self.global_batch_size,
-                  "train.early_stopping_patience": self.early_stopping_patience})
+                  "train.early_stopping_patience": self.early_stopping_patience,
+                  "train.neftune_alpha": self.neftune_alpha})
         non_negative({"train.warmup_steps": self.warmup_steps, "train.weight_decay": self.weight_decay,
                       "train.early_stopping_threshold": self.early_stopping_threshold})
         self._check_optimizer()

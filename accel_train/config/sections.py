@@ -48,3 +48,12 @@ def padded_pairs(cfg) -> None:
     if cfg.data.truncation != "prompt_first":
         raise ConfigError(f"data.truncation={cfg.data.truncation} is for causal_lm conversations: task {cfg.task} "
                           "always cuts the prompt first")
+
+
+def no_neftune(cfg, against: str) -> None:
+    """train.neftune_alpha refused by a task whose loss compares the policy's log-probs with `against`'s, computed
+    without the noise: every comparison would carry it."""
+    if cfg.train.neftune_alpha is not None:
+        raise ConfigError(f"train.neftune_alpha is not for task {cfg.task}: its loss compares the policy's log-probs "
+                          f"with {against}, computed without the noise (NEFTune is for causal_lm, seq_cls, reward "
+                          "and distill); remove it")

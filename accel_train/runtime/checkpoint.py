@@ -104,6 +104,8 @@ class TrainState:
     """Optimizer steps done in the current epoch: with the effective batch, the sample position in its shuffle."""
     effective_batch: int = 0
     """per_device_batch_size x grad_accum_steps x processes of the run that wrote it."""
+    optimizer: str = ""
+    """train.optimizer and its parameter groups' sizes in the run that wrote it: the optimizer state fits only these."""
     skipped_steps: int = 0
     """Steps skipped for a non-finite gradient norm."""
     nonfinite_in_a_row: int = 0
@@ -227,6 +229,11 @@ def load_checkpoint(accelerator, path: Path, state: TrainState) -> None:
             f"resume_from: {path} was trained with effective batch {saved['effective_batch']} "
             f"(per_device_batch_size x grad_accum_steps x processes); this run has {state.effective_batch}. "
             "Set train.global_batch_size to it (or grad_accum_steps, with train.global_batch_size=null).")
+    if saved.get("optimizer", state.optimizer) != state.optimizer:  # checkpoints written before it was recorded: torch's
+        raise ConfigError(  # own check
+            f"resume_from: {path} was trained with optimizer {saved['optimizer']}; this run has {state.optimizer}. "
+            "Resume with the same train.optimizer, train.weight_decay and lora.* keys, or start a new run from its "
+            "weights (the saved adapter: model.adapter_from)")
     accelerator.load_state(str(path))
     main_logger().info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
                        f"{state.step_in_epoch} steps into the epoch")

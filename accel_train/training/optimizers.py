@@ -11,6 +11,7 @@ import torch
 from transformers import Trainer, get_scheduler
 
 from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
 
 
 def parameter_groups(cfg: Config, model: torch.nn.Module) -> list:
@@ -62,6 +63,10 @@ def schedule_args(cfg: Config, total_steps: int) -> tuple[str, int, dict | None]
         specific = {"min_lr_rate": floor}
     elif t.lr_scheduler == "warmup_stable_decay":
         specific = {"num_decay_steps": round(t.decay_ratio * total_steps), "min_lr_ratio": floor}
+        if t.warmup(total_steps) + specific["num_decay_steps"] > total_steps:
+            raise ConfigError(f"train.lr_scheduler=warmup_stable_decay: {t.warmup(total_steps)} warmup steps and "
+                              f"{specific['num_decay_steps']} decay steps (train.decay_ratio={t.decay_ratio}) exceed "
+                              f"the run's {total_steps} optimizer steps; shorten the warmup or the decay")
     elif t.lr_scheduler == "cosine_with_restarts":
         specific = {"num_cycles": t.lr_cycles or 1}
     elif t.lr_scheduler == "polynomial":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from datasets import IterableDataset
+from transformers.integrations.neftune import activate_neftune
 
 from accel_train.data import pipeline as data_lib
 from accel_train import tasks
@@ -200,6 +201,8 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     model = apply_lora(cfg, model, task.frozen_reference_adapter())
     if cfg.data.packing and task.packs and not engine.builds_sharded:
         check_packing(model)  # before any expensive work: one forward of 8 tokens (built sharded: after prepare)
+    if cfg.train.neftune_alpha is not None:  # a forward hook on the input embeddings, inert in eval mode
+        activate_neftune(model, cfg.train.neftune_alpha)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if accelerator.is_main_process:
@@ -245,6 +248,9 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
             resume: Path | None) -> TrainingJob:
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
+    # what a checkpoint's optimizer state must fit: the optimizer and its parameter groups (decay, LoRA+), as built
+    layout = (f"{cfg.train.optimizer} (parameter groups of "
+              f"{', '.join(str(len(g['params'])) for g in optimizer.param_groups)} tensors)")
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
@@ -254,7 +260,7 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
         check_packing(accelerator.unwrap_model(model, keep_torch_compile=False),  # a collective: every rank
                       low_precision=accelerator.mixed_precision != "no")
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps
-    state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs)
+    state = TrainState(effective_batch=cfg.train.per_device_batch_size * accum * procs, optimizer=layout)
     accelerator.register_for_checkpointing(state)
     register_hooks(accelerator)
     if resume:

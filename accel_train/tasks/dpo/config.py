@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from accel_train.config.sections import ConfigError, non_negative, padded_pairs, positive
+from accel_train.config.sections import ConfigError, no_neftune, non_negative, padded_pairs, positive
 
 # dpo.loss_type values that compare the policy's own log-probs, with no reference model (task.py)
 REFERENCE_FREE_LOSSES = ("orpo", "simpo", "cpo")
@@ -76,6 +76,7 @@ class DpoConfig:
         if cfg.task != "dpo":
             return
         padded_pairs(cfg)
+        no_neftune(cfg, "the reference's (or, reference-free, its own on the other answer)")
         if self.precompute_ref and cfg.data.streaming:
             raise ConfigError("dpo.precompute_ref=true computes the reference log-probs of every training pair before "
                               "training: not with data.streaming=true, whose pairs are read as training goes; set "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from accel_train.config.sections import ConfigError, non_negative, positive
+from accel_train.config.sections import ConfigError, no_neftune, non_negative, positive
 
 
 @dataclass
@@ -107,6 +107,7 @@ class GrpoConfig:
             self._check_run(cfg)
 
     def _check_run(self, cfg) -> None:
+        no_neftune(cfg, "the rollouts' (sampled without it) and the reference's")
         if self.advantage == "rloo" and self.scale_rewards:
             raise ConfigError("grpo.scale_rewards=true with grpo.advantage=rloo: the leave-one-out advantage divided "
                               "by the group's std is grpo's times G / (G - 1); use grpo.advantage=grpo, or "

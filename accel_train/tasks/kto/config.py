@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from accel_train.config.sections import ConfigError, changed, padded_pairs, positive
+from accel_train.config.sections import ConfigError, changed, no_neftune, padded_pairs, positive
 
 # kto's logged means and evaluation results besides loss (task.py's loss): TRL's names, kl being the reference point z0
 METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
@@ -50,3 +50,4 @@ class KtoConfig:
                               + ("; set the same key under kto" if owner == "dpo" else ""))
         if cfg.task == "kto":
             padded_pairs(cfg)
+            no_neftune(cfg, "the reference's (the KL baseline and each answer's reward)")
