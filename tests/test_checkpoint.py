@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import forked_launch, python_m, read_metrics, run
+from conftest import forked_launch, python_m, read_metrics, run, said
 from safetensors.torch import load_file
 
 from accel_train.runtime.checkpoint import resolve_resume
@@ -269,6 +269,14 @@ def test_merged_export_loads_without_peft_and_matches_adapter(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     proc = python_m(out, "--out", tmp_path / "exported", tool="export")
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    # llama.cpp's converter knows the tokenizers of the models llama.cpp runs, not the embedded tiny model's: its
+    # reason in one line, and no file
+    proc = python_m(out, "--out", tmp_path / "for_gguf", "--gguf", "f16", tool="export")
+    assert proc.returncode == 2 and said(proc.stderr) == [
+        f"accel-train export: error: llama.cpp's converter could not write {out / 'gguf' / 'model.f16.gguf'} from "
+        f"{tmp_path / 'for_gguf'}: NotImplementedError: BPE pre-tokenizer was not recognized - update "
+        "get_vocab_base_pre()"]
+    assert not (out / "gguf" / "model.f16.gguf").exists()
 
     proc = python_m(out, "--prompt", "reverse abc", "--max-new-tokens", "8", tool="generate")
     assert proc.returncode == 0 and proc.stdout.strip()
@@ -286,6 +294,10 @@ def test_predict_with_a_classification_adapter(tmp_path):
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [r["label_id"] for r in rows] == [1, 0]
     assert all(abs(sum(r["probs"].values()) - 1) < 1e-3 for r in rows)
+    proc = python_m(out, "--gguf", "q8_0", tool="export")
+    assert proc.returncode == 2 and said(proc.stderr) == [
+        f"accel-train export: error: --gguf: {out} trained a seq_cls model (task seq_cls); llama.cpp runs causal "
+        "language models (export it without --gguf)"]
     # answers to score are a reward model's (task reward): refused in one line before the model loads
     proc = python_m(out, "--prompt", "rate it", "--response", texts[0], tool="predict")
     assert proc.returncode == 2 and proc.stderr == (

@@ -15,6 +15,9 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
     run_dir, out_dir = existing_folder(run_dir, "RUN_DIR"), Path(out_dir)
     adapter = run_dir / "adapter"
     if not (adapter / "adapter_config.json").is_file():
+        if (run_dir / "model").is_dir():
+            raise ConfigError(f"{run_dir} is a full fine-tuning run: its model, {run_dir / 'model'}, loads with "
+                              "transformers as it is (nothing to merge); --gguf converts it for llama.cpp")
         raise ConfigError(f"{run_dir} has no LoRA adapter ({adapter}/adapter_config.json); is it a LoRA run?")
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
