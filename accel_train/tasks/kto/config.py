@@ -50,3 +50,8 @@ class KtoConfig:
                               + ("; set the same key under kto" if owner == "dpo" else ""))
         if cfg.task == "kto":
             padded_pairs(cfg)
+
+
+def reference(cfg) -> str:
+    """The setting under which the run compares with a reference model (TaskInfo.reference): always."""
+    return f"kto.reference={cfg.kto.reference}"
