@@ -51,6 +51,10 @@ class TaskInfo:
     """"module:function" of a torch-free function cfg -> (the setting, why) where ranks may call generate a
     different number of times, else None: refused where generation runs in lock-step on sharded weights
     (runtime.launched.check_engine)."""
+    reference: str | None = None
+    """"module:function" of a torch-free function cfg -> the setting (e.g. "kto.reference=start") under which the
+    task compares the policy with a reference model (components/reference.py: under LoRA, the model with its adapter
+    disabled), else None: lora.init=pissa/olora, which move part of the base into the adapter, are refused there."""
     preflight: str | None = None
     """"module:function" of its own cheap checks (torch-free, cfg -> None), run by preflight; ConfigError on a
     mistake."""
@@ -69,6 +73,9 @@ class TaskInfo:
 
     def generates_unevenly(self, cfg) -> tuple[str, str] | None:
         return _function(self.uneven_generation)(cfg) if self.uneven_generation else None
+
+    def reference_setting(self, cfg) -> str | None:
+        return _function(self.reference)(cfg) if self.reference else None
 
     def check(self, cfg) -> None:
         if self.preflight is not None:
@@ -90,12 +97,14 @@ REGISTRY: dict[str, TaskInfo] = {
     "dpo": TaskInfo("dpo.task", "causal_lm", "preference tuning on chosen/rejected pairs (DPO, IPO; ORPO, SimPO, CPO)",
                     config="accel_train.tasks.dpo.config:DpoConfig", results="accel_train.tasks.dpo.config:RESULTS",
                     example=("data.path=builtin:reverse_pref", "dpo.reference=base"),
-                    before_prepare="accel_train.tasks.dpo.config:before_prepare"),
+                    before_prepare="accel_train.tasks.dpo.config:before_prepare",
+                    reference="accel_train.tasks.dpo.config:reference"),
     "grpo": TaskInfo("grpo.task", "causal_lm", "reinforcement learning from rewards of sampled completions (grpo.*)",
                      config="accel_train.tasks.grpo.config:GrpoConfig", results="accel_train.tasks.grpo.config:results",
                      generates=True, uneven_generation="accel_train.tasks.grpo.config:uneven_generation",
                      example=("data.path=builtin:reverse", "grpo.num_generations=4",
                                               "grpo.max_new_tokens=6", "grpo.rewards=[length_penalty]"),
+                     reference="accel_train.tasks.grpo.config:reference",
                      preflight="accel_train.tasks.grpo.config:preflight"),
     # the teacher: the embedded tiny model, random from seed + 1 (a real teacher: configs/train/distill_default.yaml)
     "distill": TaskInfo("distill.task", "causal_lm", "distillation: a teacher's token distributions on the responses "
@@ -110,7 +119,8 @@ REGISTRY: dict[str, TaskInfo] = {
                        results="accel_train.tasks.reward.config:RESULTS", example=("data.path=builtin:reverse_pref",)),
     "kto": TaskInfo("kto.task", "causal_lm", "answers labelled desirable or undesirable, against a reference (kto.*)",
                     config="accel_train.tasks.kto.config:KtoConfig", results="accel_train.tasks.kto.config:RESULTS",
-                    example=("data.path=builtin:reverse_pref", "kto.reference=base")),
+                    example=("data.path=builtin:reverse_pref", "kto.reference=base"),
+                    reference="accel_train.tasks.kto.config:reference"),
 }
 NAMES = tuple(REGISTRY)
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
 from accel_train.config import registry
-from accel_train.config.sections import ConfigError, non_negative, positive
+from accel_train.config.sections import ConfigError, changed, non_negative, positive
 
 TASK_NAMES = registry.NAMES
 
@@ -42,6 +43,10 @@ SCHEDULES = ("linear", "cosine", "constant", "cosine_with_min_lr", "cosine_with_
 SCHEDULE_KEYS = {"min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "polynomial"),
                  "decay_ratio": ("warmup_stable_decay",), "lr_cycles": ("cosine_with_restarts",),
                  "polynomial_power": ("polynomial",)}
+
+
+# lora.init's values besides pissa_niter_N (peft's init_lora_weights; default: its True)
+LORA_INITS = ("default", "gaussian", "pissa", "olora", "loftq")
 
 
 @dataclass
@@ -103,10 +108,81 @@ class LoraConfig:
     """Module names to adapt; ["all-linear"] means every linear layer but the output head."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full and saved with the adapter (e.g. a classifier head)."""
+    use_dora: bool = False
+    """DoRA (peft's use_dora): each adapted weight is a trained magnitude per output times a direction that LoRA
+    updates; more trainable numbers (one per output row) and slower steps than plain LoRA."""
+    use_rslora: bool = False
+    """rsLoRA: the update is scaled by alpha / sqrt(r) instead of alpha / r (steadier at large ranks)."""
+    init: str = "default"
+    """How the adapter starts (peft's init_lora_weights). default: A random (Kaiming), B zero; gaussian: A
+    Gaussian, B zero; pissa: A and B from each weight's top singular vectors (pissa_niter_N: N iterations of
+    randomized SVD, faster on large weights), olora: from its QR decomposition. pissa and olora move that part out of
+    the base weights while training; the saved adapter is converted to an ordinary one of rank 2 x r on the unchanged
+    base (peft's path_initial_model_for_weight_conversion; its initial values are kept in output_dir/initial_adapter);
+    refused under FSDP2 and ZeRO-3 and with a reference model (dpo, kto, grpo.beta > 0). loftq: with
+    model.quantization=4bit, A and B that offset the base's quantization error (peft's replace_lora_weights_loftq)."""
+    plus_lr_ratio: Optional[float] = None
+    """LoRA+: the B matrices (and the other 1-D trainables: DoRA's magnitudes, biases) learn at train.lr x this
+    (peft's create_loraplus_optimizer, with train.optimizer's class; train.weight_decay by peft's rule: none on biases
+    and LayerNorm weights); the LoRA+ paper uses 16. None: one learning rate."""
+    layers: Optional[list[int]] = None
+    """Indices of the transformer layers that get adapters (peft's layers_to_transform; 0: the first); None: every
+    layer."""
+
+    def changes_base(self) -> bool:
+        """Whether the adapter's initialization moves part of the base weights into it (PiSSA, OLoRA): the base
+        it trains on is not the model's, and the saved adapter is converted back to one on the model's."""
+        return self.enabled and (self.init.startswith("pissa") or self.init == "olora")
+
+    def describe_variants(self) -> str:
+        """The variants in use, as the model card states them ("" for plain LoRA)."""
+        parts = [name for name, on in (("DoRA", self.use_dora), ("rsLoRA (alpha / sqrt r)", self.use_rslora)) if on]
+        if self.init != "default":
+            parts.append(f"init {self.init}" + (" (saved as an adapter of rank 2r on the unchanged base)"
+                                                 if self.changes_base() else ""))
+        if self.plus_lr_ratio:
+            parts.append(f"LoRA+ (B at the learning rate x {self.plus_lr_ratio:g})")
+        if self.layers is not None:
+            parts.append(f"layers {', '.join(map(str, self.layers))} only")
+        return ", ".join(parts)
 
     def check(self, cfg) -> None:
-        positive({"lora.r": self.r})
+        positive({"lora.r": self.r}, {"lora.plus_lr_ratio": self.plus_lr_ratio})
         non_negative({"lora.dropout": self.dropout})
+        if not (self.init in LORA_INITS or re.fullmatch(r"pissa_niter_[1-9][0-9]*", self.init)):
+            raise ConfigError(f"lora.init must be one of {', '.join(LORA_INITS)} or pissa_niter_N, got {self.init!r}")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise ConfigError(f"lora.layers must be null (every layer) or layer indices >= 0, got {self.layers}")
+        variants = [f"lora.{key}={str(getattr(self, key)).lower()}" for key in (
+            "use_dora", "use_rslora", "init", "plus_lr_ratio", "layers") if key in changed(self)]
+        if variants and not self.enabled:
+            raise ConfigError(f"{variants[0]} is about a LoRA adapter: it needs lora.enabled=true")
+        shaped = [v for v in variants if not v.startswith("lora.plus_lr_ratio")]
+        if shaped and cfg.model.adapter_from:
+            raise ConfigError(f"{shaped[0]}: model.adapter_from continues an adapter as its adapter_config.json "
+                              "made it; drop the key")
+        if self.init == "loftq" and (cfg.model.quantization != "4bit" or self.use_dora):
+            raise ConfigError("lora.init=loftq starts the adapter from the 4-bit quantization error of the base: it "
+                              + ("needs model.quantization=4bit" if cfg.model.quantization != "4bit" else
+                                 "cannot be used with lora.use_dora (DoRA's magnitudes are taken before LoftQ's "
+                                 "A and B)"))
+        if self.changes_base():
+            head = registry.info(cfg.task).head == "seq_cls"
+            lost = ("lora.use_dora (DoRA's magnitudes)" if self.use_dora else
+                    "lora.modules_to_save" if self.modules_to_save else
+                    f"task {cfg.task} (its classifier head, trained in full)" if head else None)
+            if lost:
+                raise ConfigError(f"lora.init={self.init} cannot be used with {lost}: peft's conversion of the saved "
+                                  "adapter to one on the unchanged base keeps only A and B")
+            reference = registry.info(cfg.task).reference_setting(cfg)
+            if reference:
+                raise ConfigError(f"lora.init={self.init} cannot be used with {reference}: the reference is the model "
+                                  f"with its adapter disabled, and {self.init} moves part of the base weights into "
+                                  "the adapter")
+            if cfg.model.quantization:
+                raise ConfigError(f"lora.init={self.init} cannot be used with model.quantization: it would train on "
+                                  "the quantized remainder of the base, which the adapter converted for the base "
+                                  "does not reproduce (peft: Quant(W_res) + AB != Quant(W) + delta W)")
 
 
 @dataclass

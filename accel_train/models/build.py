@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from contextlib import nullcontext
+from pathlib import Path
 
 import peft
 import torch
@@ -184,24 +185,61 @@ def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = Fa
             # ref_adapter_name)
             model.load_adapter(cfg.model.adapter_from, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         return model
-    targets = cfg.lora.target_modules
+    c = cfg.lora
+    targets = "all-linear" if c.target_modules == ["all-linear"] else c.target_modules
+    if c.layers is not None:
+        layers = model.config.get_text_config().num_hidden_layers
+        if max(c.layers) >= layers:
+            raise ConfigError(f"lora.layers={c.layers}: {cfg.model.name_or_path} has {layers} layers (0 to "
+                              f"{layers - 1})")
+        if targets == "all-linear":  # peft takes layers_to_transform with a list of module names only
+            targets = all_linear(model, PEFT_TASK[head_of(cfg)])
     lora = peft.LoraConfig(
         task_type=PEFT_TASK[head_of(cfg)],
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
-        modules_to_save=cfg.lora.modules_to_save or None,
+        r=c.r,
+        lora_alpha=c.alpha,
+        lora_dropout=c.dropout,
+        target_modules=targets,
+        modules_to_save=c.modules_to_save or None,
+        use_dora=c.use_dora,
+        use_rslora=c.use_rslora,
+        init_lora_weights=LORA_INIT.get(c.init, c.init),
+        layers_to_transform=c.layers,
     )
     try:
-        return peft.get_peft_model(model, lora)
+        model = peft.get_peft_model(model, lora)
     except ValueError as e:
         if "not found in the base model" not in str(e) and "Target modules" not in str(e):
             raise
         linear = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                          if isinstance(mod, torch.nn.Linear)})
-        raise ConfigError(f"lora.target_modules {targets} match no module of the model; its linear layers are: "
-                          f"{', '.join(linear)} (or use [all-linear])") from None
+        layers = f" in lora.layers={c.layers}" if c.layers is not None else ""
+        raise ConfigError(f"lora.target_modules {c.target_modules} match no module of the model{layers}; its linear "
+                          f"layers are: {', '.join(linear)} (or use [all-linear])") from None
+    if c.init == "loftq":  # A and B from the quantization error of each 4-bit weight, read whole from its file
+        peft.replace_lora_weights_loftq(model, model_path=weights_folder(cfg))
+    return model
+
+
+# lora.init's values that are not peft's init_lora_weights' own names
+LORA_INIT = {"default": True, "loftq": True}  # loftq: peft's default, then replace_lora_weights_loftq
+
+
+def all_linear(model: torch.nn.Module, task_type) -> list[str]:
+    """The names of the linear layers peft's "all-linear" adapts (every one but the output head), as a list."""
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    found = _maybe_include_all_linear_layers(peft.LoraConfig(task_type=task_type, target_modules="all-linear"), model)
+    return sorted({name.rsplit(".", 1)[-1] for name in found.target_modules})
+
+
+def weights_folder(cfg: Config) -> str:
+    """The folder of model.name_or_path's safetensors files: itself, or the hub cache's snapshot it was read from."""
+    if Path(cfg.model.name_or_path).expanduser().is_dir():
+        return str(Path(cfg.model.name_or_path).expanduser())
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(cfg.model.name_or_path, revision=cfg.model.revision, local_files_only=True)
 
 
 def whole_shape(p: torch.nn.Parameter) -> torch.Size:

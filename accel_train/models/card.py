@@ -180,6 +180,8 @@ def hyperparameters_section(cfg: Config, summary: dict) -> list[str]:
     if cfg.lora.enabled:
         params.update({"LoRA r / alpha / dropout": f"{cfg.lora.r} / {cfg.lora.alpha} / {cfg.lora.dropout}",
                        "LoRA target modules": ", ".join(cfg.lora.target_modules)})
+        if cfg.lora.describe_variants():
+            params["LoRA variants"] = cfg.lora.describe_variants()
     return ["## Training hyper-parameters", "", "| | |", "|---|---|",
             *(f"| {k} | {_value(v)} |" for k, v in params.items()), ""]
 

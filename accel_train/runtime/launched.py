@@ -103,6 +103,10 @@ def check_engine(cfg: Config, say: bool = True) -> None:
     ZeRO-3 launch): generation runs on the weights gathered for it, or in lock-step on every rank
     (train.gather_for_generation=false, Engine.generates_in_lockstep), built for FSDP2."""
     check_optimizer(cfg)
+    if cfg.lora.changes_base() and sharded_launch():
+        raise ConfigError(f"lora.init={cfg.lora.init} is not supported under {sharded_launch()} (the saved adapter is "
+                          "converted to one of the unchanged base by loading the initial adapter into the model, "
+                          "whose weights are sharded); use DDP or DeepSpeed ZeRO-2, or lora.init=default")
     info = registry.info(cfg.task)
     generates = info.generating(cfg)
     # said by the first rank (`say`: not by accel-train launch's own process, whose ranks say it), before the run's

@@ -26,29 +26,51 @@ def parameter_groups(cfg: Config, model: torch.nn.Module) -> list:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, total_steps: int, fused: bool) -> torch.optim.Optimizer:
-    """train.optimizer over the trainable parameters, for a run of `total_steps`; `fused`: torch's AdamW in one kernel (the Trainer's default
-    too; FSDP's sharded DTensor parameters take the default implementation)."""
-    t, params = cfg.train, parameter_groups(cfg, model)
-    adam = dict(lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps, weight_decay=t.weight_decay)
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, **adam, fused=fused)
-    if t.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-        from bitsandbytes.optim import AdamW, GlobalOptimManager
+    """train.optimizer over the trainable parameters, for a run of `total_steps`; `fused`: torch's AdamW in one kernel
+    (the Trainer's default too; FSDP's sharded DTensor parameters take the default implementation). With
+    lora.plus_lr_ratio, in LoRA+'s groups (peft's create_loraplus_optimizer: B at train.lr x the ratio)."""
+    t = cfg.train
+    optimizer_cls, kwargs = optimizer_class(cfg, total_steps, fused)
+    if cfg.lora.plus_lr_ratio:
+        from peft.optimizers import create_loraplus_optimizer
 
-        optimizer = AdamW(params, **adam, optim_bits=8, is_paged=t.optimizer == "paged_adamw_8bit")
+        # its own groups and weight decay rule (none on biases and LayerNorm weights); lr given apart
+        kwargs.pop("lr")
+        optimizer = create_loraplus_optimizer(model, optimizer_cls, lr=t.lr, loraplus_lr_ratio=cfg.lora.plus_lr_ratio,
+                                              loraplus_weight_decay=t.weight_decay, **kwargs)
+        # its four groups (A, embeddings, B with and without decay) without the empty ones, which DeepSpeed drops:
+        # the schedule, built on the groups, would count more than the engine steps
+        optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
+    else:
+        optimizer = optimizer_cls(parameter_groups(cfg, model), **kwargs)
+    if t.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        from bitsandbytes.optim import GlobalOptimManager
+
         for module in model.modules():  # as the Trainer: embeddings keep 32-bit state (8-bit is unstable there)
             if isinstance(module, torch.nn.Embedding):
                 GlobalOptimManager.get_instance().register_module_override(module, "weight", {"optim_bits": 32})
-        return optimizer
+    return optimizer
+
+
+def optimizer_class(cfg: Config, total_steps: int, fused: bool) -> tuple[type, dict]:
+    """(class, keyword arguments but the parameters) of train.optimizer."""
+    t = cfg.train
+    adam = dict(lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps, weight_decay=t.weight_decay)
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW, {**adam, "fused": fused}
+    if t.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        from bitsandbytes.optim import AdamW
+
+        return AdamW, {**adam, "optim_bits": 8, "is_paged": t.optimizer == "paged_adamw_8bit"}
     if t.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
         # the Trainer's optim="adafactor": an external learning rate (ours, scheduled), no parameter scaling
-        return Adafactor(params, lr=t.lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False)
+        return Adafactor, dict(lr=t.lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False)
     from schedulefree import AdamWScheduleFree
 
     # its own linear warmup; the schedule is constant (TrainConfig refuses another)
-    return AdamWScheduleFree(params, **adam, warmup_steps=t.warmup(total_steps))
+    return AdamWScheduleFree, {**adam, "warmup_steps": t.warmup(total_steps)}
 
 
 def schedule_args(cfg: Config, total_steps: int) -> tuple[str, int, dict | None]:

@@ -172,6 +172,8 @@ def check_adapter_source(cfg: Config) -> None:
 RUN_MARKER = ".accel_train"
 # A run's copy of its random base (output_dir/base_model): an adapter trained on it needs it.
 BASE_MODEL = "base_model"
+# lora.init=pissa/olora: the adapter as initialized, which the saved one is converted against (recipe.save_model)
+INITIAL_ADAPTER = "initial_adapter"
 
 
 def saved_random_base(name_or_path) -> bool:

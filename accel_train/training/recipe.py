@@ -15,6 +15,7 @@ import copy
 import math
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ from accel_train.models.build import (apply_lora, attention_cost, attention_size
 from accel_train.runtime.engine import Engine, share_zero3_master_weights
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
-from accel_train.training.preflight import BASE_MODEL, make_output_dir, saved_random_base
+from accel_train.training.preflight import BASE_MODEL, INITIAL_ADAPTER, make_output_dir, saved_random_base
 from accel_train.runtime.launched import launched_world_size
 from accel_train.runtime.tracking import (RunLog, configure_console, main_logger, matmul_dims, measure_peak_flops,
                                           peak_memory_mb, reset_peak_memory, truncate_log, write_summary)
@@ -210,6 +211,8 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
         if random_base is not None:
             random_base.save_pretrained(base)
             tokenizer.save_pretrained(base)
+        if cfg.lora.changes_base():  # what save_model converts the trained adapter against (made again on resume)
+            model.save_pretrained(Path(cfg.output_dir) / INITIAL_ADAPTER, selected_adapters=["default"])
     return model
 
 
@@ -340,7 +343,15 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
                 unwrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
         # the trained adapter only (dpo may hold a frozen reference adapter beside it: model.REFERENCE_ADAPTER)
         only_trained = {"selected_adapters": ["default"]} if cfg.lora.enabled else {}
-        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
+        if cfg.lora.changes_base():
+            # PiSSA/OLoRA: written as an adapter of the unchanged base, the trained one less the initial one (peft
+            # loads that into this model: its weights are whole, sharding engines are refused: launched.check_engine)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "(PiSSA|OLoRA) changes the base weights")  # it converts them
+                unwrapped.save_pretrained(target, safe_serialization=True, **only_trained,
+                                          path_initial_model_for_weight_conversion=str(out / INITIAL_ADAPTER))
+        else:
+            unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
         tokenizer.save_pretrained(target)
         if task.info.head == "causal_lm":
             # eos_token_id: the template's end of turn too, so generate() stops where training taught it to (peft

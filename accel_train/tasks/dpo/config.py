@@ -89,3 +89,8 @@ def before_prepare(cfg) -> tuple[str, str, str] | None:
         return ("dpo.precompute_ref=true", "the training pairs",
                 "set dpo.precompute_ref=false (the reference is then computed at each step)")
     return None
+
+
+def reference(cfg) -> str | None:
+    """The setting under which the run compares with a reference model (TaskInfo.reference)."""
+    return f"dpo.reference={cfg.dpo.reference}" if cfg.dpo.reference else None

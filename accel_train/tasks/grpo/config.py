@@ -190,3 +190,8 @@ def preflight(cfg) -> None:
 
     check_rewards(cfg)
     check_static(cfg)
+
+
+def reference(cfg) -> str | None:
+    """The setting under which the run compares with a reference model (TaskInfo.reference)."""
+    return f"grpo.beta={cfg.grpo.beta:g}" if cfg.grpo.beta else None

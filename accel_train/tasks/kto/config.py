@@ -51,3 +51,8 @@ class KtoConfig:
         if cfg.task == "kto":
             padded_pairs(cfg)
             no_neftune(cfg, "the reference's (the KL baseline and each answer's reward)")
+
+
+def reference(cfg) -> str:
+    """The setting under which the run compares with a reference model (TaskInfo.reference): always."""
+    return f"kto.reference={cfg.kto.reference}"
