@@ -1,6 +1,6 @@
 """data.chat_template, data.chat_template_kwargs and model.add_tokens / add_special_tokens, launched as users launch:
 `accel-train inspect` shows the template a run renders with, and the spans it trains, as they change with the
-template; a run on the embedded tiny model (which has no ChatML tokens, nor a newline) with the shipped ChatML template
+template; the kwargs reach every rendering (Qwen3's enable_thinking, in the prompts generation starts from); a run on the embedded tiny model (which has no ChatML tokens, nor a newline) with the shipped ChatML template
 and a newline token trains the new tokens' embedding rows under LoRA, saves them with the adapter, and a reload
 restores them: the reloaded adapter's loss on the evaluation file is the run's own."""
 
@@ -81,6 +81,28 @@ def test_the_shipped_chatml_renders_as_qwen25():
             turns = conversation(shape)[:-1] if prompt else conversation(shape)
             assert (tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt, **ours)
                     == tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt))
+
+
+def test_qwen3_enable_thinking_false_reaches_the_prompts_generation_starts_from():
+    """Qwen3's template writes an empty thinking block before a trained answer; the prompt generation continues
+    (eval.generate, grpo, the tools) holds it only with enable_thinking=false: the run's kwargs reach that rendering
+    too, with no argument passed to it."""
+    import copy
+
+    from accel_train.components.prompts import tokenize_prompt
+    from accel_train.config.load import load_config
+    from accel_train.data import chat_template
+    from accel_train.data.formats import tokenize_causal
+
+    thinking = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for kwargs, prompt_ends in (([], "<|im_start|>assistant\n"),
+                                (["data.chat_template_kwargs={enable_thinking: false}"], thinking)):
+        cfg, tokenizer = load_config(None, kwargs), copy.deepcopy(tokenizer_for("qwen3"))
+        chat_template.apply(cfg, tokenizer)
+        sample = tokenize_causal({"prompt": "hi", "response": "hello"}, tokenizer, cfg)
+        assert tokenizer.decode(sample["input_ids"]).endswith(thinking + "hello<|im_end|>\n")
+        prompt = tokenize_prompt({"prompt": "hi"}, 0, tokenizer, ("prompt", "messages"), 100)["prompt_ids"]
+        assert tokenizer.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n" + prompt_ends
 
 
 @pytest.mark.parametrize("args, message", [
