@@ -77,6 +77,16 @@ class ModelConfig:
     adapter_from: Optional[str] = None
     """A LoRA adapter folder (a run's output_dir/adapter) to continue training instead of a fresh adapter; its own
     adapter_config.json (r, alpha, targets) applies, lora.r etc. are not used. model.name_or_path must be its base."""
+    add_tokens: list[str] = field(default_factory=list)
+    """Tokens added to the tokenizer (ordinary tokens, e.g. markup a dataset uses); the embeddings (and an untied
+    output head) grow to the tokenizer's size, the new rows initialized as transformers' resize_token_embeddings
+    does. The rows of these tokens, of model.add_special_tokens and of a shipped data.chat_template's are trained:
+    under LoRA through peft's trainable_token_indices (only those rows, saved with the adapter), in full
+    fine-tuning with every weight."""
+    add_special_tokens: list[str] = field(default_factory=list)
+    """Special tokens added to the tokenizer (never split, dropped from decoded text, a turn's end when a template
+    writes one after an answer: e.g. <|im_start|>, <|im_end|> for a ChatML template of your own); trained as
+    model.add_tokens are."""
 
     def resolve(self, cfg) -> None:
         if self.random_init is None:  # resolved here, so config.yaml records what the run did
@@ -92,6 +102,13 @@ class ModelConfig:
                               "be used with random weights (model.random_init)")
         if self.adapter_from and not cfg.lora.enabled:
             raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
+        for key, tokens in (("model.add_tokens", self.add_tokens), ("model.add_special_tokens", self.add_special_tokens)):
+            if any(not t for t in tokens):
+                raise ConfigError(f"{key}: an empty token, in {tokens}")
+        both = set(self.add_tokens) & set(self.add_special_tokens)
+        if both:
+            raise ConfigError(f"{', '.join(sorted(both))} in both model.add_tokens and model.add_special_tokens; "
+                              "keep it in one of them")
 
 
 @dataclass
@@ -167,9 +184,12 @@ class LoraConfig:
                                  "cannot be used with lora.use_dora (DoRA's magnitudes are taken before LoftQ's "
                                  "A and B)"))
         if self.changes_base():
-            head = registry.info(cfg.task).head == "seq_cls"
+            from accel_train.data.chat_template import tokens_key
+
+            head, tokens = registry.info(cfg.task).head == "seq_cls", tokens_key(cfg)
             lost = ("lora.use_dora (DoRA's magnitudes)" if self.use_dora else
                     "lora.modules_to_save" if self.modules_to_save else
+                    f"{tokens} (the new tokens' embedding rows)" if tokens else
                     f"task {cfg.task} (its classifier head, trained in full)" if head else None)
             if lost:
                 raise ConfigError(f"lora.init={self.init} cannot be used with {lost}: peft's conversion of the saved "
@@ -217,6 +237,17 @@ class DataConfig:
     then instruction/output, then text). text: continued pre-training on text_field, loss on every token."""
     train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
     """causal_lm conversations: the loss covers the last assistant turn, every assistant turn, or every token."""
+    chat_template: Optional[str] = None
+    """The chat template conversations are rendered with, instead of the tokenizer's: the name of one shipped with
+    accel_train for base models (chatml: <|im_start|>ROLE ... <|im_end|>, its two tokens added where the tokenizer
+    lacks them, their rows trained as model.add_tokens') or a Jinja file. Saved with the run's tokenizer, so that
+    generation, export and the tools render as training did. None: the tokenizer's own (without one, turns are
+    written as lines of text, an eos after each answer)."""
+    chat_template_kwargs: dict[str, Union[bool, int, float, str]] = field(default_factory=dict)
+    """Variables the chat template reads, fixed for the run, e.g. {enable_thinking: false} (Qwen3) or, for
+    data.chat_template=chatml, {default_system: TEXT} (a system turn where a conversation has none). Written into
+    the template saved with the run, so every rendering during and after training gets them; each must be a
+    variable the template reads."""
     text_field: str = "text"
     """seq_cls: column with the input text; causal_lm format text: the text to train on."""
     label_field: str = "label"
@@ -282,6 +313,15 @@ class DataConfig:
                               "from a stream without reading all of it)")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        for name in self.chat_template_kwargs:
+            if not name.isidentifier():
+                raise ConfigError(f"data.chat_template_kwargs: {name!r} is not a template variable's name")
+        given = [k for k, v in (("data.chat_template", self.chat_template),
+                                ("data.chat_template_kwargs", self.chat_template_kwargs)) if v]
+        if given and (cfg.task == "seq_cls" or self.format == "text"):
+            raise ConfigError(f"{given[0]} renders conversations: "
+                              + ("task seq_cls reads text" if cfg.task == "seq_cls" else "data.format=text trains on "
+                                 "plain text"))
 
 
 @dataclass

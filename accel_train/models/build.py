@@ -16,6 +16,8 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
+from accel_train.data import chat_template
+from accel_train.data.chat_template import trained_tokens
 from accel_train.models.sources import check_model, one_line, trained_folder
 from accel_train.runtime.tracking import get_logger, quiet_libraries
 
@@ -40,11 +42,51 @@ def build_tokenizer(cfg: Config):
     except OSError as e:  # not a model folder, unknown hub id, or the hub is out of reach
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path}: {first}") from e
+    add_tokens(cfg, tokenizer)
+    chat_template.apply(cfg, tokenizer)
     if tokenizer.pad_token is None:
         # Padding positions are masked out of attention and loss, so any token will do; eos is the convention.
         tokenizer.pad_token = tokenizer.eos_token
         logger.warning(f"tokenizer has no pad token; using eos token {tokenizer.eos_token!r} for padding")
     return tokenizer
+
+
+def add_tokens(cfg: Config, tokenizer) -> None:
+    """model.add_tokens, then model.add_special_tokens and the shipped template's tokens (those the tokenizer lacks),
+    added to the tokenizer; said in one line."""
+    if not trained_tokens(cfg):
+        return
+    before = len(tokenizer)
+    tokenizer.add_tokens(cfg.model.add_tokens)
+    special = [t for t in trained_tokens(cfg) if t not in cfg.model.add_tokens]
+    tokenizer.add_special_tokens({"extra_special_tokens": special}, replace_extra_special_tokens=False)
+    logger.info(f"{describe_tokens(cfg, tokenizer)}; {len(tokenizer) - before} of them added to the tokenizer")
+
+
+def trained_token_ids(cfg: Config, tokenizer) -> list[int]:
+    return sorted(set(tokenizer.convert_tokens_to_ids(trained_tokens(cfg))))
+
+
+def describe_tokens(cfg: Config, tokenizer) -> str:
+    """The trained tokens with their ids, for the run's log and inspect."""
+    return "tokens trained (their embedding rows): " + ", ".join(
+        f"{t!r} ({tokenizer.convert_tokens_to_ids(t)})" for t in trained_tokens(cfg))
+
+
+def grow_embeddings(model: torch.nn.Module, tokenizer, mean_resizing: bool = True) -> None:
+    """The input embeddings (and an untied output head) grown to the tokenizer's size where it has more tokens than
+    they have rows, as peft's AutoPeftModel grows a base for an adapter's tokenizer: to exactly its size (rows
+    padded past it would be neither tokens nor trained, nor saved with an adapter). `mean_resizing`: the new rows
+    drawn around the mean of the others (transformers' default; off where they are overwritten anyway)."""
+    if len(tokenizer) <= whole_shape(model.get_input_embeddings().weight)[0]:
+        return
+    resizing = logging.getLogger("transformers.modeling_utils")  # its warning says how the new rows are drawn
+    level = resizing.level
+    resizing.setLevel(logging.ERROR)
+    try:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
+    finally:
+        resizing.setLevel(level)
 
 
 def model_width(cfg: Config) -> int | None:
@@ -112,12 +154,13 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
                 logger.info(f"model: a new classification head ({', '.join(new)}) on {m.name_or_path}, trained "
                             "from scratch")
         model = with_hub_kernels(model, m.hub_kernels, placed.get("device_map"))
-        if m.quantization:
-            # Casts norms and the head to fp32 and makes the frozen embeddings' output require grad, so that
-            # gradients reach the adapter through checkpointed layers.
-            model = peft.prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+    grow_embeddings(model, tokenizer, mean_resizing=not empty)  # empty: its weights come from the main process's
+    if m.quantization:
+        # Casts norms and the head to fp32 and makes the frozen embeddings' output require grad, so that
+        # gradients reach the adapter through checkpointed layers.
+        model = peft.prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
     return model
 
@@ -172,13 +215,17 @@ def quantization(cfg: Config, device: torch.device | None) -> dict:
 REFERENCE_ADAPTER = "reference"  # with model.adapter_from: the adapter as training starts, frozen (a reference)
 
 
-def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = False) -> torch.nn.Module:
+def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = False,
+               tokenizer=None) -> torch.nn.Module:
     """Wrap `model` in a peft LoRA adapter (only the adapter, and modules_to_save, are trained): a fresh one, or
     the one model.adapter_from names, trained further (with `reference_adapter`, loaded a second time as the
-    task's frozen reference: tasks.Task.frozen_reference_adapter)."""
+    task's frozen reference: tasks.Task.frozen_reference_adapter). The embedding rows of `trained_tokens` (the
+    run's `tokenizer` numbers them) are trained too: peft's trainable_token_indices, on the input embeddings and
+    on an untied output head (a new token the model must write, such as an end of turn, needs its output row)."""
     if not cfg.lora.enabled:
         return model
     if cfg.model.adapter_from:
+        check_adapter_tokenizer(cfg, tokenizer)
         model = peft.PeftModel.from_pretrained(model, cfg.model.adapter_from, is_trainable=True)
         if reference_adapter:
             # the same adapter, frozen (adapter-sized: the base is shared); reference.reference_mode switches to it (TRL's
@@ -205,6 +252,7 @@ def apply_lora(cfg: Config, model: torch.nn.Module, reference_adapter: bool = Fa
         use_rslora=c.use_rslora,
         init_lora_weights=LORA_INIT.get(c.init, c.init),
         layers_to_transform=c.layers,
+        trainable_token_indices=token_rows(cfg, model, tokenizer),
     )
     try:
         model = peft.get_peft_model(model, lora)
@@ -240,6 +288,32 @@ def weights_folder(cfg: Config) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(cfg.model.name_or_path, revision=cfg.model.revision, local_files_only=True)
+
+
+def token_rows(cfg: Config, model: torch.nn.Module, tokenizer) -> dict[str, list[int]] | None:
+    """peft's trainable_token_indices: the embedding modules (input, and an untied or tied output head) by name,
+    each with the rows of the run's trained tokens; a module lora.modules_to_save trains whole is left to it."""
+    if not trained_tokens(cfg):
+        return None
+    if tokenizer is None:
+        raise ValueError("apply_lora: model.add_tokens and the like need the run's tokenizer to number the tokens")
+    ids = trained_token_ids(cfg, tokenizer)
+    embeddings = [model.get_input_embeddings(), model.get_output_embeddings()]
+    names = [name for name, module in model.named_modules() if any(module is e for e in embeddings if e is not None)]
+    return {name: ids for name in names if name.rsplit(".", 1)[-1] not in cfg.lora.modules_to_save} or None
+
+
+def check_adapter_tokenizer(cfg: Config, tokenizer) -> None:
+    """model.adapter_from continues an adapter on the tokenizer it was trained with: one that added tokens needs the
+    same ones (its run's model.add_tokens, model.add_special_tokens, data.chat_template)."""
+    folder = Path(cfg.model.adapter_from).expanduser()
+    if tokenizer is None or not (folder / "tokenizer_config.json").is_file():
+        return
+    theirs = len(AutoTokenizer.from_pretrained(folder))
+    if theirs != len(tokenizer):
+        raise ConfigError(f"model.adapter_from: {folder} was trained with a tokenizer of {theirs} tokens, this run's "
+                          f"has {len(tokenizer)}: give the model.add_tokens, model.add_special_tokens and "
+                          "data.chat_template of its run (its config.yaml)")
 
 
 def whole_shape(p: torch.nn.Parameter) -> torch.Size:
@@ -286,7 +360,7 @@ def check_packing(model: torch.nn.Module, low_precision: bool = False) -> None:
     was_training, model_dtype = model.training, next(model.parameters()).dtype
     model.eval()
     g = torch.Generator().manual_seed(0)
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = whole_shape(model.get_input_embeddings().weight)[0]
     a, b = (torch.randint(vocab, (1, n), generator=g).to(model.device) for n in (5, 3))
     alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1).float()
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
@@ -313,12 +387,17 @@ def load_trained(path, auto_cls, **kw):
     the adapter folder's generation_config.json (where generation stops), which peft leaves unread."""
     path = trained_folder(path)
     quiet_libraries()  # the tools' output is their answer: no "Loading weights" bar, no known-harmless warnings
+    tokenizer = AutoTokenizer.from_pretrained(path)  # with the tokens and the chat template the run trained with
     if (path / "adapter_config.json").is_file():
         saved_base = path.parent / "base_model"
         adapter_config = peft.PeftConfig.from_pretrained(path)
         base = saved_base if saved_base.is_dir() else adapter_config.base_model_name_or_path
         check_model(str(base), key=f"{path / 'adapter_config.json'}: base_model_name_or_path")
-        config = AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
+        config = AutoConfig.from_pretrained(base)
+        if (path / "config.json").is_file():  # the trained head's; the base's rows, grown below for added tokens
+            rows = config.get_text_config().vocab_size
+            config = AutoConfig.from_pretrained(path)
+            config.get_text_config().vocab_size = rows
         # the head's weights come from the adapter (modules_to_save): a base head of another size is replaced
         with held_load_report() as held:
             base_model, loading = auto_cls.from_pretrained(base, config=config, ignore_mismatched_sizes=True,
@@ -327,10 +406,11 @@ def load_trained(path, auto_cls, **kw):
             held.drop = supplied_by(adapter_config.modules_to_save, loading)
         if (path / GENERATION_CONFIG_NAME).is_file():
             base_model.generation_config = GenerationConfig.from_pretrained(path)
+        # rows for the tokens the run added: their trained values are the adapter's (trainable_token_indices)
+        grow_embeddings(base_model, tokenizer, mean_resizing=False)
         model = peft.PeftModel.from_pretrained(base_model, path)
     else:
         model = with_hub_kernels(auto_cls.from_pretrained(path, use_kernels=False, **kw), device_map=kw.get("device_map"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
     set_pad_token_id(model, tokenizer)
     return model, tokenizer

@@ -20,6 +20,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from accel_train.config.schema import SCHEDULE_KEYS, Config, is_embedded_tiny_model
 from accel_train.config.load import load_config, to_dict
+from accel_train.data.chat_template import trained_tokens
 from accel_train.data.sources import FILE_BUILDERS
 from accel_train.config.registry import info
 
@@ -199,9 +200,13 @@ def usage_section(cfg: Config, folder: str, source: str, local_base: str | None 
     package, cls = ("peft", f"AutoPeftModelFor{auto}") if folder == "adapter" else ("transformers", f"AutoModelFor{auto}")
     load = f"from {package} import {cls}\n\nmodel = {cls}.from_pretrained({source!r})"
     if folder == "adapter" and local_base:
-        load = (f"from peft import PeftModel\nfrom transformers import AutoModelFor{auto}\n\n"
+        # a local base lacks the rows of the tokens the run added (peft's AutoPeftModel grows a hub base itself)
+        grow = (f"base.resize_token_embeddings(len(AutoTokenizer.from_pretrained({source!r})))  # the added tokens\n"
+                if trained_tokens(cfg) else "")
+        load = (f"from peft import PeftModel\nfrom transformers import AutoModelFor{auto}"
+                + (", AutoTokenizer" if grow else "") + "\n\n"
                 f"base = AutoModelFor{auto}.from_pretrained({local_base!r})  # the local base: your copy of it\n"
-                f"model = PeftModel.from_pretrained(base, {source!r})")
+                f"{grow}model = PeftModel.from_pretrained(base, {source!r})")
     elif info(cfg.task).head == "causal_lm":
         load = generation_example(folder, source, package, cls)
     return ["## Usage", "", "```python", load, "```", ""]

@@ -15,6 +15,7 @@ import sys
 from accel_train.config.load import parse_cli
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
+from accel_train.data import chat_template
 from accel_train.data.sources import check_data_source
 from accel_train.training.preflight import check_model_source, read_gguf, split_global_batch
 from accel_train.components.views import STREAM_ROWS
@@ -27,13 +28,16 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
 
     from accel_train.data import pipeline as data_lib
     from accel_train import tasks
-    from accel_train.models.build import build_tokenizer
+    from accel_train.models.build import build_tokenizer, describe_tokens
 
     from accelerate import PartialState
 
     datasets.disable_progress_bars()  # the report is the output
     PartialState()  # data.* log what they find (cut, dropped, <unk>) with accelerate's logger, which needs its state
     tokenizer = build_tokenizer(cfg)
+    print(chat_template.describe(cfg, tokenizer), file=out)
+    if chat_template.trained_tokens(cfg):
+        print(describe_tokens(cfg, tokenizer), file=out)
     task = tasks.make(cfg)
     train_raw, eval_raw = data_lib.load_splits(cfg)
     chosen = task.columns(data_lib.columns(train_raw), cfg.data.path)
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_cli(rest)
         split_global_batch(cfg, 1)  # the batches of one process (batch_efficiency)
         check_data_source(cfg)
+        chat_template.check(cfg)
         check_model_source(cfg)  # its tokenizer: a missing folder or an unreachable hub in one line, at once
         read_gguf(cfg, say=False)  # a GGUF file: its transformers folder (read once, then cached)
         inspect_data(cfg, args.samples)

@@ -17,6 +17,7 @@ from accel_train.runtime.checkpoint import resolve_resume
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.config import registry
+from accel_train.data import chat_template
 from accel_train.data.sources import check_data_source
 from accel_train.models.sources import gguf_folder, is_gguf, read_model, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
@@ -31,6 +32,7 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
     if split:
         split_global_batch(cfg, launched_world_size())
     check_data_source(cfg)
+    chat_template.check(cfg)
     check_model_source(cfg)
     check_adapter_source(cfg)
     check_output_dir(cfg)

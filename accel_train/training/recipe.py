@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from datasets import IterableDataset
 from transformers.integrations.neftune import activate_neftune
 
-from accel_train.data import pipeline as data_lib
+from accel_train.data import chat_template, pipeline as data_lib
 from accel_train import tasks
 from accel_train.runtime import faults
 from accel_train.models.card import write_cards
@@ -60,6 +60,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         quantization(cfg, accelerator.device)  # a CPU run asked for QLoRA stops here, before any work
         start_run_dir(cfg, accelerator)
         tokenizer = build_tokenizer(cfg)
+        if cfg.data.chat_template or cfg.data.chat_template_kwargs:
+            main_logger().info(chat_template.describe(cfg, tokenizer))
         task = tasks.make(cfg)
         data_report = {}  # what tokenizing cut, dropped and refused, per split (summary.json)
         train_ds, eval_ds = setup_data(cfg, accelerator, task, tokenizer, data_report)
@@ -199,7 +201,7 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
                               "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if random_base else None
-    model = apply_lora(cfg, model, task.frozen_reference_adapter())
+    model = apply_lora(cfg, model, task.frozen_reference_adapter(), tokenizer)
     if cfg.data.packing and task.packs and not engine.builds_sharded:
         check_packing(model)  # before any expensive work: one forward of 8 tokens (built sharded: after prepare)
     if cfg.train.neftune_alpha is not None:  # a forward hook on the input embeddings, inert in eval mode
@@ -343,6 +345,11 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
                 unwrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
         # the trained adapter only (dpo may hold a frozen reference adapter beside it: model.REFERENCE_ADAPTER)
         only_trained = {"selected_adapters": ["default"]} if cfg.lora.enabled else {}
+        if cfg.lora.enabled and unwrapped.peft_config["default"].trainable_token_indices:
+            # the added tokens' rows are in the adapter (trainable tokens); the base's embeddings are not saved, though
+            # they grew (peft's "auto" would save them whole): loading grows them again (model.load_trained, peft's
+            # AutoPeftModel)
+            only_trained["save_embedding_layers"] = False
         if cfg.lora.changes_base():
             # PiSSA/OLoRA: written as an adapter of the unchanged base, the trained one less the initial one (peft
             # loads that into this model: its weights are whole, sharding engines are refused: launched.check_engine)

@@ -44,6 +44,11 @@ class DistillConfig:
         for key, value in (("distill.beta", self.beta), ("distill.on_policy", self.on_policy)):
             if not 0 <= value <= 1:
                 raise ConfigError(f"{key} must be in [0, 1], got {value}")
+        from accel_train.data.chat_template import tokens_key  # not at import: config loading imports this module
+
+        if tokens_key(cfg):
+            raise ConfigError(f"{tokens_key(cfg)} adds tokens to the student's tokenizer, for which the teacher has no "
+                              "rows: distillation compares the two models' next-token distributions token by token")
         if self.on_policy and (cfg.data.format == "text" or cfg.data.train_on == "all"):
             raise ConfigError(f"distill.on_policy={self.on_policy} samples answers to prompts: not with "
                               "data.format=text or data.train_on=all, where every token is trained and there is no "
