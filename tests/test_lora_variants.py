@@ -238,6 +238,8 @@ def test_variants_reach_peft_and_all_linear_keeps_its_meaning_with_layers():
                                                 "peft's conversion of the saved adapter"),
     (["lora.init=olora", "task=seq_cls"], "lora.init=olora cannot be used with task seq_cls (its classifier head"),
     (["lora.init=pissa", "lora.modules_to_save=[lm_head]"], "lora.init=pissa cannot be used with lora.modules_to_save"),
+    (["lora.init=olora", "model.add_tokens=[<tool>]"], "lora.init=olora cannot be used with model.add_tokens (the new "
+                                                       "tokens' embedding rows)"),
     (["lora.init=pissa", "task=kto"], "lora.init=pissa cannot be used with kto.reference=start: the reference is the "
                                       "model with its adapter disabled"),
     (["lora.init=olora", "task=grpo", "grpo.beta=0.1"], "lora.init=olora cannot be used with grpo.beta=0.1"),

@@ -100,14 +100,17 @@ def _key_lines(node, prefix: str = ""):
             yield from _key_lines(value, f"{prefix}{key.value}.")
 
 
-def _build(cls, raw: dict, prefix: str, lines: dict[str, str]):
+def _build(cls, raw: dict, prefix: str, lines: dict[str, str], item: bool = False):
+    """`cls` from its mapping; `item`: an item of a list of sections (data.sources[0].), whose unknown keys are
+    matched with its own."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            raise ConfigError(unknown_key(f"{prefix}{key}", config_keys(Config), lines.get(f"{prefix}{key}")))
+            keys = config_keys(cls, prefix) if item else config_keys(Config)
+            raise ConfigError(unknown_key(f"{prefix}{key}", keys, lines.get(f"{prefix}{key}")))
     kwargs = {}
     for name in names:
         if name not in raw:
@@ -130,6 +133,12 @@ def config_keys(cls=Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def _listed_section(hint):
+    """The dataclass of a list of sections (list[SourceConfig]), else None."""
+    args = typing.get_args(hint)
+    return args[0] if typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]) else None
+
+
 def _check(value, hint, key: str):
     """Return `value` as type `hint`, or raise ConfigError naming `key`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -143,6 +152,8 @@ def _check(value, hint, key: str):
             except ConfigError:
                 pass
         return _check(value, last, key)
+    if dataclasses.is_dataclass(hint):  # an item of a list of sections (data.sources)
+        return _build(hint, value, f"{key}.", {}, item=True)
     if origin is Literal:
         if isinstance(value, bool):  # YAML 1.1 reads unquoted no/off/yes/on as booleans
             value = next((a for a in args if str(a).lower() in (YAML_BOOL_WORDS[value])), value)
@@ -213,7 +224,11 @@ def help_text(cls=Config, prefix: str = "") -> str:
             lines.append(help_text(hints[f.name], f"{prefix}{f.name}."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {prefix}{f.name} ({_type_name(hints[f.name])}, default {default!r}): {docs.get(f.name, '')}")
+        item = _listed_section(hints[f.name])
+        kind = f"list of {{{', '.join(x.name for x in dataclasses.fields(item))}}}" if item else _type_name(hints[f.name])
+        lines.append(f"  {prefix}{f.name} ({kind}, default {default!r}): {docs.get(f.name, '')}")
+        if item:
+            lines.append(help_text(item, f"{prefix}{f.name}[]."))
         if cls is Config and f.name == "task":
             lines += [f"      {name}: {task.summary}" for name, task in registry.REGISTRY.items()]
     return "\n".join(lines)

@@ -205,6 +205,51 @@ class LoraConfig:
                                   "does not reproduce (peft: Quant(W_res) + AB != Quant(W) + delta W)")
 
 
+FORMATS = ("auto", "prompt_response", "messages", "alpaca", "text")
+# data.mix=interleave's endings, as datasets.interleave_datasets names them
+STOPPING_STRATEGIES = ("first_exhausted", "all_exhausted", "all_exhausted_without_replacement")
+# data.* keys that say where the rows come from: a source of data.sources gives its own (its `split` is train_split)
+SOURCE_KEYS = {"path": "path", "split": "train_split", "eval_split": "eval_split", "name": "name",
+               "data_files": "data_files", "revision": "revision"}
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""
+    """As data.path: a data file, a save_to_disk folder, a folder of data files, a hub dataset, a builder (with
+    data_files), or builtin:NAME."""
+    tag: Optional[str] = None
+    """Its name in the logs and in its evaluation's results (eval_TAG_loss, ...): letters, digits, _ and -. None:
+    from the path (a file's or folder's name without suffix, a hub id's last part, the built-in's name)."""
+    split: str = "train"
+    """Its split trained on (as data.train_split)."""
+    eval_split: Optional[str] = None
+    """Its split evaluated on (as data.eval_split); None: data.eval_fraction of `split` held out."""
+    name: Optional[str] = None
+    """Its dataset configuration (subset), as data.name."""
+    data_files: Optional[Union[list[str], dict[str, list[str]]]] = None
+    """Its files, as data.data_files."""
+    revision: Optional[str] = None
+    """Its hub revision, as data.revision."""
+    format: Optional[Literal[FORMATS]] = None
+    """Its row format, as data.format; None: data.format."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Its column names, by the keys that name them: {prompt_field: question, response_field: answer} (data.*),
+    {dpo.chosen_field: better} (a task's section); the others as the run's keys say."""
+    weight: Optional[float] = None
+    """data.mix=interleave: its share of the training samples, relative to the other sources' weights (None on every
+    source: equal shares)."""
+    samples: Optional[int] = None
+    """data.mix=concatenate: the training samples it gives: fewer than it has, a seeded random subset; more, all of
+    them repeated, then a seeded subset. None: each once."""
+
+    def default_tag(self) -> str:
+        """`tag` from the path and the subset: data/alpaca.jsonl -> alpaca, org/ds + name x -> ds_x."""
+        stem = self.path.removeprefix("builtin:").rstrip("/").rpartition("/")[2]
+        stem = stem.partition(".")[0] if not self.path.startswith("builtin:") else stem
+        return re.sub(r"[^A-Za-z0-9_-]+", "_", stem + (f"_{self.name}" if self.name else "")) or "source"
+
+
 @dataclass
 class DataConfig:
     path: str = "builtin:reverse"
@@ -232,7 +277,7 @@ class DataConfig:
     """causal_lm, format alpaca: column with the optional input appended to the instruction."""
     output_field: str = "output"
     """causal_lm, format alpaca: column with the target answer."""
-    format: Literal["auto", "prompt_response", "messages", "alpaca", "text"] = "auto"
+    format: Literal[FORMATS] = "auto"
     """causal_lm data format. auto: from the columns (messages_field or `conversations`, then prompt/response,
     then instruction/output, then text). text: continued pre-training on text_field, loss on every token."""
     train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
@@ -293,10 +338,28 @@ class DataConfig:
     data.eval_split or data.eval_path only."""
     shuffle_buffer: int = 10000
     """streaming: samples held in the shuffle buffer (reshuffled every epoch)."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A mixture in place of data.path (keys: data.sources[].KEY below): each source read and tokenized as data.path
+    would be, with its own keys (the others: the run's data.*), then mixed as data.mix says; each evaluated on its
+    own held-out rows or eval_split (results eval_TAG_*), the mix on all of them (eval_*). []: data.path alone."""
+    mix: Optional[Literal["interleave", "concatenate"]] = None
+    """How data.sources are mixed, once, before the seeded shuffle (the same samples on any number of processes, and
+    resumable). interleave: datasets.interleave_datasets, each sample drawn from a source with probability its
+    weight over the sum (seeded by `seed`) until data.stopping_strategy; concatenate: every source's samples (or
+    `samples` of them). None: interleave where a source has a weight, else concatenate."""
+    stopping_strategy: Literal[STOPPING_STRATEGIES] = "first_exhausted"
+    """data.mix=interleave: when the mix ends, as datasets names it. first_exhausted: once a source has given all
+    its samples (the others undersampled: LLaMA-Factory's interleave_under); all_exhausted: once every source has,
+    those exhausted starting over (oversampled: interleave_over); all_exhausted_without_replacement: once every
+    source has, each sample drawn once."""
 
     def resolve(self, cfg) -> None:
         if self.group_by_length is None:
             self.group_by_length = cfg.task == "seq_cls"
+        if self.sources and self.mix is None:  # resolved here, so config.yaml records what the run did
+            self.mix = "interleave" if any(s.weight is not None for s in self.sources) else "concatenate"
+        for source in self.sources:
+            source.tag = source.tag or source.default_tag()
 
     def check(self, cfg) -> None:
         positive({"data.max_length": self.max_length, "data.builtin_size": self.builtin_size,
@@ -322,6 +385,58 @@ class DataConfig:
             raise ConfigError(f"{given[0]} renders conversations: "
                               + ("task seq_cls reads text" if cfg.task == "seq_cls" else "data.format=text trains on "
                                  "plain text"))
+        self._check_mixture(cfg)
+
+    def eval_splits(self) -> list[str]:
+        """The evaluation splits data.sources name."""
+        return [s.eval_split for s in self.sources if s.eval_split is not None]
+
+    def _check_mixture(self, cfg) -> None:
+        """data.sources, data.mix and data.stopping_strategy: the keys of one source not given beside them, each
+        source's share given once and in the mix's terms, and each source read as a run of its own would be
+        (Config.source)."""
+        if not self.sources:
+            for key in ("mix", "stopping_strategy"):
+                if getattr(self, key) != getattr(DataConfig, key):
+                    raise ConfigError(f"data.{key}={getattr(self, key)} mixes data.sources, and none are given")
+            return
+        given = [f"data.{k}" for k in (*SOURCE_KEYS.values(), "eval_path")
+                 if getattr(self, k) != getattr(DataConfig, k)]
+        if given:
+            raise ConfigError(f"{given[0]} and data.sources both say where the data comes from: give each source's "
+                              "path, split, eval_split, name, data_files and revision in data.sources")
+        if self.streaming:
+            raise ConfigError("data.streaming=true is not supported with data.sources (mixtures are read in memory)")
+        if cfg.eval.generate:
+            raise ConfigError("eval.generate=true is not supported with data.sources (each source is evaluated on "
+                              "its own, and generation reads one evaluation set)")
+        if self.mix == "concatenate" and self.stopping_strategy != DataConfig.stopping_strategy:
+            raise ConfigError(f"data.stopping_strategy={self.stopping_strategy} ends an interleaved mix: it needs "
+                              "data.mix=interleave")
+        weighted = [s.weight is not None for s in self.sources]
+        tags = [s.tag for s in self.sources]
+        for i, s in enumerate(self.sources):
+            key = f"data.sources[{i}]"
+            if not s.path:
+                raise ConfigError(f"{key}.path is missing: each source names its data")
+            if s.weight is not None and s.samples is not None:
+                raise ConfigError(f"{key} ({s.path}) gives weight and samples: one of them (weight with "
+                                  "data.mix=interleave, samples with data.mix=concatenate)")
+            positive({}, {f"{key}.weight": s.weight, f"{key}.samples": s.samples})
+            if s.weight is not None and self.mix != "interleave":
+                raise ConfigError(f"{key}.weight={s.weight} is a share of an interleaved mix: it needs "
+                                  "data.mix=interleave (concatenate takes samples)")
+            if s.samples is not None and self.mix != "concatenate":
+                raise ConfigError(f"{key}.samples={s.samples} is for data.mix=concatenate; an interleaved mix takes "
+                                  "weights")
+            if any(weighted) and not weighted[i]:
+                raise ConfigError(f"{key} ({s.path}) has no weight while others do: give every source a weight, or "
+                                  "none (equal shares)")
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", tags[i]):
+                raise ConfigError(f"{key}.tag={tags[i]!r}: letters, digits, _ and - only (it names results)")
+            if tags.count(tags[i]) > 1:
+                raise ConfigError(f"{key}: tag {tags[i]!r} names two sources; give them distinct data.sources[].tag")
+            cfg.source(i)  # its own keys checked as a run on it alone would check them
 
 
 @dataclass
@@ -605,6 +720,35 @@ class Config:
         self._check_truncation()
         self._check_best()
 
+    def source(self, i: int) -> "Config":
+        """The run as it reads data.sources[i]: data.* with the source's own keys (where its rows come from, its
+        format and column names; the rest the run's), checked as a run on it alone (an error names the source)."""
+        s = self.data.sources[i]
+        sections = {"data": {**{key: getattr(s, own) for own, key in SOURCE_KEYS.items()},
+                             "format": s.format or self.data.format}}
+        for key, column in s.fields.items():
+            section, _, name = key.rpartition(".")
+            if not name.endswith("_field") or not hasattr(getattr(self, section or "data", None), name):
+                raise ConfigError(f"data.sources[{i}].fields: {key} is not a key naming a column (prompt_field, "
+                                  "messages_field, ... of data; dpo.chosen_field, ... of a task's section)")
+            sections.setdefault(section or "data", {})[name] = column
+        data = dataclasses.replace(self.data, sources=[], mix=None, stopping_strategy=DataConfig.stopping_strategy,
+                                   eval_path=None, max_samples=None, **sections.pop("data"))
+        try:
+            return dataclasses.replace(self, data=data, **{k: dataclasses.replace(getattr(self, k), **v)
+                                                           for k, v in sections.items()})
+        except ConfigError as e:
+            raise self.source_error(i, e) from None
+
+    def source_error(self, i: int, error: ConfigError) -> ConfigError:
+        """An error of the run as it reads data.sources[i] (Config.source), naming the source's own keys
+        (data.path -> data.sources[i].path), or else the source."""
+        own = {key: name for name, key in SOURCE_KEYS.items()} | {"format": "format"}
+        text = re.sub(r"\bdata\.(" + "|".join(own) + r")\b", lambda m: f"data.sources[{i}].{own[m.group(1)]}",
+                      str(error))
+        return ConfigError(text if f"data.sources[{i}]" in text else
+                           f"data.sources[{i}] ({self.data.sources[i].path}): {text}")
+
     def _check_truncation(self):
         """data.truncation=right cuts a conversation's end: not text chunks, nor seq_cls texts (tasks that cut the
         prompt first say so in their own section's check, which runs before)."""
@@ -625,7 +769,7 @@ class Config:
         if unknown:
             raise ConfigError(f"eval.metric_kwargs: {', '.join(sorted(unknown))} is not in eval.metrics or "
                               "eval.generation_metrics")
-        no_eval = (self.data.eval_split is None and not self.data.eval_path
+        no_eval = (self.data.eval_split is None and not self.data.eval_path and not self.data.eval_splits()
                    and (self.data.eval_fraction == 0 or self.data.streaming))
         users = [name for name, on in (("train.early_stopping_patience", self.train.early_stopping_patience),
                                        ("checkpoint.keep_best", self.checkpoint.keep_best),

@@ -41,6 +41,9 @@ def load_splits(cfg: Config) -> tuple[Dataset | IterableDataset, Dataset | None]
     train (data.eval_fraction). With data.streaming, train is an IterableDataset read lazily from the files (or the
     hub)."""
     d = cfg.data
+    if d.sources:  # each source is read alone (data/mixture.py); their rows differ in format until tokenized
+        raise ConfigError("data.sources: a mixture is read by training and inspect; here give one source as "
+                          "data.path")
     if d.path.startswith("builtin:"):
         loaded = DatasetDict(train=builtin_dataset(d.path.removeprefix("builtin:"), d.builtin_size))
     else:

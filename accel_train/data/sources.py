@@ -174,7 +174,14 @@ def builtin_rows(name: str, size: int) -> list[dict]:
 def check_data_source(cfg: Config) -> None:
     """data.path names a built-in dataset, a readable local file of a known type, a folder, or a hub id;
     data.eval_path a readable local file or a save_to_disk folder of one split; data.eval_split a split, not a file;
-    and data.data_files fits data.path."""
+    and data.data_files fits data.path. The sources of a mixture (data.sources): each as data.path."""
+    for i in range(len(cfg.data.sources)):
+        try:
+            check_data_source(cfg.source(i))
+        except ConfigError as e:
+            raise cfg.source_error(i, e) from None
+    if cfg.data.sources:
+        return
     path = cfg.data.path
     local = Path(path).expanduser()
     if path.startswith("builtin:"):

@@ -104,12 +104,12 @@ def model_card(run_dir: str | Path, folder: str = "adapter", repo_id: str | None
     recorded = public_path(recorded, run_dir)
     # Pushed, an adapter on a local base loads only where that base is: the card says so and loads it explicitly.
     pushed_local_base = adapter and repo_id is not None and base is None
-    dataset = hub_id(cfg.data.path)
+    datasets = [d for d in map(hub_id, [s.path for s in cfg.data.sources] or [cfg.data.path]) if d]
     data = ModelCardData(
         base_model=base, library_name="peft" if adapter else "transformers",
         tags=["accel_train", cfg.task, *(["lora"] if cfg.lora.enabled else []),
               *(["merged"] if folder == "merged" else [])],
-        datasets=[dataset] if dataset else None, pipeline_tag=PIPELINE_TAGS[info(cfg.task).head])
+        datasets=datasets or None, pipeline_tag=PIPELINE_TAGS[info(cfg.task).head])
     body = [f"# {run_dir.resolve().name}", "",
             f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {describe_base(cfg, base, run_dir)}, trained "
             f"with accel_train (task `{cfg.task}`) on {describe_data(cfg, run_dir)}.", "",
@@ -135,10 +135,19 @@ def local_base_section(recorded: str) -> list[str]:
 
 
 def describe_data(cfg: Config, run_dir: Path) -> str:
-    dataset = hub_id(cfg.data.path)
+    if cfg.data.sources:  # a mixture: each source, with its weight or samples
+        return f"a mix ({cfg.data.mix}) of " + ", ".join(
+            describe_source(s.path, s.name, run_dir) + (f" (weight {s.weight:g})" if s.weight is not None else
+                                                        f" ({s.samples} samples)" if s.samples is not None else "")
+            for s in cfg.data.sources)
+    return describe_source(cfg.data.path, cfg.data.name, run_dir)
+
+
+def describe_source(path: str, name: str | None, run_dir: Path) -> str:
+    dataset = hub_id(path)
     if dataset:
-        return f"[{dataset}](https://huggingface.co/datasets/{dataset})" + (f" ({cfg.data.name})" if cfg.data.name else "")
-    return f"`{public_path(cfg.data.path, run_dir)}`"
+        return f"[{dataset}](https://huggingface.co/datasets/{dataset})" + (f" ({name})" if name else "")
+    return f"`{public_path(path, run_dir)}`"
 
 
 def results_section(cfg: Config, summary: dict) -> list[str]:

@@ -23,6 +23,7 @@ module is imported by `make`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
@@ -76,6 +77,17 @@ class Task:
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         """The split as samples the collator takes; what was cut, dropped or refused counted into `report`."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def reading(self, cfg):
+        """The task reading one source of a mixture (data.sources): `columns`, `read_splits` and `tokenize` see the
+        run's config as that source gives it (Config.source: its path, format and column names); what they learn
+        (a classifier's class names, model.num_labels) stays with the task."""
+        run, self.cfg = self.cfg, cfg
+        try:
+            yield self
+        finally:
+            self.cfg = run
 
     def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
         raise NotImplementedError

@@ -10,6 +10,7 @@ The same config and overrides as training (python -m accel_train): the same load
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from accel_train.config.load import parse_cli
@@ -39,6 +40,8 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
     if chat_template.trained_tokens(cfg):
         print(describe_tokens(cfg, tokenizer), file=out)
     task = tasks.make(cfg)
+    if cfg.data.sources:
+        return inspect_mixture(cfg, task, tokenizer, samples, out)
     train_raw, eval_raw = data_lib.load_splits(cfg)
     chosen = task.columns(data_lib.columns(train_raw), cfg.data.path)
     if chosen:
@@ -50,6 +53,31 @@ def inspect_data(cfg: Config, samples: int = 3, out=sys.stdout) -> dict:
         train_raw = Dataset.from_list(list(train_raw.take(STREAM_ROWS)))
     task.read_splits(train_raw, eval_raw)
     return task.inspect(train_raw, eval_raw, streamed, tokenizer, samples, out)
+
+
+def inspect_mixture(cfg: Config, task, tokenizer, samples: int, out) -> dict:
+    """A mixture (data.sources): the mix as the run builds it (each source's samples and share), then each source
+    as inspect shows data.path (its own format and columns)."""
+    import dataclasses
+
+    from accel_train.data import mixture
+
+    parts = mixture.read(cfg)
+    mixture.check_columns(parts, task)
+    tokenized, report = [dataclasses.replace(p) for p in parts], {}
+    logging.disable(logging.WARNING)  # what tokenizing finds is said once, by each source's view below
+    try:
+        mixture.tokenize(tokenized, task, tokenizer, report)
+        mixture.mix(cfg, tokenized, report)
+    finally:
+        logging.disable(logging.NOTSET)
+    print(mixture.describe(cfg, report["mixture"]), file=out)
+    figures = {"mixture": report["mixture"], "sources": {}}
+    for p in parts:
+        print(f"=== source {p.tag}", file=out)
+        with task.reading(p.cfg):
+            figures["sources"][p.tag] = task.inspect(p.train, p.eval, False, tokenizer, samples, out)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ The objects it drives are built by `recipe.py` and handed over in one `TrainingJ
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from contextlib import nullcontext
@@ -62,6 +63,8 @@ class TrainingJob:
     preemption: Preemption
     setup_memory_mb: tuple[float, ...] = ()
     """Each process's peak host (CPU) or device (GPU) memory from its start to its first step, in rank order."""
+    eval_sources: dict = dataclasses.field(default_factory=dict)
+    """A mixture's (data.sources): the evaluation loader of each source's part of eval_dl's set, by tag."""
 
 
 def window_stats(window: list[dict], task: Task, device) -> torch.Tensor:
@@ -338,5 +341,10 @@ def final_evaluation(cfg: Config, job: TrainingJob, results: dict) -> dict:
 
 
 def run_evaluation(cfg: Config, job: TrainingJob) -> dict:
-    """The task's evaluation over the whole eval split: the same results on every rank."""
-    return job.task.evaluate(job)
+    """The task's evaluation over the whole eval split, then (a mixture) over each source's part of it, as
+    eval_TAG_*: the same results on every rank."""
+    results = job.task.evaluate(job)
+    for tag, loader in job.eval_sources.items():
+        part = job.task.evaluate(dataclasses.replace(job, eval_dl=loader))
+        results.update({f"eval_{tag}_{k.removeprefix('eval_')}": v for k, v in part.items()})
+    return results

@@ -53,7 +53,7 @@ def say_unseen(cfg: Config, processes: int) -> None:
     a stream's eval_fraction is said by data.pipeline), or take a batch per step that grew with the processes (no
     train.global_batch_size: the start line gives the product, not that it changed)."""
     d, t, log = cfg.data, cfg.train, logging.getLogger(__name__)
-    if d.eval_split is None and not d.eval_path and d.eval_fraction == 0:
+    if d.eval_split is None and not d.eval_path and not d.eval_splits() and d.eval_fraction == 0:
         log.warning("data: no evaluation data (data.eval_fraction=0, no data.eval_path or data.eval_split): this "
                     "run never evaluates; set one of them to measure it on held-out data")
     if t.global_batch_size is None and processes > 1:

@@ -12,6 +12,7 @@ The command line (cli.py) checks the configuration and calls `run`; nothing here
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import shutil
 import time
@@ -23,7 +24,7 @@ from accelerate.utils import set_seed
 from datasets import IterableDataset
 from transformers.integrations.neftune import activate_neftune
 
-from accel_train.data import chat_template, pipeline as data_lib
+from accel_train.data import chat_template, mixture, pipeline as data_lib
 from accel_train import tasks
 from accel_train.runtime import faults
 from accel_train.models.card import write_cards
@@ -64,15 +65,17 @@ def run(cfg: Config, resume: Path | None) -> dict:
             main_logger().info(chat_template.describe(cfg, tokenizer))
         task = tasks.make(cfg)
         data_report = {}  # what tokenizing cut, dropped and refused, per split (summary.json)
-        train_ds, eval_ds = setup_data(cfg, accelerator, task, tokenizer, data_report)
+        train_ds, eval_ds, eval_parts = setup_data(cfg, accelerator, task, tokenizer, data_report)
         model = setup_model(cfg, accelerator, task, tokenizer, resume)
         faults.inject_start(accelerator.process_index)
-        train_dl, eval_dl = setup_loaders(cfg, accelerator, task, tokenizer, model, train_ds, eval_ds)
+        train_dl, eval_dl, eval_sources = setup_loaders(cfg, accelerator, task, tokenizer, model, train_ds, eval_ds,
+                                                        eval_parts)
         total_steps = count_steps(cfg, accelerator, task, train_ds)
         optimizer, scheduler = setup_optimization(cfg, accelerator, model, total_steps)
-        job = wrap(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume)
+        job = wrap(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume,
+                   eval_sources)
         task.start(job, tokenizer, eval_ds)
-        describe(cfg, job, train_ds, eval_ds)
+        describe(cfg, job, train_ds, eval_ds, data_report.get("mixture"))
 
         t0 = time.perf_counter()
         try:
@@ -147,35 +150,24 @@ def start_run_dir(cfg: Config, accelerator) -> None:
 
 
 def setup_data(cfg: Config, accelerator, task, tokenizer, report: dict) -> tuple:
-    """(train, eval) tokenized by the task: once per machine (its main process first, the others then read
-    datasets' cache). Both splits' columns are checked first, and the task sees the raw splits (seq_cls resolves its
+    """(train, eval, {source tag: its eval samples}) tokenized by the task (data/mixture.py: data.path, or the
+    sources of data.sources, mixed): once per machine (its main process first, the others then read datasets'
+    cache). Both splits' columns are checked first, and the task sees the raw splits (seq_cls resolves its
     classes, grpo tries its rewards). A streamed train set is split per rank here. `report` gets what tokenizing
-    cut, dropped and refused, per split."""
+    cut, dropped and refused, per split (and source), and the mixture's shares."""
     with local_main_process_first(accelerator):  # the others wait for it outside train.dist_timeout_s
         faults.inject_phase("setup", accelerator.process_index)
-        train_raw, eval_raw = data_lib.load_splits(cfg)
-        chosen = task.columns(data_lib.columns(train_raw), cfg.data.path)
-        if chosen:
-            data_lib.logger.info(f"data: {chosen}")
-        if eval_raw is not None:  # checked now: an evaluation that fails after training would come too late
-            eval_chosen = task.columns(data_lib.columns(eval_raw),
-                                       cfg.data.eval_path or f"{cfg.data.path} (evaluation split)")
-            if eval_chosen and eval_chosen != chosen:  # another file, or split, in another format: said, not silent
-                data_lib.logger.info(f"data (evaluation, {cfg.data.eval_path or cfg.data.eval_split}): {eval_chosen}")
-        task.read_splits(train_raw, eval_raw)
-        train_ds = task.tokenize(train_raw, tokenizer, report=report.setdefault("train", {}))
-        eval_ds = (task.tokenize(eval_raw, tokenizer, report=report.setdefault("eval", {}), split="eval")
-                   if eval_raw is not None else None)
+        train_ds, eval_ds, eval_parts = mixture.prepare(cfg, task, tokenizer, report)
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
     if isinstance(train_ds, IterableDataset):
-        return shard_stream(accelerator, train_ds, cfg), eval_ds
+        return shard_stream(accelerator, train_ds, cfg), eval_ds, eval_parts
     if len(train_ds) == 0:
         raise ConfigError(f"data: no training sample keeps a target token after truncation to "
                           f"data.max_length={cfg.data.max_length}; raise it")
     if math.ceil(len(train_ds) / batch) < procs:
         raise ConfigError(f"training data has {len(train_ds)} samples: fewer than one batch of "
                           f"train.per_device_batch_size={batch} for each of the {procs} processes")
-    return train_ds, eval_ds
+    return train_ds, eval_ds, eval_parts
 
 
 def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) -> torch.nn.Module:
@@ -218,9 +210,11 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     return model
 
 
-def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, eval_ds) -> tuple:
-    """(train, eval) dataloaders, not yet sharded, through the task's collator (packed where it packs). The task
-    sets up what needs the bare model first (dpo.precompute_ref adds the reference log-probs to the data)."""
+def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, eval_ds, eval_parts: dict) -> tuple:
+    """(train, eval, {source tag: eval}) dataloaders, not yet sharded, through the task's collator (packed where it
+    packs); the last, of each source's part of the evaluation set (`eval_parts`: their sizes, in order), for a
+    mixture. The task sets up what needs the bare model first (dpo.precompute_ref adds the reference log-probs to
+    the data)."""
     train_ds, eval_ds = task.setup(accelerator, model, tokenizer, train_ds, eval_ds)
     pack = cfg.data.packing and task.packs
     batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
@@ -231,7 +225,11 @@ def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, ev
                                         balance_ranks=procs if task.balance_ranks else 1)
     eval_dl = (data_lib.make_dataloader(eval_ds, task.collator(tokenizer), cfg, cfg.train.eval_batch_size,
                                         shuffle=False) if eval_ds is not None and len(eval_ds) else None)
-    return train_dl, eval_dl
+    starts = [0, *itertools.accumulate(eval_parts.values())]
+    eval_sources = {tag: data_lib.make_dataloader(eval_ds.select(range(a, b)), task.collator(tokenizer), cfg,
+                                                  cfg.train.eval_batch_size, shuffle=False)
+                    for tag, a, b in zip(eval_parts, starts, starts[1:])}
+    return train_dl, eval_dl, eval_sources
 
 
 def count_steps(cfg: Config, accelerator, task, train_ds) -> int:
@@ -250,13 +248,14 @@ def setup_optimization(cfg: Config, accelerator, model, total_steps: int) -> tup
 
 
 def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps: int,
-            resume: Path | None) -> TrainingJob:
+            resume: Path | None, eval_sources: dict) -> TrainingJob:
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     # what a checkpoint's optimizer state must fit: the optimizer and its parameter groups (decay, LoRA+), as built
     layout = (f"{cfg.train.optimizer} (parameter groups of "
               f"{', '.join(str(len(g['params'])) for g in optimizer.param_groups)} tensors)")
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
+    eval_sources = {tag: accelerator.prepare(dl) for tag, dl in eval_sources.items()}  # evened out, as eval_dl
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
     if type(model).__name__ == "DeepSpeedEngine":
@@ -291,22 +290,24 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
     reset_peak_memory(accelerator.device)
     run_log = RunLog(accelerator, cfg, total_steps, state.step, model_flops, list(peaks), task.progress)
     return TrainingJob(accelerator, model, optimizer, scheduler, train_dl, eval_dl, task, state, total_steps,
-                       run_log, Preemption(), setup_memory)
+                       run_log, Preemption(), setup_memory, eval_sources)
 
 
-def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds) -> None:
-    """The run's first line: where it runs, in which precision, from which weights, on what, for how many steps."""
+def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds, mix: dict | None = None) -> None:
+    """The run's first line: where it runs, in which precision, from which weights, on what (`mix`: each source's
+    samples in a mixture), for how many steps."""
     accelerator, (trainable, total) = job.accelerator, count_parameters(job.model)
     batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
     weights = ("random weights (the built-in tiny model)" if cfg.model.random_init and is_embedded_tiny_model(
         cfg.model.name_or_path) else "random weights (model.random_init=true)" if cfg.model.random_init
                else f"the random base saved by an earlier run ({cfg.model.name_or_path})"
                if saved_random_base(cfg.model.name_or_path) else f"pretrained weights from {cfg.model.name_or_path}")
+    sources = " (" + " + ".join(f"{tag} {m['in_mix']}" for tag, m in mix.items()) + ")" if mix else ""
     main_logger().info(
         f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
         f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
         f"{weights}; {trainable:,} of {total:,} parameters trainable; "
-        f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train / "
+        f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train{sources} / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
         f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
         + (f" (train.global_batch_size split over {procs} process(es), in micro-batches of at most "
