@@ -54,6 +54,21 @@ RUN_BY = {
         ("tests/test_optimizers.py::test_each_optimizer_is_built_with_its_settings", ["train.optimizer=", "adamw_8bit"]),
         ("tests/test_optimizers.py::test_each_schedule_follows_its_formula",
          ["cosine_with_min_lr", "train.min_lr_ratio=0.1", "train.warmup_ratio="])],
+    "accel_train lora.use_dora=true lora.use_rslora=true lora.plus_lr_ratio=16 lora.layers=[1] merge=true": [
+        ("tests/test_lora_variants.py::test_dora_rslora_layers_and_lora_plus_reload_and_merge_to_the_trained_logits",
+         ["lora.use_dora=true", "lora.use_rslora=true", "lora.plus_lr_ratio=", "lora.layers=", "merge=true"])],
+    'accel-train inspect data.chat_template=chatml \'model.add_tokens=["\\n"]\'': [
+        ("tests/test_chat_template_option.py::test_a_template_override_changes_the_rendered_prompt_and_the_trained_spans",
+         ["data.chat_template=chatml", "model.add_tokens="])],
+    "accel_train 'data.sources=[{path: a.jsonl, weight: 3}, {path: b.jsonl, format: messages, weight: 1}]'": [
+        ("tests/test_data_mixture.py::test_same_mix_and_losses_on_one_and_two_processes",
+         ["data.sources=", "weight:", "format: messages"])],
+    "accel_train train.neftune_alpha=5": [
+        ("tests/test_neftune.py::test_neftune_changes_training_losses_but_not_evaluation_or_generation",
+         ["train.neftune_alpha=5"])],
+    "accel-train export outputs/smollm2_sft --gguf q8_0": [
+        ("tests/test_real_chat_model.py::test_export_gguf_reads_back_as_the_merged_model",
+         ['tool="export"', '"--gguf"', '"q8_0"'])],
     QUICK_START: [("tests/test_launch.py::test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe", ["accel_train_launch", "cpu_2proc.yaml", "configs/train/default.yaml"])],
     GRPO_RECIPE: [(RECIPES_TINY, ["GRPO_RECIPE"])],
     DISTILL_RECIPE: [(RECIPES_TINY, ["DISTILL_RECIPE"])],
