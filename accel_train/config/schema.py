@@ -184,12 +184,9 @@ class LoraConfig:
                                  "cannot be used with lora.use_dora (DoRA's magnitudes are taken before LoftQ's "
                                  "A and B)"))
         if self.changes_base():
-            from accel_train.data.chat_template import tokens_key
-
-            head, tokens = registry.info(cfg.task).head == "seq_cls", tokens_key(cfg)
+            head = registry.info(cfg.task).head == "seq_cls"  # new tokens' rows: data.chat_template.check
             lost = ("lora.use_dora (DoRA's magnitudes)" if self.use_dora else
                     "lora.modules_to_save" if self.modules_to_save else
-                    f"{tokens} (the new tokens' embedding rows)" if tokens else
                     f"task {cfg.task} (its classifier head, trained in full)" if head else None)
             if lost:
                 raise ConfigError(f"lora.init={self.init} cannot be used with {lost}: peft's conversion of the saved "

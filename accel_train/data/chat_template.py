@@ -18,6 +18,7 @@ from pathlib import Path
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
+from accel_train.runtime.launched import sharded_launch
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # name -> the special tokens its turns are written with: added to a tokenizer that lacks them (their embedding rows
@@ -94,7 +95,17 @@ def with_kwargs(template: str, kwargs: dict, where: str) -> str:
 
 def check(cfg: Config) -> None:
     """Before anything loads: data.chat_template names a shipped template or a readable Jinja file, and the kwargs
-    are read by it (by the tokenizer's own: checked when it is loaded, build_tokenizer)."""
+    are read by it (by the tokenizer's own: checked when it is loaded, build_tokenizer); no new tokens' rows where
+    peft's PiSSA/OLoRA conversion of the saved adapter would drop them."""
+    tokens = tokens_key(cfg)
+    if tokens and cfg.lora.enabled and cfg.lora.changes_base():
+        raise ConfigError(f"lora.init={cfg.lora.init} cannot be used with {tokens} (the new tokens' embedding rows): "
+                          "peft's conversion of the saved adapter to one on the unchanged base keeps only A and B")
+    kind = sharded_launch()
+    if tokens and kind and cfg.lora.enabled:
+        raise ConfigError(f"{tokens} trains the rows of new tokens, under LoRA with peft's trainable tokens, which do "
+                          f"not run on embeddings sharded by {'FSDP' if kind == 'FSDP' else 'DeepSpeed ZeRO-3'}; "
+                          "launch with DDP or DeepSpeed ZeRO-2, or train in full (lora.enabled=false)")
     source = template_source(cfg)
     if source is None:
         return

@@ -15,7 +15,6 @@ from pathlib import Path
 from accel_train.config.schema import OPTIMIZER_PACKAGES, Config
 from accel_train.config.sections import ConfigError
 from accel_train.config import registry
-from accel_train.data.chat_template import tokens_key
 
 
 def launched_world_size() -> int:
@@ -121,11 +120,6 @@ def check_engine(cfg: Config, say: bool = True) -> None:
         key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
         raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
                           "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
-    kind = sharded_launch()
-    if kind and cfg.lora.enabled and tokens_key(cfg):
-        raise ConfigError(f"{tokens_key(cfg)} trains the rows of new tokens, under LoRA with peft's trainable tokens, which do not "
-                          f"run on embeddings sharded by {'FSDP' if kind == 'FSDP' else 'DeepSpeed ZeRO-3'}; launch with "
-                          "DDP or DeepSpeed ZeRO-2, or train in full (lora.enabled=false)")
     how = built_sharded_launch()
     before = info.runs_model_before_prepare(cfg)
     if before and how:

@@ -41,7 +41,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import Engine, share_zero3_master_weights
+from accel_train.runtime.engine import Engine, share_zero3_master_weights, whole_model
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, INITIAL_ADAPTER, make_output_dir, saved_random_base
@@ -119,7 +119,8 @@ def run(cfg: Config, resume: Path | None) -> dict:
         if accelerator.is_main_process:
             if cfg.merge and cfg.lora.enabled:
                 faults.inject_phase("merge", accelerator.process_index)
-                merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
+                with whole_model():  # the main process alone: not partitioned by the launch's ZeRO-3 (would wait)
+                    merge_adapter(cfg.output_dir, Path(cfg.output_dir) / "merged")
             write_summary(cfg, results, train_seconds, time.perf_counter() - t_start, accelerator.device, target)
             write_cards(cfg.output_dir)
         # The others wait for the main process's merge and summary outside train.dist_timeout_s (a merge loads the
