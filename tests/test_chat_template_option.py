@@ -189,3 +189,18 @@ def test_added_tokens_train_their_rows_under_lora_and_reload(tmp_path):
             targets += int((labels != IGNORE_INDEX).sum())
     assert targets == sum(len(r["response"]) + 1 for r in reverse_rows(8, 1))  # each answer and its <|im_end|>
     assert total / targets == pytest.approx(read_metrics(out)[1][-1]["eval_loss"], rel=1e-5)
+
+
+def test_fixed_kwargs_render_any_text_and_are_set_again_not_stacked_in_a_trained_runs_template():
+    """A value outside the BMP, a backslash and quotes render as given; a later run's kwargs on a trained run's saved
+    template (a second stage) replace the fixed ones rather than being overridden by them."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from accel_train.data.chat_template import with_kwargs
+
+    template = "{{ default_system }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    given = 'Réponds 😀 \\ "q"'
+    first = with_kwargs(template, {"default_system": given}, "T")
+    assert _compile_jinja_template(first).render(messages=[{"content": "x"}]) == f"{given}|x"
+    second = with_kwargs(first, {"default_system": "B"}, "T")
+    assert _compile_jinja_template(second).render(messages=[{"content": "x"}]) == "B|x"

@@ -156,9 +156,14 @@ def test_resume_refuses_another_effective_batch_or_optimizer(tmp_path):
     assert proc.returncode == 2
     refusal = [line for line in proc.stderr.splitlines() if "resume_from:" in line]
     assert len(refusal) == 1, proc.stderr
-    assert re.search(r"trained with optimizer adamw \(parameter groups of (\d+) tensors\); this run has adamw "
-                     r"\(parameter groups of \1, 0 tensors\)\. Resume with the same train.optimizer", refusal[0])
+    assert re.search(r"trained with optimizer adamw \(parameter groups: (\d+) tensors at lr 0.01, weight decay 0, "
+                     r"betas \(0.9, 0.999\), eps 1e-08\); this run has adamw \(parameter groups: \1 tensors at lr "
+                     r"0.01, weight decay 0.1, betas \(0.9, 0.999\), eps 1e-08; 0 tensors at lr 0.01, weight decay 0, "
+                     r"betas \(0.9, 0.999\), eps 1e-08\)\. Resume with the same train.optimizer", refusal[0]), refusal
     assert (out / "config.yaml").read_text() == saved  # a refused resume changes nothing
+    # another learning rate: the optimizer's state would bring the old one back
+    proc = launch(1, *BASE, *ONE, "train.max_steps=3", "train.lr=2e-2", f"output_dir={out}", "resume_from=latest")
+    assert proc.returncode == 2 and "tensors at lr 0.01," in proc.stderr and "tensors at lr 0.02," in proc.stderr
 
 
 def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):

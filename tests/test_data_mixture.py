@@ -11,7 +11,7 @@ import random
 import shutil
 
 import pytest
-from conftest import forked_launch, python_m, read_metrics
+from conftest import forked_launch, python_m, read_metrics, said
 
 from accel_train.config.load import load_config
 from accel_train.config.sections import ConfigError
@@ -107,6 +107,8 @@ def test_concatenate_takes_samples_of_each(data):
     ("{path: A, weight: 0}", "data.sources[0].weight must be > 0"),
     ("{path: A, weight: 1, samples: 10}", "data.sources[0] (A) gives weight and samples"),
     ("{path: A, fields: {prompt: q}}", "data.sources[0].fields: prompt is not a key naming a column"),
+    ("{path: A, fields: {dpo.chosen_field: q}}", "data.sources[0].fields: dpo.chosen_field would be ignored: task "
+                                                 "causal_lm reads no column named by the dpo section"),
 ])
 def test_a_bad_source_is_one_line(data, source, error):
     source, error = source.replace("A", str(data[0])), error.replace("A", str(data[0]))
@@ -199,3 +201,16 @@ def test_inspect_and_the_card_show_the_mix(runs, data):
     assert "format prompt_response, " in shown[1] and "format messages, " in shown[2]
     card = (runs[1] / "adapter" / "README.md").read_text()
     assert "on a mix (interleave) of `<local>/a.jsonl` (weight 3), `<local>/b.jsonl` (weight 1)." in card
+
+
+def test_classification_sources_with_other_classes_are_one_line(tmp_path):
+    """One classifier for the mix: sources whose label names differ are refused, not mapped onto the first's."""
+    rows = {"a": ["pos", "neg"], "b": ["pos", "neutral", "neg"]}
+    for name, labels in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"text": f"film {i}", "label": labels[i % len(labels)]}) + "\n" for i in range(12)))
+    proc = python_m("task=seq_cls", f"data.sources=[{{path: {tmp_path / 'a.jsonl'}}}, {{path: {tmp_path / 'b.jsonl'}}}]",
+                    f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and said(proc.stderr) == [
+        f"accel_train: error: data.sources: {tmp_path / 'b.jsonl'} has the classes neg, neutral, pos, an earlier "
+        "source neg, pos: give every source the same classes"]

@@ -209,6 +209,10 @@ def test_lora_plus_composes_with_each_optimizer_and_its_decay_groups():
         names = {id(p): n.split(".")[-3] for n, p in model.named_parameters()}
         groups = [(g["lr"], g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in built.param_groups]
         assert groups == [(1e-3, 0.1, {"lora_A"}), (RATIO * 1e-3, 0.1, {"lora_B", "lora_magnitude_vector"})], optimizer
+    # an adapted embedding trains at train.lr (peft's own default for it is 1e-6)
+    cfg = load_config(None, ["lora.target_modules=[embed_tokens,q_proj]", "lora.plus_lr_ratio=4", "train.lr=1e-3"])
+    built = build_optimizer(cfg, apply_lora(cfg, build_model(cfg, build_tokenizer(cfg))), total_steps=4, fused=False)
+    assert sorted({g["lr"] for g in built.param_groups}) == [1e-3, 4e-3]
 
 
 def test_variants_reach_peft_and_all_linear_keeps_its_meaning_with_layers():

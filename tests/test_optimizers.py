@@ -176,6 +176,9 @@ def test_warmup_and_decay_longer_than_the_run_are_refused_when_its_length_is_kno
     assert str(e.value) == ("train.lr_scheduler=warmup_stable_decay: 9 warmup steps and 13 decay steps "
                             "(train.decay_ratio=0.6) exceed the run's 21 optimizer steps; shorten the warmup or "
                             "the decay")
+    with pytest.raises(ConfigError, match="9 warmup steps and 13 decay steps .* exceed the run's 21 optimizer steps"):
+        load_config(None, ["train.lr_scheduler=warmup_stable_decay", "train.decay_ratio=0.6", "train.warmup_steps=9",
+                           "train.max_steps=21"])  # a length the config gives: refused with it
 
 
 def test_deepspeed_refuses_what_it_cannot_take(monkeypatch, tmp_path):

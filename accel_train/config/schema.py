@@ -589,6 +589,18 @@ class TrainConfig:
         if self.decay_ratio is not None and not 0 < self.decay_ratio <= 1:
             raise ConfigError(f"train.decay_ratio must be in (0, 1], got {self.decay_ratio}")
         positive({}, {"train.lr_cycles": self.lr_cycles, "train.polynomial_power": self.polynomial_power})
+        if self.max_steps:  # else once the data gives the run's length (optimizers.schedule_args)
+            self.check_schedule_length(self.max_steps)
+
+    def check_schedule_length(self, total_steps: int) -> None:
+        """warmup_stable_decay's warmup and decay fit in a run of `total_steps` optimizer steps."""
+        if self.lr_scheduler != "warmup_stable_decay" or self.decay_ratio is None:
+            return
+        warmup, decay = self.warmup(total_steps), round(self.decay_ratio * total_steps)
+        if warmup + decay > total_steps:
+            raise ConfigError(f"train.lr_scheduler=warmup_stable_decay: {warmup} warmup steps and {decay} decay steps "
+                              f"(train.decay_ratio={self.decay_ratio}) exceed the run's {total_steps} optimizer "
+                              "steps; shorten the warmup or the decay")
 
 
 @dataclass
@@ -723,8 +735,13 @@ class Config:
         s = self.data.sources[i]
         sections = {"data": {**{key: getattr(s, own) for own, key in SOURCE_KEYS.items()},
                              "format": s.format or self.data.format}}
+        # the sections whose column names this run's task reads (kto reads dpo's)
+        read = {"data", self.task, *({"dpo"} if self.task == "kto" else ())}
         for key, column in s.fields.items():
             section, _, name = key.rpartition(".")
+            if (section or "data") not in read:
+                raise ConfigError(f"data.sources[{i}].fields: {key} would be ignored: task {self.task} reads no "
+                                  f"column named by the {section} section")
             if not name.endswith("_field") or not hasattr(getattr(self, section or "data", None), name):
                 raise ConfigError(f"data.sources[{i}].fields: {key} is not a key naming a column (prompt_field, "
                                   "messages_field, ... of data; dpo.chosen_field, ... of a task's section)")

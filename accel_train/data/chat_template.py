@@ -79,6 +79,8 @@ def with_kwargs(template: str, kwargs: dict, where: str) -> str:
     rendered); each must be a variable the template reads, and none one that apply_chat_template passes itself."""
     if not kwargs:
         return template
+    if template.startswith(KWARGS_MARK):  # a trained run's template: its fixed values are set again, not stacked
+        template = template.split("\n", 1)[1]
     reads = template_variables(template, where)
     for name in kwargs:
         if name in RENDER_ARGUMENTS:
@@ -89,7 +91,7 @@ def with_kwargs(template: str, kwargs: dict, where: str) -> str:
                               f"reads {', '.join(sorted(reads))}")
     # JSON literals are Jinja's: true/false, numbers, strings with their escapes. The line's newline is the one
     # trim_blocks removes after a tag (transformers' environment): the template's own text renders as it did.
-    fixed = "".join(f"{{%- set {name} = {json.dumps(value)} %}}" for name, value in kwargs.items())
+    fixed = "".join(f"{{%- set {name} = {json.dumps(value, ensure_ascii=False)} %}}" for name, value in kwargs.items())
     return f"{KWARGS_MARK}{fixed}\n{template}"
 
 
@@ -124,6 +126,9 @@ def apply(cfg: Config, tokenizer) -> None:
     if kwargs and not tokenizer.chat_template:
         raise ConfigError(f"data.chat_template_kwargs: the tokenizer of {cfg.model.name_or_path} has no chat template "
                           "to read them; set data.chat_template")
+    if kwargs and not isinstance(tokenizer.chat_template, str):
+        raise ConfigError(f"data.chat_template_kwargs: the tokenizer of {cfg.model.name_or_path} has named templates "
+                          f"({', '.join(tokenizer.chat_template)}); set data.chat_template to the one to train with")
     if kwargs:
         where = source[1] if source else f"the tokenizer's own, {cfg.model.name_or_path}"
         tokenizer.chat_template = with_kwargs(tokenizer.chat_template, kwargs, where)

@@ -232,8 +232,8 @@ def load_checkpoint(accelerator, path: Path, state: TrainState) -> None:
     if saved.get("optimizer", state.optimizer) != state.optimizer:  # checkpoints written before it was recorded: torch's
         raise ConfigError(  # own check
             f"resume_from: {path} was trained with optimizer {saved['optimizer']}; this run has {state.optimizer}. "
-            "Resume with the same train.optimizer, train.weight_decay and lora.* keys, or start a new run from its "
-            "weights (the saved adapter: model.adapter_from)")
+            "Resume with the same train.optimizer, lr, weight_decay, adam_betas, adam_eps and lora.* keys, or start "
+            "a new run from its weights (the saved adapter: model.adapter_from)")
     accelerator.load_state(str(path))
     main_logger().info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
                        f"{state.step_in_epoch} steps into the epoch")

@@ -82,8 +82,11 @@ class Classification(Task):
     def read_splits(self, train_raw, eval_raw) -> None:
         """The class names, and model.num_labels resolved (predict and export read it from config.yaml); every
         label checked against them (a stream's labels are not read ahead: cross-entropy checks them)."""
-        cfg = self.cfg
+        cfg, before = self.cfg, self.labels
         self.labels = label_names(cfg, train_raw, eval_raw)
+        if before is not None and self.labels != before:  # data.sources: each source read in turn, one classifier
+            raise ConfigError(f"data.sources: {cfg.data.path} has the classes {', '.join(map(str, self.labels))}, an "
+                              f"earlier source {', '.join(map(str, before))}: give every source the same classes")
         cfg.model.num_labels = num_labels(cfg, train_raw, eval_raw, names=self.labels)
         check_labels(cfg, cfg.model.num_labels, *(s for s in (train_raw, eval_raw) if isinstance(s, Dataset)),
                      names=self.labels)

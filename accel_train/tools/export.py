@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
         if targets:
             check_gguf(run_dir, list(targets.values()), args.overwrite)
         if targets and not (run_dir / "adapter").is_dir() and (run_dir / "model").is_dir():
+            if args.out:
+                raise ConfigError(f"--out names where to merge an adapter; {run_dir} is a full fine-tuning run "
+                                  "(nothing to merge): drop --out")
             model = run_dir / "model"  # full fine-tuning: nothing to merge, the saved model is converted as it is
         else:
             model = merge_adapter(run_dir, args.out or run_dir / "merged", args.overwrite)

@@ -11,7 +11,6 @@ import torch
 from transformers import Trainer, get_scheduler
 
 from accel_train.config.schema import Config
-from accel_train.config.sections import ConfigError
 
 
 def parameter_groups(cfg: Config, model: torch.nn.Module) -> list:
@@ -36,8 +35,10 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, total_steps: int, fused
 
         # its own groups and weight decay rule (none on biases and LayerNorm weights); lr given apart
         kwargs.pop("lr")
+        # embedding adapters at train.lr (peft's default for them is 1e-6, the paper's choice for its embeddings)
         optimizer = create_loraplus_optimizer(model, optimizer_cls, lr=t.lr, loraplus_lr_ratio=cfg.lora.plus_lr_ratio,
-                                              loraplus_weight_decay=t.weight_decay, **kwargs)
+                                              loraplus_weight_decay=t.weight_decay, loraplus_lr_embedding=t.lr,
+                                              **kwargs)
         # its four groups (A, embeddings, B with and without decay) without the empty ones, which DeepSpeed drops:
         # the schedule, built on the groups, would count more than the engine steps
         optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
@@ -84,11 +85,8 @@ def schedule_args(cfg: Config, total_steps: int) -> tuple[str, int, dict | None]
     if t.lr_scheduler == "cosine_with_min_lr":
         specific = {"min_lr_rate": floor}
     elif t.lr_scheduler == "warmup_stable_decay":
+        t.check_schedule_length(total_steps)
         specific = {"num_decay_steps": round(t.decay_ratio * total_steps), "min_lr_ratio": floor}
-        if t.warmup(total_steps) + specific["num_decay_steps"] > total_steps:
-            raise ConfigError(f"train.lr_scheduler=warmup_stable_decay: {t.warmup(total_steps)} warmup steps and "
-                              f"{specific['num_decay_steps']} decay steps (train.decay_ratio={t.decay_ratio}) exceed "
-                              f"the run's {total_steps} optimizer steps; shorten the warmup or the decay")
     elif t.lr_scheduler == "cosine_with_restarts":
         specific = {"num_cycles": t.lr_cycles or 1}
     elif t.lr_scheduler == "polynomial":

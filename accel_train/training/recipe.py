@@ -253,8 +253,9 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
     """accelerate places and wraps everything (DDP, FSDP, sharded loaders); then the checkpoint, if resuming,
     is loaded, and the resolved config is written (after the resume checks: a refused resume changes nothing)."""
     # what a checkpoint's optimizer state must fit: the optimizer and its parameter groups (decay, LoRA+), as built
-    layout = (f"{cfg.train.optimizer} (parameter groups of "
-              f"{', '.join(str(len(g['params'])) for g in optimizer.param_groups)} tensors)")
+    layout = f"{cfg.train.optimizer} (parameter groups: " + "; ".join(
+        f"{len(g['params'])} tensors at lr {g.get('initial_lr', g['lr']):g}, weight decay {g.get('weight_decay', 0):g}"
+        + (f", betas {tuple(g['betas'])}, eps {g['eps']:g}" if "betas" in g else "") for g in optimizer.param_groups) + ")"
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     eval_sources = {tag: accelerator.prepare(dl) for tag, dl in eval_sources.items()}  # evened out, as eval_dl
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
