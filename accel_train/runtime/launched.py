@@ -120,6 +120,7 @@ def check_engine(cfg: Config, say: bool = True) -> None:
         key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
         raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
                           "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
+    kind = sharded_launch()
     how = built_sharded_launch()
     before = info.runs_model_before_prepare(cfg)
     if before and how:
