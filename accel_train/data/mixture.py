@@ -1,6 +1,6 @@
 """The run's samples, from data.path alone or from a mixture of data.sources.
 
-Each source is read, checked and tokenized as data.path would be, with its own keys (Config.source: its path,
+Each source is read, checked and tokenized as data.path would be, with its own keys (config.data.source_run: its path,
 split, format and column names) by the run's task (Task.reading): sources of different formats become samples
 of the same columns. They are then mixed once, here, before the seeded per-epoch shuffle splits them over the
 processes: every process builds the same mix, so the samples and their order are the same on any number of
@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 from datasets import Dataset, IterableDataset, concatenate_datasets, interleave_datasets
 
+from accel_train.config.data import source_error, source_run
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.data import pipeline as data_lib
@@ -36,7 +37,7 @@ class Part:
     tag: str | None
     """Its name in the logs and results; None: data.path alone."""
     cfg: Config
-    """The run as it reads this source (Config.source)."""
+    """The run as it reads this source (config.data.source_run)."""
     train: Dataset | IterableDataset
     eval: Dataset | None
 
@@ -47,11 +48,11 @@ def read(cfg: Config) -> list[Part]:
         return [Part(None, cfg, *data_lib.load_splits(cfg))]
     parts = []
     for i, s in enumerate(cfg.data.sources):
-        source = cfg.source(i)
+        source = source_run(cfg, i)
         try:
             parts.append(Part(s.tag, source, *data_lib.load_splits(source)))
         except ConfigError as e:
-            raise cfg.source_error(i, e) from None
+            raise source_error(cfg, i, e) from None
     return parts
 
 

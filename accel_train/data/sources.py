@@ -14,6 +14,7 @@ import random
 import re
 from pathlib import Path
 
+from accel_train.config.data import source_error, source_run
 from accel_train.config.schema import Config, DataConfig
 from accel_train.config.sections import ConfigError
 
@@ -177,9 +178,9 @@ def check_data_source(cfg: Config) -> None:
     and data.data_files fits data.path. The sources of a mixture (data.sources): each as data.path."""
     for i in range(len(cfg.data.sources)):
         try:
-            check_data_source(cfg.source(i))
+            check_data_source(source_run(cfg, i))
         except ConfigError as e:
-            raise cfg.source_error(i, e) from None
+            raise source_error(cfg, i, e) from None
     if cfg.data.sources:
         return
     path = cfg.data.path

@@ -81,7 +81,7 @@ class Task:
     @contextlib.contextmanager
     def reading(self, cfg):
         """The task reading one source of a mixture (data.sources): `columns`, `read_splits` and `tokenize` see the
-        run's config as that source gives it (Config.source: its path, format and column names); what they learn
+        run's config as that source gives it (config.data.source_run: its path, format and column names); what they learn
         (a classifier's class names, model.num_labels) stays with the task."""
         run, self.cfg = self.cfg, cfg
         try:
