@@ -20,6 +20,7 @@ A model built sharded has no whole weights before `prepare`: the checks that run
 from __future__ import annotations
 
 import copy
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -200,14 +201,42 @@ def generating(model, gather: bool = False):
     if type(model).__name__ == "DeepSpeedEngine" and gather and zero3_engine(model):
         with _gathered_zero3(model):
             yield
-        return
-    root = model if isinstance(model, FSDPModule) else None
-    if root is None:
+    elif isinstance(model, FSDPModule):
+        with _fsdp2_generating(model, gather):
+            yield
+    else:
         yield
-        return
+
+
+# What `_fsdp2_generating` uses of FSDP2 beyond FSDPModule's public calls (unshard, reshard): torch-private, as torch
+# 2.13 has no public call to make the root the root before its first forward, to keep every group gathered through
+# the block's forwards and put each group's own setting back after (set_reshard_after_forward takes a bool, and
+# nothing public reads a group's setting), or to take the block's forwards out of the order the next backward
+# prefetches by (FSDPModule.reset_iter_state clears all of it: the step's forwards before the block, and its pending
+# gradient reductions). Each row: the class, the attribute, what it is ("method": called with no argument; else the
+# class of its value, by name where it is FSDP2's), whether generation in lock-step (train.gather_for_generation=
+# false) needs it too. An FSDP2 launch that generates checks them before any rank loads (check_fsdp2_generation:
+# earlier torch releases' FSDPState held one _fsdp_param_group, not this list), and tests/test_fsdp_internals.py holds
+# `_fsdp2_generating` to these rows.
+FSDP2_INTERNALS = (
+    ("FSDPModule", "_get_fsdp_state", "method", True),
+    ("FSDPState", "_lazy_init", "method", True),
+    ("FSDPState", "_fsdp_param_groups", list, True),
+    ("FSDPState", "_comm_ctx", "FSDPCommContext", True),
+    ("FSDPCommContext", "post_forward_order", list, True),
+    ("FSDPParamGroup", "_post_forward_indices", list, True),
+    ("FSDPParamGroup", "post_forward_mesh_info", object, False),
+)
+
+
+@contextmanager
+def _fsdp2_generating(root, gather: bool):
+    """`generating` on an FSDP2 module (`root`: the prepared model), with FSDPModule's public calls and
+    FSDP2_INTERNALS alone."""
+    from torch.distributed.fsdp import FSDPModule
+
     # FSDP2 makes the first module to run forward the root: generation before any training forward would make the
-    # embeddings' module one, and the root's later forward fail. Initialized from the root, as its own forward would
-    # (torch 2.13 has no public call for it).
+    # embeddings' module one, and the root's later forward fail. Initialized from the root, as its own forward would.
     state = root._get_fsdp_state()
     state._lazy_init()
     every = [g for m in root.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
@@ -216,8 +245,8 @@ def generating(model, gather: bool = False):
     # ranks that ran different numbers of them would prefetch different groups in the next backward (a hang)
     recorded = len(state._comm_ctx.post_forward_order), [len(g._post_forward_indices) for g in every]
     groups = [m for m in root.modules() if isinstance(m, FSDPModule)] if gather else [root]
-    # torch 2.13's set_reshard_after_forward cannot restore the root's own setting (none: it keeps its weights
-    # through the forward): each group's is kept and put back as it was
+    # each group's own reshard-after-forward setting (the root's: none, it keeps its weights through the forward)
+    # kept and put back as it was
     kept = [(g, g.post_forward_mesh_info) for g in every] if gather else []
     for group, _ in kept:
         group.post_forward_mesh_info = None
@@ -233,6 +262,74 @@ def generating(model, gather: bool = False):
         del state._comm_ctx.post_forward_order[recorded[0]:]
         for group, n in zip(every, recorded[1]):
             del group._post_forward_indices[n:]
+
+
+def fsdp2_classes() -> dict:
+    """The classes FSDP2_INTERNALS names, by name: the public FSDPModule, and torch.distributed.fsdp._fully_shard's
+    own."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext, FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return {c.__name__: c for c in (FSDPModule, FSDPState, FSDPCommContext, FSDPParamGroup)}
+
+
+def _fsdp2_instances(classes: dict) -> dict:
+    """An instance of each of FSDP2's own classes, built as FSDP2 builds them on a cpu device, with no process group
+    or model (a parameter group of no parameters): the attributes they set are checked on them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    cpu = torch.device("cpu")
+    context = classes["FSDPCommContext"]()
+    context.lazy_init(cpu)  # sets post_forward_order, as the root's lazy init does
+    group = classes["FSDPParamGroup"](params=[], modules=(), mesh_info=None, post_forward_mesh_info=None, device=cpu,
+                                      shard_placement_fn=None, mp_policy=MixedPrecisionPolicy(),
+                                      offload_policy=OffloadPolicy())
+    return {"FSDPState": classes["FSDPState"](), "FSDPCommContext": context, "FSDPParamGroup": group}
+
+
+def check_fsdp2_generation(key: str, gather: bool) -> None:
+    """Refuse in one line (ConfigError) a torch whose FSDP2 lacks, or changed, an internal of FSDP2_INTERNALS that
+    this run's generation needs (`gather`: on weights gathered for it, else in lock-step; `key`: the setting that
+    generates), before any rank loads, rather than fail at the first generation or hang in it. Checked on the
+    classes (methods, and that they take no argument) and on instances built without a process group or a model
+    (attributes, and the class of their values)."""
+    from accel_train.config.sections import ConfigError
+
+    wrong, lockstep_too = [], False  # what is missing or changed; whether lock-step generation needs it too
+    try:
+        classes = fsdp2_classes()
+        instances = _fsdp2_instances(classes)
+    except Exception as e:  # noqa: BLE001 (any failure to build them is a change in what generation relies on)
+        first = str(e).splitlines()[0] if str(e) else ""
+        wrong, lockstep_too, classes = [f"does not build its state as torch 2.13's does ({type(e).__name__}: "
+                                        f"{first})"], True, {}
+    missing = object()
+    for owner, name, kind, lockstep in FSDP2_INTERNALS if classes else ():
+        if not (gather or lockstep):
+            continue
+        value = getattr(classes[owner] if kind == "method" else instances[owner], name, missing)
+        if value is missing:
+            problem = f"lacks {owner}.{name}"
+        elif kind == "method":
+            try:
+                taken = list(inspect.signature(value).parameters)
+            except (TypeError, ValueError):  # not a function
+                taken = None
+            problem = None if taken == ["self"] else f"changed {owner}.{name} (not a method taking no argument)"
+        else:
+            expected = classes.get(kind, kind)
+            problem = None if isinstance(value, expected) else (
+                f"changed {owner}.{name} (a {type(value).__name__}, not a {expected.__name__})")
+        if problem:
+            wrong.append(problem)
+            lockstep_too = lockstep_too or lockstep
+    if wrong:
+        instead = "generation in lock-step (train.gather_for_generation=false), " if not lockstep_too else ""
+        raise ConfigError(f"{key} is not supported under FSDP2 on torch {torch.__version__}: its FSDP2 "
+                          f"{', '.join(wrong)}, which accel_train's generation under FSDP2 uses (torch-private: "
+                          f"runtime/engine.py FSDP2_INTERNALS); use torch 2.13, {instead}or another engine "
+                          "(DeepSpeed ZeRO-3, DDP)")
 
 
 def zero3_engine(engine) -> bool:

@@ -101,7 +101,8 @@ def check_engine(cfg: Config, say: bool = True) -> None:
     TaskInfo: it generates, it runs the model before accelerator.prepare, its ranks may generate unevenly), said
     before any rank loads anything rather than hang or fail at the end. Sharded parameters (an FSDP or DeepSpeed
     ZeRO-3 launch): generation runs on the weights gathered for it, or in lock-step on every rank
-    (train.gather_for_generation=false, Engine.generates_in_lockstep), built for FSDP2."""
+    (train.gather_for_generation=false, Engine.generates_in_lockstep), built for FSDP2 on torch-private parts of
+    it, which this torch is checked to have (engine.check_fsdp2_generation)."""
     check_optimizer(cfg)
     if cfg.lora.changes_base() and sharded_launch():
         raise ConfigError(f"lora.init={cfg.lora.init} is not supported under {sharded_launch()} (the saved adapter is "
@@ -115,11 +116,11 @@ def check_engine(cfg: Config, say: bool = True) -> None:
         logging.getLogger(__name__).warning(
             f"train.gather_for_generation={str(cfg.train.gather_for_generation).lower()} does nothing under this "
             "launch: the weights are whole on every rank (it applies to FSDP2 and DeepSpeed ZeRO-3)")
-    if launcher_asks("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2" and (
-            generates or cfg.eval.generate):
-        key = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
-        raise ConfigError(f"{key} is not supported under FSDP1 (generation in lock-step is built for FSDP2); set "
-                          "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
+    fsdp_generates = launcher_asks("ACCELERATE_USE_FSDP") and (generates or cfg.eval.generate)
+    generation = "eval.generate=true" if cfg.eval.generate else f"task={cfg.task} (it generates)"
+    if fsdp_generates and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(f"{generation} is not supported under FSDP1 (generation in lock-step is built for FSDP2); "
+                          "set fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml)")
     kind = sharded_launch()
     how = built_sharded_launch()
     before = info.runs_model_before_prepare(cfg)
@@ -133,3 +134,7 @@ def check_engine(cfg: Config, say: bool = True) -> None:
         raise ConfigError(f"{key} is not supported under {kind} with train.gather_for_generation=false (generation "
                           f"in lock-step on sharded weights: {why}); gather the weights for generation "
                           "(train.gather_for_generation=true, the default) or turn it off")
+    if fsdp_generates:  # last: the one check here that imports torch (which the ranks import next anyway)
+        from accel_train.runtime.engine import check_fsdp2_generation
+
+        check_fsdp2_generation(generation, gather=cfg.train.gather_for_generation is not False)

@@ -3,7 +3,8 @@ not a minute, and nothing is written. `python -m accel_train --help` and config 
 
 Each check of an area's facts lives in the module that owns them (data_sources, checkpoint, tracking, metrics),
 all of them importable without torch; this module runs them in order, and reads what the launcher asked for.
-Only a metric that is not bundled is loaded here, with `evaluate` (which imports torch).
+Only a metric that is not bundled is loaded here, with `evaluate` (which imports torch), and where an FSDP launch
+generates, torch's FSDP2 classes, checked for what generation uses of them (launched.check_engine).
 """
 
 from __future__ import annotations
