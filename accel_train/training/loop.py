@@ -254,9 +254,14 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             window = task.window(batches, state.step, accum)  # no collective that depends on its length (Task.window)
-            # One collective: every rank learns how many micro-batches the step has, and whether a signal came.
-            n_micro, signal = accelerator.gather(torch.tensor([[len(window), job.preemption.signum]],
-                                                              device=accelerator.device)).amax(0).tolist()
+            # One collective and one host sync before the forwards: every rank learns how many micro-batches the
+            # step has, whether a signal came and, where the task trains on the data as loaded (no step_batches of
+            # its own: no rollouts), the window's counts, which normalise the loss.
+            counted_now = type(task).step_batches is Task.step_batches
+            head = torch.tensor([len(window), job.preemption.signum], device=accelerator.device)
+            stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(head[:0])
+            rows = accelerator.gather(torch.cat([head, stats])[None]).tolist()
+            n_micro, signal = (max(r[i] for r in rows) for i in range(2))
             if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step
                 # (between two batches of data: grpo's rollouts are not saved)
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
@@ -274,8 +279,10 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             optimizer.train()
             real = len(window)
             window = task.step_batches(window + [replay() for _ in range(n_micro - real)], real, state.step)
-            rows = accelerator.gather(window_stats(window[:real], task, accelerator.device)[None]).tolist()
-            targets, real_tokens, computed_tokens, n_rows, *flop_tokens = (sum(r[i] for r in rows) for i in range(6))
+            if not counted_now:  # counted on what step_batches made (grpo's rollouts): a second collective
+                rows = [[0, 0, *r] for r in
+                        accelerator.gather(window_stats(window[:real], task, accelerator.device)[None]).tolist()]
+            targets, real_tokens, computed_tokens, n_rows, *flop_tokens = (sum(r[i] for r in rows) for i in range(2, 8))
             # The loss is scaled here. DDP averages gradients over ranks and accelerator.backward divides by
             # accum, so this scale makes the gradient that of sum(target losses) / targets over the whole
             # effective batch.
