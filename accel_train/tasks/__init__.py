@@ -48,8 +48,6 @@ class Task:
     """Names of the sums `loss` returns (means over the log interval: each sum / the interval's targets)."""
     steps_per_batch: int = 1
     """Optimizer steps on each batch of data (grpo.num_iterations); checkpoints fall between batches."""
-    packs: bool = False
-    """Whether data.packing applies (its collator packs sequences into rows)."""
     balance_ranks: bool = False
     """Whether several processes get batches balanced in tokens (data.RankBalancedSampler)."""
     cuts_long_rows: bool = False
@@ -63,6 +61,11 @@ class Task:
     def __init__(self, cfg):
         self.cfg = cfg
         self.info = REGISTRY[cfg.task]
+
+    @property
+    def packs(self) -> bool:
+        """Whether data.packing applies (TaskInfo.packs: the config checks read it too)."""
+        return self.info.packs
 
     # ------------------------------------------------------------------------------------------------ data
 
