@@ -120,11 +120,15 @@ class Task:
     # ------------------------------------------------------------------------------------------------ loop
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
-        """This step's micro-batches from the data iterator (grpo: its prompt batches, or the last rollouts). A rank at
-        an epoch's end may get fewer than another: no collective whose number depends on the micro-batches runs here
-        (under FSDP or ZeRO-3 every forward is one); that is `step_batches`'s."""
+        """This step's micro-batches from the data iterator (grpo: its prompt batches, or the last rollouts): its next
+        `accum`, or with data.max_tokens_per_batch its next item, the step's micro-batches cut by tokens
+        (data.pipeline.TokenBudget). A rank may get fewer than another (by tokens, or at an epoch's end): no
+        collective whose number depends on the micro-batches runs here (under FSDP or ZeRO-3 every forward is one);
+        that is `step_batches`'s."""
         from itertools import islice
 
+        if self.cfg.data.max_tokens_per_batch:
+            return next(batches, [])
         return list(islice(batches, accum))
 
     def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
