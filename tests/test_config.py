@@ -82,6 +82,13 @@ def test_override_beats_file(tmp_path):
     (["train.per_device_batch_size=0"], "train.per_device_batch_size must be > 0"),
     (["data.max_length=-1"], "data.max_length must be > 0"),
     (["lora.r=0"], "lora.r must be > 0"),
+    (["data.max_tokens_per_batch=0"], "data.max_tokens_per_batch must be > 0, got 0"),
+    (["data.max_tokens_per_batch=-8"], "data.max_tokens_per_batch must be > 0, got -8"),
+    (["task=dpo", "data.max_tokens_per_batch=64"], "data.max_tokens_per_batch packs a step's samples into "
+     "micro-batches by tokens: task dpo pads its rows, it does not pack them; remove it"),
+    (["task=seq_cls", "data.max_tokens_per_batch=64"], "task seq_cls pads its rows"),
+    (["data.packing=false", "data.max_tokens_per_batch=64"], "data.max_tokens_per_batch packs a step's samples "
+     "into micro-batches by tokens: it needs data.packing=true"),
     (["train.lr"], "not of the form key=value"),
     (["grpo.regex=[a-j]+"], "override 'grpo.regex=[a-j]+': '[a-j]+' is not a valid YAML value"),
 ])
@@ -307,7 +314,8 @@ def test_a_runs_config_yaml_trains_again_on_another_number_of_processes(recipe, 
 
 def test_a_global_batch_in_micro_batches_of_one_is_said(caplog):
     """34 samples on 2 processes with per_device_batch_size 16: 17 each, which only 1 and 17 divide: 17
-    micro-batches of 1, said in one warning with a global batch that splits well, not silently."""
+    micro-batches of 1, said in one warning with a global batch that splits well, not silently (nothing to say where
+    data.max_tokens_per_batch cuts the micro-batches)."""
     from accel_train.training.preflight import split_global_batch
 
     cfg = load_config(None, ["train.global_batch_size=34", "train.per_device_batch_size=16"])
@@ -320,6 +328,9 @@ def test_a_global_batch_in_micro_batches_of_one_is_said(caplog):
     caplog.clear()
     with caplog.at_level("WARNING"):
         split_global_batch(load_config(None, ["train.global_batch_size=32", "train.per_device_batch_size=16"]), 2)
+        # by tokens (data.max_tokens_per_batch), the 17 samples' micro-batches are not those of the split
+        split_global_batch(load_config(None, ["train.global_batch_size=34", "train.per_device_batch_size=16",
+                                              "data.max_tokens_per_batch=512"]), 2)
     assert not caplog.records
 
 

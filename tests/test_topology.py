@@ -4,6 +4,7 @@ produce the same losses, learning rates, gradient norms and weights (fp32, fixed
 Every run below consumes the same 4 samples per optimizer step:
     A: 1 process,  batch 4, accum 1       B: 1 process,  batch 2, accum 2
     C: 2 processes, batch 2, accum 1      D: 2 processes, batch 1, accum 2
+    T: 1 process, batch 2 x accum 2 in micro-batches of at most 40 tokens (data.max_tokens_per_batch)
 The data has responses of 1 and 40 characters, so micro-batches hold very different numbers of target
 tokens: only a loss normalised per token over the whole effective batch makes A-D agree. 22 training
 samples over 2 epochs give 12 steps, crossing an epoch boundary (reshuffle) and ending each epoch with an
@@ -16,7 +17,7 @@ import json
 import random
 
 import pytest
-from conftest import forked_launch, python_script, read_metrics
+from conftest import forked_launch, python_script, read_metrics, tokenized
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -35,6 +36,8 @@ TOPOLOGIES = {
     "C": (2, ["train.per_device_batch_size=2", "train.grad_accum_steps=1"]),
     "D": (2, ["train.per_device_batch_size=1", "train.grad_accum_steps=2"]),
     "P": (1, ["train.per_device_batch_size=4", "train.grad_accum_steps=1", "data.packing=false"]),  # A, padded
+    # A's steps by tokens: a long sample (over 40 tokens) alone, short ones 3 to a micro-batch
+    "T": (1, ["train.per_device_batch_size=2", "train.grad_accum_steps=2", "data.max_tokens_per_batch=40"]),
 }
 
 # Golden per-step training losses of the first 4 steps (fp32, CPU, torch 2.13 / transformers 5.x).
@@ -60,7 +63,7 @@ def overrides(data, out):
             "train.dist_timeout_s=120", f"output_dir={out}"]
 
 
-@pytest.mark.parametrize("name", ["B", "C", "D", "P"])
+@pytest.mark.parametrize("name", ["B", "C", "D", "P", "T"])
 def test_same_losses_lr_and_grad_norm_per_step(runs, name):
     ref, other = runs["A"]["train"], runs[name]["train"]
     assert [r["step"] for r in other] == [r["step"] for r in ref] == list(range(1, 13))
@@ -71,7 +74,7 @@ def test_same_losses_lr_and_grad_norm_per_step(runs, name):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), f"step {a['step']}"
 
 
-@pytest.mark.parametrize("name", ["B", "C", "D", "P"])
+@pytest.mark.parametrize("name", ["B", "C", "D", "P", "T"])
 def test_same_final_weights(runs, name):
     ref, other = runs["A"]["weights"], runs[name]["weights"]
     assert ref.keys() == other.keys()
@@ -202,3 +205,53 @@ def test_resume_into_an_uneven_last_window(runs, tmp_path):
     final = load_file(out / "adapter" / "adapter_model.safetensors")
     for key, ref in runs["C"]["weights"].items():
         assert (final[key] - ref).norm() <= 1e-6 * ref.norm(), key
+
+
+def test_token_budget_cuts_each_step_greedily(runs):
+    """Run T: each step's 4 samples, in the order of the seeded shuffle, in micro-batches of at most 40 real tokens,
+    each filled before the next starts, a longer sample alone: steps.json counts the micro-batches of that cut (run
+    A's: 1 a step)."""
+    out, budget = runs["T"]["out"], 40
+    cfg = load_config(out / "config.yaml")
+    train, _ = data_lib.load_splits(cfg)
+    lengths = data_lib.sample_lengths(tokenized(train, AutoTokenizer.from_pretrained(out / "base_model"), cfg))
+    assert max(lengths) > budget > 3 * min(lengths)
+    cut = data_lib.TokenBudget(lambda group: [len(f["input_ids"]) for f in group], budget)  # each micro-batch's lengths
+    expected = []
+    for epoch in (0, 1):
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        for start in range(0, len(order), 4):
+            step = [lengths[i] for i in order[start:start + 4]]
+            micro = cut([{"input_ids": [0] * n} for n in step])
+            assert [n for m in micro for n in m] == step  # in order, each sample once
+            assert all(sum(m) <= budget or len(m) == 1 for m in micro)
+            assert all(sum(m) + following[0] > budget for m, following in zip(micro, micro[1:]))
+            expected.append(len(micro))
+    assert json.loads((out / "steps.json").read_text())["micro_batches"] == expected
+    assert json.loads((runs["A"]["out"] / "steps.json").read_text())["micro_batches"] == [1] * 12
+    assert len(set(expected)) > 2
+
+
+@pytest.mark.long
+def test_token_budget_on_2_processes_resumes_exactly(runs, tmp_path):
+    """data.max_tokens_per_batch=64 on 2 processes of 1 sample x 2 micro-batches: each rank's 2 samples of a step in
+    1 or 2 micro-batches (a rank with fewer replays one with weight 0). Crashed in step 10 and resumed from the step-8
+    checkpoint (mid-epoch: each rank skips the samples it trained on), every step's loss and the weights are A's."""
+    out = tmp_path / "T2"
+    args = overrides(runs["A"]["data"], out) + ["train.per_device_batch_size=1", "train.grad_accum_steps=2",
+                                                  "data.max_tokens_per_batch=64", "checkpoint.save_every=8"]
+    crashed = forked_launch("cpu_2proc.yaml", *args, env={"ACCEL_TRAIN_FAULT": "crash@step=10,rank=0"})
+    assert crashed.returncode != 0
+    resumed = forked_launch("cpu_2proc.yaml", *args, "resume_from=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "in packed micro-batches of at most data.max_tokens_per_batch=64 tokens" in resumed.stdout + resumed.stderr
+    got, want = read_metrics(out)[0], runs["A"]["train"]
+    assert [r["step"] for r in got] == list(range(1, 13))
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), f"step {a['step']}"
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), f"step {a['step']}"
+    final = load_file(out / "adapter" / "adapter_model.safetensors")
+    for key, ref in runs["A"]["weights"].items():
+        assert (final[key] - ref).norm() <= 1e-5 * ref.norm(), key
+    # steps 9-12, over both ranks: an odd count is a step whose ranks ran 1 and 2 micro-batches
+    assert any(n % 2 for n in json.loads((out / "steps.json").read_text())["micro_batches"])

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from accel_train.config import registry
 from accel_train.config.sections import ConfigError, non_negative, positive
 
 FORMATS = ("auto", "prompt_response", "messages", "alpaca", "text")
@@ -128,6 +129,10 @@ class DataConfig:
     """causal_lm training: pack each micro-batch's sequences into rows as long as its longest one (position_ids
     restart per sequence, so none attends to another): the same samples and loss, without computing padding.
     task dpo pads its pairs (chosen and rejected rows of one batch): there it is set to false."""
+    max_tokens_per_batch: Optional[int] = None
+    """causal_lm training with data.packing: each step still takes per_device_batch_size x grad_accum_steps samples
+    per process, cut in order into packed micro-batches of at most this many real tokens each (a longer sample goes
+    alone): as many micro-batches as the tokens need, the same losses. None: micro-batches of per_device_batch_size."""
     group_by_length: Optional[bool] = None
     """Padded batches of samples of similar lengths: each epoch's seeded shuffle is cut into groups of 50
     optimizer steps, each group sorted by length and its steps put in a new random order (evaluation batches are
@@ -171,7 +176,8 @@ class DataConfig:
     def check(self, cfg) -> None:
         positive({"data.max_length": self.max_length, "data.builtin_size": self.builtin_size,
                   "data.shuffle_buffer": self.shuffle_buffer},
-                 {"data.max_samples": self.max_samples, "data.pad_to_multiple_of": self.pad_to_multiple_of})
+                 {"data.max_samples": self.max_samples, "data.pad_to_multiple_of": self.pad_to_multiple_of,
+                  "data.max_tokens_per_batch": self.max_tokens_per_batch})
         non_negative({"data.num_workers": self.num_workers})
         if self.eval_split is not None and self.eval_path:
             raise ConfigError(f"data.eval_split={self.eval_split} and data.eval_path={self.eval_path} both "
@@ -192,6 +198,10 @@ class DataConfig:
             raise ConfigError(f"{given[0]} renders conversations: "
                               + ("task seq_cls reads text" if cfg.task == "seq_cls" else "data.format=text trains on "
                                  "plain text"))
+        if self.max_tokens_per_batch is not None and not (self.packing and registry.info(cfg.task).packs):
+            raise ConfigError("data.max_tokens_per_batch packs a step's samples into micro-batches by tokens: "
+                              + ("it needs data.packing=true" if registry.info(cfg.task).packs else
+                                 f"task {cfg.task} pads its rows, it does not pack them; remove it"))
         self._check_mixture(cfg)
 
     def eval_splits(self) -> list[str]:

@@ -23,6 +23,8 @@ class TaskInfo:
     """The model it trains: "causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
     summary: str
     """One line for `--help`."""
+    packs: bool = False
+    """Whether data.packing applies (its collator packs sequences into rows); data.max_tokens_per_batch needs it."""
     scores: bool = False
     """Whether its model (a sequence classifier) gives one score per sequence (a reward model) rather than classes:
     what `accel-train predict` reads of a trained run."""
@@ -90,7 +92,7 @@ def _function(ref: str):
 
 REGISTRY: dict[str, TaskInfo] = {
     "causal_lm": TaskInfo("causal_lm", "causal_lm", "supervised fine-tuning on responses (or plain text)",
-                          results=("loss", "perplexity"), metrics=True, generation=True,
+                          packs=True, results=("loss", "perplexity"), metrics=True, generation=True,
                           example=("data.path=builtin:reverse",)),
     "seq_cls": TaskInfo("seq_cls", "seq_cls", "sequence classification", metrics=True,
                         example=("data.path=builtin:sentiment",)),

@@ -380,6 +380,28 @@ class PackingCollator:
                 "real_tokens": torch.tensor(sum(len(f["input_ids"]) for f in features))}
 
 
+class TokenBudget:
+    """data.max_tokens_per_batch: the training loader's item is a rank's samples of one optimizer step, collated
+    here into that step's micro-batches, cut greedily in order so that each holds at most `budget` real tokens (a
+    longer sample goes alone), each packed by `collate`. In the loader (its workers, with data.num_workers), so that
+    the loop gets a step as one item (Task.window)."""
+
+    def __init__(self, collate, budget: int):
+        self.collate, self.budget = collate, budget
+
+    def __call__(self, features: list[dict]) -> list[dict]:
+        groups, room = [], 0
+        for f in features:
+            tokens = len(f["input_ids"])
+            if groups and tokens <= room:
+                groups[-1].append(f)
+                room -= tokens
+            else:
+                groups.append([f])
+                room = self.budget - tokens
+        return [self.collate(group) for group in groups]
+
+
 def width_multiple(cfg: Config, precision: str, pack: bool = False) -> int:
     """data.pad_to_multiple_of, resolved. In fp32: 1. In bf16/fp16: packed rows rounded up to a multiple of 32,
     padded batches (classification, data.packing=false, dpo's pairs) to a multiple of 8, the tensor-core size

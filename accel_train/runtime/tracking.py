@@ -345,8 +345,8 @@ class RunLog:
             accelerator.init_trackers(cfg.track.project, config=flat_config(cfg))
         self.out = Path(cfg.output_dir)
         # (seconds, real tokens, computed tokens, rows, credited FLOPs: step_flops, the tokens the trained model's
-        # forwards ran: grpo's shared prompt once a group) per step
-        self.steps: list[tuple[float, int, int, int, float, int]] = []
+        # forwards ran: grpo's shared prompt once a group, micro-batches) per step
+        self.steps: list[tuple[float, int, int, int, float, int, int]] = []
         self.task, self.above_peak = cfg.task, False  # above_peak: the MFU > 1 warning was given (RunLog.mfu)
         self.t_last = self.t_logged = time.perf_counter()
         self.n_logged = 0  # steps up to the last throughput()
@@ -363,22 +363,23 @@ class RunLog:
         return mfu(flops_per_sec, peak)
 
     def step(self, real_tokens: int, computed_tokens: int, rows: int, tokens: int | None = None,
-             attention_pairs: int | None = None) -> None:
-        """One optimizer step ended: its duration, tokens and rows (over all ranks) go to steps.json at the end;
-        `tokens` and `attention_pairs` (step_flops'; by default the real tokens over rows as wide as the average
-        computed) give the FLOPs it is credited with."""
+             attention_pairs: int | None = None, micro_batches: int = 0) -> None:
+        """One optimizer step ended: its duration, tokens, rows and micro-batches (over all ranks, replays not
+        counted) go to steps.json at the end; `tokens` and `attention_pairs` (step_flops'; by default the real tokens
+        over rows as wide as the average computed) give the FLOPs it is credited with."""
         now = time.perf_counter()
         if tokens is None:
             tokens, attention_pairs = real_tokens, real_tokens * computed_tokens / max(rows, 1)
         flops = step_flops(*self.model_flops, tokens, attention_pairs)
-        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows, flops, tokens))
+        self.steps.append((now - self.t_last, real_tokens, computed_tokens, rows, flops, tokens, micro_batches))
         self.t_last = now
         self.bar.update(1)
 
     def throughput(self) -> dict:
         """Real tokens per second and MFU over the steps since the previous call (the previous log line)."""
         now = time.perf_counter()
-        _, real, _, _, flops, _ = zip(*self.steps[self.n_logged:]) if len(self.steps) > self.n_logged else ((0,),) * 6
+        since = self.steps[self.n_logged:]
+        _, real, _, _, flops, _, _ = zip(*since) if since else ((0,),) * 7
         seconds = now - self.t_logged
         self.n_logged, self.t_logged = len(self.steps), now
         return {"tokens_per_sec": sum(real) / seconds, "mfu": self.mfu(sum(flops) / seconds)}
@@ -389,7 +390,7 @@ class RunLog:
         tokens) of this run's steps."""
         if not self.steps:
             return {"train_tokens": 0, "forward_tokens": 0}
-        seconds, real, computed, _, _, forward = zip(*self.steps)
+        seconds, real, computed, _, _, forward, _ = zip(*self.steps)
         return {"train_tokens": sum(real), "forward_tokens": sum(forward),
                 "step_seconds_median": round(statistics.median(seconds), 5),
                 "padding_efficiency": round(sum(real) / max(sum(computed), 1), 4),
@@ -433,10 +434,10 @@ class RunLog:
         self.console.close()
         if self.file:
             self.file.close()
-            seconds, real, computed, rows, flops, _ = zip(*self.steps) if self.steps else ((),) * 6
+            seconds, real, computed, rows, flops, _, micro = zip(*self.steps) if self.steps else ((),) * 7
             (self.out / "steps.json").write_text(json.dumps(
                 {"seconds": [round(x, 6) for x in seconds], "real_tokens": real, "computed_tokens": computed,
-                 "rows": rows, "flops": [round(f) for f in flops]}))
+                 "rows": rows, "micro_batches": micro, "flops": [round(f) for f in flops]}))
 
 
 def truncate_log(path: Path, step: int) -> None:

@@ -48,8 +48,6 @@ class Task:
     """Names of the sums `loss` returns (means over the log interval: each sum / the interval's targets)."""
     steps_per_batch: int = 1
     """Optimizer steps on each batch of data (grpo.num_iterations); checkpoints fall between batches."""
-    packs: bool = False
-    """Whether data.packing applies (its collator packs sequences into rows)."""
     balance_ranks: bool = False
     """Whether several processes get batches balanced in tokens (data.RankBalancedSampler)."""
     cuts_long_rows: bool = False
@@ -63,6 +61,11 @@ class Task:
     def __init__(self, cfg):
         self.cfg = cfg
         self.info = REGISTRY[cfg.task]
+
+    @property
+    def packs(self) -> bool:
+        """Whether data.packing applies (TaskInfo.packs: the config checks read it too)."""
+        return self.info.packs
 
     # ------------------------------------------------------------------------------------------------ data
 
@@ -117,11 +120,15 @@ class Task:
     # ------------------------------------------------------------------------------------------------ loop
 
     def window(self, batches, step: int, accum: int) -> list[dict]:
-        """This step's micro-batches from the data iterator (grpo: its prompt batches, or the last rollouts). A rank at
-        an epoch's end may get fewer than another: no collective whose number depends on the micro-batches runs here
-        (under FSDP or ZeRO-3 every forward is one); that is `step_batches`'s."""
+        """This step's micro-batches from the data iterator (grpo: its prompt batches, or the last rollouts): its next
+        `accum`, or with data.max_tokens_per_batch its next item, the step's micro-batches cut by tokens
+        (data.pipeline.TokenBudget). A rank may get fewer than another (by tokens, or at an epoch's end): no
+        collective whose number depends on the micro-batches runs here (under FSDP or ZeRO-3 every forward is one);
+        that is `step_batches`'s."""
         from itertools import islice
 
+        if self.cfg.data.max_tokens_per_batch:
+            return next(batches, [])
         return list(islice(batches, accum))
 
     def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:

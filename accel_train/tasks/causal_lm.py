@@ -62,7 +62,6 @@ def batch_loss(model, batch: dict, head) -> torch.Tensor:
 
 
 class SFT(Task):
-    packs = True
     balance_ranks = True
 
     def __init__(self, cfg: Config):

@@ -6,7 +6,8 @@ Why 1 process with accumulation and N processes give the same numbers (tests/tes
    (seed, epoch), dealt to the ranks in turn, so a step takes the same consecutive samples whatever the split;
 2. the loss is summed over the step's targets on every rank and micro-batch and divided by their total N (one
    gather of the counts per step): each micro-batch back-propagates sum(l) x P x A / N, which DDP's mean over P
-   processes and accelerate's division by A accumulation steps turn into the gradient of the step's loss;
+   processes and accelerate's division by A accumulation steps turn into the gradient of the step's loss, whatever
+   the number of micro-batches (data.max_tokens_per_batch cuts a step's samples into micro-batches by tokens);
 3. gradients are all-reduced on a step's last micro-batch only (no_sync before it: accelerate's `accumulate`
    written out, since the normalisation needs the whole step fetched first), then clipped: the global norm;
 4. the scheduler steps once per optimizer step (step_scheduler_with_optimizer=False);
@@ -233,13 +234,16 @@ def empty_pass(cfg: Config) -> ConfigError:
 
 def replay_batch(job: TrainingJob) -> dict:
     """A micro-batch of the first training sample, as the task trains on it (grpo: rolled out, not logged)."""
-    batch = send_to_device(job.train_dl.collate_fn([data_lib.first_sample(job.train_dl.dataset)]),
-                           job.accelerator.device)
+    collate = job.train_dl.collate_fn
+    if isinstance(collate, data_lib.TokenBudget):  # data.max_tokens_per_batch: a micro-batch's own collator
+        collate = collate.collate
+    batch = send_to_device(collate([data_lib.first_sample(job.train_dl.dataset)]), job.accelerator.device)
     return job.task.replay(batch)
 
 
 def fit(cfg: Config, job: TrainingJob) -> dict:
-    """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank."""
+    """The training loop. One optimizer step = one window of up to grad_accum_steps micro-batches per rank (with
+    data.max_tokens_per_batch, as many as the tokens of its per_device_batch_size x grad_accum_steps samples need)."""
     accelerator, model, optimizer, state, run_log = job.accelerator, job.model, job.optimizer, job.state, job.run_log
     accum, task, rank = cfg.train.grad_accum_steps, job.task, accelerator.process_index
     last, evaluation, stopped = {}, {}, None
@@ -247,21 +251,25 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     # A micro-batch to run with weight 0 when this rank has run out of data (see below); any sample will do.
     replay = functools.cache(lambda: replay_batch(job))
     reuse = task.steps_per_batch  # optimizer steps per batch of data (grpo.num_iterations)
+    # Loader items a step takes on each rank: its micro-batches, or with data.max_tokens_per_batch one, the step's
+    # samples in micro-batches cut by tokens (data_lib.TokenBudget, Task.window). A resume skips those consumed.
+    per_step = 1 if cfg.data.max_tokens_per_batch else accum
     model.train()
     while state.step < job.total_steps:
-        batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch // reuse * accum)
+        batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch // reuse * per_step)
         while state.step < job.total_steps and stopped is None:
             # Fetch the whole window first: the loss is normalised by the number of targets in the window
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             window = task.window(batches, state.step, accum)  # no collective that depends on its length (Task.window)
-            # One collective and one host sync before the forwards: every rank learns how many micro-batches the
-            # step has, whether a signal came and, where the task trains on the data as loaded (no step_batches of
+            # One collective and one host sync before the forwards: every rank learns how many micro-batches each
+            # rank has, whether a signal came and, where the task trains on the data as loaded (no step_batches of
             # its own: no rollouts), the window's counts, which normalise the loss.
             counted_now = type(task).step_batches is Task.step_batches
             head = torch.tensor([len(window), job.preemption.signum], device=accelerator.device)
             stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(head[:0])
             rows = accelerator.gather(torch.cat([head, stats])[None]).tolist()
-            n_micro, signal = (max(r[i] for r in rows) for i in range(2))
+            micro = [r[0] for r in rows]  # per rank
+            n_micro, signal = max(micro), max(r[1] for r in rows)
             if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step
                 # (between two batches of data: grpo's rollouts are not saved)
                 raise Preempted(signal, save_checkpoint(accelerator, cfg, state))
@@ -315,7 +323,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             optimizer.eval()
             state.step += 1
             state.step_in_epoch += 1
-            run_log.step(real_tokens, computed_tokens, n_rows, *flop_tokens)
+            run_log.step(real_tokens, computed_tokens, n_rows, *flop_tokens, micro_batches=sum(micro))
 
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 last = log_training(cfg, job, since_log, lr, grad_norm)  # a collective, on every rank

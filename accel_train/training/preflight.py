@@ -97,7 +97,8 @@ def split_global_batch(cfg: Config, processes: int) -> None:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} decides train.grad_accum_steps "
                           f"({share // batch} on {processes} process(es)): drop train.grad_accum_steps={t.grad_accum_steps}, "
                           "or set train.global_batch_size=null")
-    if not _even(share, t.per_device_batch_size) and is_local_main():  # said, not refused: it trains, slowly
+    # said, not refused: it trains, slowly (not by tokens: data.max_tokens_per_batch cuts the share's micro-batches)
+    if not _even(share, t.per_device_batch_size) and cfg.data.max_tokens_per_batch is None and is_local_main():
         near = [g for g in range(t.global_batch_size - processes, 0, -processes)  # never empty: a share of 1
                 if _even(g // processes, t.per_device_batch_size)]
         logging.getLogger(__name__).warning(

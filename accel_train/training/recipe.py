@@ -218,11 +218,13 @@ def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, ev
     the data)."""
     train_ds, eval_ds = task.setup(accelerator, model, tokenizer, train_ds, eval_ds)
     pack = cfg.data.packing and task.packs
-    batch, procs = cfg.train.per_device_batch_size, accelerator.num_processes
+    batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
+    step_samples = batch * accum * procs  # the effective batch
     collate = task.collator(tokenizer, pack, attention_cost(model),
                             data_lib.width_multiple(cfg, accelerator.mixed_precision, pack))
-    train_dl = data_lib.make_dataloader(train_ds, collate, cfg, batch, shuffle=True,
-                                        step_samples=batch * cfg.train.grad_accum_steps * procs,
+    if cfg.data.max_tokens_per_batch:  # an item a step: the rank's samples of the step, in micro-batches by tokens
+        collate, batch = data_lib.TokenBudget(collate, cfg.data.max_tokens_per_batch), batch * accum
+    train_dl = data_lib.make_dataloader(train_ds, collate, cfg, batch, shuffle=True, step_samples=step_samples,
                                         balance_ranks=procs if task.balance_ranks else 1)
     eval_dl = (data_lib.make_dataloader(eval_ds, task.collator(tokenizer), cfg, cfg.train.eval_batch_size,
                                         shuffle=False) if eval_ds is not None and len(eval_ds) else None)
@@ -305,6 +307,10 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds, mix: dict | None 
                else f"the random base saved by an earlier run ({cfg.model.name_or_path})"
                if saved_random_base(cfg.model.name_or_path) else f"pretrained weights from {cfg.model.name_or_path}")
     sources = " (" + " + ".join(f"{tag} {m['in_mix']}" for tag, m in mix.items()) + ")" if mix else ""
+    budget = cfg.data.max_tokens_per_batch
+    split = ([f"train.global_batch_size split over {procs} process(es)"] if cfg.train.global_batch_size else []) + (
+        [f"in packed micro-batches of at most data.max_tokens_per_batch={budget} tokens"] if budget
+        else ["in micro-batches of at most train.per_device_batch_size"] if cfg.train.global_batch_size else [])
     main_logger().info(
         f"{procs} process(es) on {accelerator.device} ({accelerator.distributed_type.value}), "
         f"mixed precision {accelerator.mixed_precision} (train.mixed_precision={cfg.train.mixed_precision}); "
@@ -312,8 +318,7 @@ def describe(cfg: Config, job: TrainingJob, train_ds, eval_ds, mix: dict | None 
         f"{'streamed' if isinstance(train_ds, IterableDataset) else len(train_ds)} train{sources} / "
         f"{len(eval_ds) if eval_ds is not None else 0} eval samples; "
         f"effective batch {batch} x {accum} x {procs} = {batch * accum * procs}"
-        + (f" (train.global_batch_size split over {procs} process(es), in micro-batches of at most "
-           "train.per_device_batch_size)" if cfg.train.global_batch_size else "")
+        + (f" ({', '.join(split)})" if split else "")
         + job.task.batch_unit()
         + f"; {job.total_steps} steps")
     warmup = cfg.train.warmup(job.total_steps)
