@@ -13,10 +13,12 @@ Each task's runs, made once (fixture `once`) and shared by its checks:
                epoch's end and the next epoch's order again
     reloaded   1 process, one step at lr 1e-12 (train.lr must be > 0) from the reference's saved adapter and base
                model: its evaluation is the reference's final one
-    sharded    `two`'s (rank 1 signalled during step 3) under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES; the two
-               that shard the weights generate each way: FSDP2 in lock-step, ZeRO-3 on gathered weights), then
-               resumed from step 3's checkpoint under the same engine (one target a chunk: ONE_TARGET): every step
-               and evaluation the reference's
+    sharded    `two`'s under FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 (ENGINES; the two that shard the weights generate
+               each way: FSDP2 in lock-step, ZeRO-3 on gathered weights), rank 1 crashed in step 3 (os._exit: the
+               other rank ended by the launcher), then resumed from step 2's checkpoint under the same engine (one
+               target a chunk: ONE_TARGET): every step and evaluation the reference's, the saved weights the
+               reference's (which reload to its evaluation: `reloaded`); the first registered task's run also
+               signalled under each engine, as `two`
 Bad inputs and inspect start a process each that stops before training.
 """
 
@@ -50,6 +52,7 @@ TIMING = {"tokens_per_sec", "mfu", "memory_mb"}
 REL = 1e-5
 SIGTERM_STEP = 3
 CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=3,micro=0,rank=0"}  # the last checkpoint: step 2
+RANK_CRASH = {"ACCEL_TRAIN_FAULT": "crash@step=3,micro=0,rank=1"}  # one rank of two, mid-step
 # The engines users scale with beyond DDP: FSDP2 and ZeRO-3 shard the weights (every forward a collective; generation
 # on the weights gathered whole for it, or in lock-step), ZeRO-2 the gradients and optimizer state (whole weights on
 # each rank: each generates alone). Each way of generating on sharded weights under one engine here (the other two
@@ -63,6 +66,8 @@ ONE_TARGET = {"ACCEL_TRAIN_CHUNK_BYTES": "1"}
 # FSDP2 reduce-scatters the gradients (another order of the fp32 sums than 1 process's) and steps the optimizer on
 # shards: after 4 steps at lr 1e-2, up to 2e-5 relative (kto's kl, reward's eval_margin): 1e-4
 SHARDED_REL = 1e-4
+# The saved trained weights under an engine against the reference's, each tensor's difference over its norm
+SAVED_REL = 1e-3
 
 
 EPOCH_SAMPLES = 10  # 5 micro-batches of 2: the epoch ends inside step 3 (accumulation 2), on one process's batch
@@ -155,21 +160,37 @@ def two(name, root, once):
 
 @pytest.fixture
 def sharded(name, root, once):
-    """The `two` run under each engine of ENGINES (rank 1 signalled during step 3: every rank checkpoints it), then
-    resumed from that checkpoint under the same engine: {engine: (stopped, resumed or None, output_dir)}."""
+    """The `two` run under each engine of ENGINES, rank 1 crashed in step 3, then resumed from step 2's checkpoint
+    under the same engine: {engine: (crashed, resumed or None, output_dir)}."""
     def make():
         made = {}
         for engine, (config, extra) in ENGINES.items():
             out = root / engine
-            stopped = forked_launch(config, *args(name, out, *TWO, *extra), timeout=240,
-                                    env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1", **ONE_TARGET})
+            crashed = forked_launch(config, *args(name, out, *TWO, *extra), timeout=240, env={**RANK_CRASH, **ONE_TARGET})
             resumed = (forked_launch(config, *args(name, out, *TWO, *extra, "resume_from=latest"), timeout=240,
                                      env=ONE_TARGET)
-                       if stopped.first == 128 + 15 else None)
-            made[engine] = stopped, resumed, out
+                       if crashed.first == 42 else None)
+            made[engine] = crashed, resumed, out
         return made
 
     return once(("sharded", name), make)
+
+
+# A signal's checkpoint is save_checkpoint's, as a periodic one (the crash cells resume from one), taken when the
+# ranks agree on the signal: its way under each engine is checked on one task
+SIGNALLED = registry.NAMES[:1]
+
+
+@pytest.fixture
+def sharded_signalled(name, root, once):
+    """`two` under each engine of ENGINES (rank 1 signalled during step 3): {engine: (stopped, output_dir)}."""
+    def make():
+        return {engine: (forked_launch(config, *args(name, out, *TWO, *extra), timeout=240,
+                                       env={"ACCEL_TRAIN_FAULT": f"sigterm@step={SIGTERM_STEP},rank=1", **ONE_TARGET}),
+                         out)
+                for engine, (config, extra) in ENGINES.items() for out in [root / f"{engine}-signalled"]}
+
+    return once(("sharded_signalled", name), make)
 
 
 def refused_under(name: str, config: str, extra: list[str]) -> str | None:
@@ -212,26 +233,34 @@ def test_topology_1proc_accumulation_equals_2proc(name, reference, two):
         assert_same(got, want[got["step"]], f"eval at step {got['step']}")
 
 
+def saved_weights(out) -> dict:
+    """The trained weights a run saved (output_dir/adapter's tensors), by file and name."""
+    from safetensors.torch import load_file
+
+    return {f"{f.name}:{k}": v for f in sorted((out / "adapter").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 @pytest.mark.long
 def test_sharded_engines_train_as_one_process(name, reference, sharded):
     """Under FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, 2 processes x batch 2 log the reference's numbers at every step
     (the epoch ends at step 3 with one micro-batch: rank 1 replays one with weight 0, and every rank issues the same
     forwards, the task's own included: Task.step_batches) and at every evaluation; a task that samples from the model
     (grpo, distill on-policy) generates what 1 process samples (under sharded weights on the weights gathered for
-    it, or in lock-step on every rank: Engine.generating). Rank 1 signalled during step 3: every rank saves the engine's checkpoint of step 3 and the
-    job stops with 128+15; resumed from it under the same engine, step 4 and the last evaluation are the
-    reference's."""
-    for engine, (stopped, resumed, out) in sharded.items():
-        text = stopped.stdout + stopped.stderr
+    it, or in lock-step on every rank: Engine.generating). Rank 1 crashes in step 3 (os._exit, nothing cleaned up)
+    and the job ends; resumed from step 2's checkpoint under the same engine, steps 3-4 and the last evaluation are
+    the reference's, and so are the weights it saves (the reference's reload to its evaluation:
+    test_saved_adapter_reloads_to_the_same_evaluation)."""
+    for engine, (crashed, resumed, out) in sharded.items():
+        text = crashed.stdout + crashed.stderr
         refusal = refused_under(name, *ENGINES[engine])
         if refusal:  # the task's own preflight says it cannot run there: said in one line before any model loads
-            assert stopped.first == 2 and set(said(text)) == {f"accel_train: error: {refusal}"}, text[-3000:]
+            assert crashed.first == 2 and set(said(text)) == {f"accel_train: error: {refusal}"}, text[-3000:]
             assert not (out / "metrics.jsonl").exists()
             continue
-        assert stopped.first == 128 + 15 and set(stopped.codes) <= {128 + 15, -15}, f"{engine}: {text[-3000:]}"
-        assert (out / "checkpoints" / f"step-{SIGTERM_STEP}" / "COMPLETE").is_file(), engine
+        assert crashed.first == 42 and crashed.codes[1] == 42, f"{engine}: {crashed.codes} {text[-3000:]}"
+        assert (out / "checkpoints" / "step-2" / "COMPLETE").is_file(), engine
         assert resumed.returncode == 0, f"{engine}: {(resumed.stdout + resumed.stderr)[-3000:]}"
-        assert f"step-{SIGTERM_STEP}" in resumed.stdout + resumed.stderr, engine  # "resumed from ..."
+        assert "step-2" in resumed.stdout + resumed.stderr, engine  # "resumed from ..."
         train, evals = read_metrics(out)
         want_train, want_evals = read_metrics(reference)
         assert [r["step"] for r in train] == [1, 2, 3, 4], engine
@@ -240,6 +269,28 @@ def test_sharded_engines_train_as_one_process(name, reference, sharded):
         assert [r["step"] for r in evals] == [r["step"] for r in want_evals], engine
         for got, want in zip(evals, want_evals):
             assert_same(got, want, f"{engine} eval at step {want['step']}", rel=SHARDED_REL)
+        got, want = saved_weights(out), saved_weights(reference)
+        assert got.keys() == want.keys() and want, engine
+        for key in want:  # each tensor as a whole: Adam moves a weight whose gradient is near 0 by about lr either
+            # way, so single weights differ more than the losses (measured: up to 1.8e-4 of a tensor's norm)
+            assert got[key].shape == want[key].shape, f"{engine}: {key}"
+            assert (got[key] - want[key]).norm() <= SAVED_REL * want[key].norm(), f"{engine}: {key}"
+
+
+@pytest.mark.long
+def test_sigterm_to_one_rank_checkpoints_every_rank_under_each_engine(name, request):
+    """As under DDP (test_sigterm_to_one_rank_checkpoints_every_rank), under FSDP2, ZeRO-2 and ZeRO-3: rank 1
+    signalled during step 3, every rank saves its part of step 3's checkpoint, one line, 128+15."""
+    if name not in SIGNALLED:
+        pytest.skip(f"checked on {SIGNALLED[0]} (a signal's way does not depend on the task)")
+    for engine, (proc, out) in request.getfixturevalue("sharded_signalled").items():
+        text = proc.stdout + proc.stderr
+        assert proc.first == 128 + 15 and set(proc.codes) <= {128 + 15, -15}, (engine, proc.codes, text[-3000:])
+        lines = said(text)
+        assert len(lines) == 1 and lines[0].startswith("accel_train: stopped by SIGTERM; checkpoint saved:"), lines
+        saved = out / "checkpoints" / f"step-{SIGTERM_STEP}"
+        assert (saved / "COMPLETE").is_file(), engine
+        assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
 
 
 def test_crash_then_resume_reproduces_the_uninterrupted_run(reference, resumed):
