@@ -218,11 +218,13 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "has_trl", lambda: True)
     monkeypatch.setattr(common, "has_liger", lambda: False)  # TRL's options, whatever this machine has
     report = bench.main(["--quick", "--batch", "2", "--steps", "3", "--warmup", "1", "--grpo-steps", "2",
-                         "--out", str(tmp_path / "b.json"), "--workdir", str(tmp_path / "work")])
+                         "--static-cache", "--out", str(tmp_path / "b.json"), "--workdir", str(tmp_path / "work")])
     assert list(commands) == [  # ours, then the others in --contenders' order, the 2-process run last
         "ours-skewed-1p", "trainer-skewed", "bare-skewed", "trl-skewed-padding_free", "ours-skewed-2p",
         "ours-fixed-1p", "trainer-fixed", "bare-fixed", "trl-fixed",
-        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length", "ours-grpo-1p", "trl-grpo", "generate-grpo"]
+        "ours-cls-1p", "trainer-cls", "trainer-cls-group_by_length", "ours-grpo-1p", "trl-grpo", "generate-grpo",
+        "ours-grpo-1p-generation_cache"]  # --static-cache: on grpo only, the workload that generates
+    assert "train.generation_cache=static" in commands["ours-grpo-1p-generation_cache"]
     # grpo: --prompts prompts a step for ours, x --generations completions for TRL's GRPOTrainer (its child)
     assert "train.per_device_batch_size=4" in commands["ours-grpo-1p"] and "task=grpo" in commands["ours-grpo-1p"]
     assert commands["trl-grpo"][commands["trl-grpo"].index("--child") + 1] == "trl_grpo"
@@ -257,10 +259,12 @@ def test_bench_rows_and_ratios_of_every_workload(tmp_path, monkeypatch, capsys):
     assert ratios["completion_length_ours_vs_trl_grpo"] == 1.0
     # ours' tokens/s while generating over bare generation's, both the whole run's (7 x 4.0 and 7 x 8.0)
     assert ratios["generation_ours_vs_generate_grpo"] == 0.5
+    assert ratios["generation_static_vs_dynamic_cache_grpo"] == 1.0  # the fake runs generate alike
     assert "ours_vs_trl_skewed" not in report["targets"]
     assert report["targets"]["ours_vs_trl_grpo"] == 1.5 and report["targets"]["generation_ours_vs_generate_grpo"] == 0.9
     table = capsys.readouterr().out
     assert "| ours | 1 x" in table and "| trl | 1 x" in table and "| ours_vs_trl_grpo | 1.2" in table
+    assert "| ours +train.generation_cache=static | 1 x" in table
 
 
 def test_bench_trl_contender_needs_trl(monkeypatch, capsys):

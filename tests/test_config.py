@@ -91,6 +91,10 @@ def test_override_beats_file(tmp_path):
      "into micro-batches by tokens: it needs data.packing=true"),
     (["train.lr"], "not of the form key=value"),
     (["grpo.regex=[a-j]+"], "override 'grpo.regex=[a-j]+': '[a-j]+' is not a valid YAML value"),
+    (["train.generation_cache=paged"], "train.generation_cache must be one of 'dynamic', 'static', got 'paged'"),
+    (["train.generation_cache=static"], "train.generation_cache=static sets the KV cache of generation, and this run "
+                                        "generates nothing (task causal_lm, eval.generate=false); remove it"),
+    (["task=dpo", "train.generation_cache=static"], "this run generates nothing (task dpo); remove it"),
 ])
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -7,6 +7,8 @@ processes accelerate repeats samples to fill it). The 2-process run also stops e
 from step 30 to step 60 (patience 1), and it keeps the best checkpoint and saves its weights (save.final=best).
 The runs agree to 1e-7 up to step 60 (later the fp32 rounding of the gradient reduction makes them drift apart, as
 any two trainings do), so at steps 30 and 60 each generation and every metric must be the same to the last digit.
+The 2-process run decodes from a static KV cache (train.generation_cache=static), the 1-process one from the
+dynamic one: greedy decoding gives the same tokens either way.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def runs(tmp_path_factory):
     one = python_m(*COMMON, "train.per_device_batch_size=32", "merge=true", f"output_dir={root / 'one'}", env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
     two = forked_launch("cpu_2proc.yaml", *COMMON, *EARLY, "train.per_device_batch_size=16",
-                        f"output_dir={root / 'two'}", env=ENV)
+                        "train.generation_cache=static", f"output_dir={root / 'two'}", env=ENV)
     assert two.returncode == 0, two.stderr[-3000:]
     return {"one": root / "one", "two": root / "two", "two_log": two.stdout + two.stderr}
 
@@ -256,6 +258,11 @@ def test_eval_generation_stops_at_the_end_of_turn():
     config = eval_generation_config(load_config(overrides=[f"eval.max_new_tokens={MAX_NEW}"]), tokenizer, model)
     out = new_tokens(model, prompt, generation_config=config)
     assert tokenizer.convert_ids_to_tokens(out) == ["a", "b", "c", "<|im_end|>"]
+    # train.generation_cache=static: a static KV cache, the same answer
+    static = eval_generation_config(load_config(overrides=[f"eval.max_new_tokens={MAX_NEW}", "eval.generate=true",
+                                                           "train.generation_cache=static"]), tokenizer, model)
+    assert (config.cache_implementation, static.cache_implementation) == (None, "static")
+    assert new_tokens(model, prompt, generation_config=static) == out
     # what evaluate_generations scores: a gathered row padded past the answer, cut at its first stop
     row = out + [tokenizer.pad_token_id] * 3
     assert tokenizer.batch_decode([until_stop(row, config.eos_token_id, keep=False)],
@@ -351,8 +358,8 @@ def test_a_trained_run_saves_its_stop_ids_beside_the_weights(runs):
 @pytest.mark.long  # the module's 1- and 2-process runs (30 s)
 def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, tmp_path, capsys):
     """The trained default recipe, loaded once for every prompt: --prompt twice, a prompts file (JSON lines, a
-    "messages" row among them), --system, written to --output; batched (left-padded) generation gives the answers
-    one prompt at a time gives."""
+    "messages" row among them), --system, written to --output; batched (left-padded) generation from a static KV
+    cache (--cache static) gives the answers one prompt at a time gives with the dynamic one."""
     from accel_train.tools.generate import generate_rows, main
 
     words = ["abcd", "hgfe", "jiabc", "dcb"]
@@ -360,7 +367,7 @@ def test_generate_cli_answers_several_prompts_and_a_prompts_file_as_jsonl(runs, 
         {"messages": [{"role": "user", "content": f"reverse {words[3]}"}]}) + "\n")
     main([str(runs["one"]), "--prompt", f"reverse {words[0]}", "--prompt", f"reverse {words[1]}",
           "--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "12", "--batch-size", "3",
-          "--output", str(tmp_path / "out.jsonl")])
+          "--cache", "static", "--output", str(tmp_path / "out.jsonl")])
     assert capsys.readouterr().out == ""
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r.get("prompt") for r in rows] == [f"reverse {w}" for w in words[:3]] + [None]
@@ -536,6 +543,7 @@ def test_generate_cli_greedy_is_the_argmax_of_the_logits(tmp_path, capsys):
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     argmax = tokenizer.batch_decode([argmax_answer(model, p, stops, 10) for p in prompts], skip_special_tokens=True)
     assert generate_rows(str(tmp_path), rows, max_new_tokens=10) == argmax
+    assert generate_rows(str(tmp_path), rows, max_new_tokens=10, cache="static") == argmax
     # the file's penalty and n-gram ban, asked for, with greedy decoding: as transformers' own generate() does
     own = model.generate(**tokenizer.pad([{"input_ids": p} for p in prompts], padding_side="left",
                                          return_tensors="pt"), max_new_tokens=10, do_sample=False)

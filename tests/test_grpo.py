@@ -30,7 +30,7 @@ from accel_train.config.sections import ConfigError
 from accel_train.components import completions as completions_lib
 from accel_train.components import logprobs
 from accel_train.components import rewards as rewards_lib
-from accel_train.models.generation import position_ids
+from accel_train.models.generation import CACHE_ARG, position_ids
 from accel_train.tasks.grpo import rollouts as grpo_rollouts
 from accel_train.tasks.grpo import task as grpo
 
@@ -681,7 +681,9 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     """A window of two micro-batches (2 and 1 prompts, 4 completions each) is generated in one generate call of
     12 rows, and split back into its micro-batches' completions; with grpo.generation_batch_size=1 in three calls
     of 4 rows: the same tokens as each micro-batch generated alone (each row draws its own noise, by its prompt's
-    index). A rollout generates through the merged adapter and scores with the adapter's own weights back."""
+    index); with train.generation_cache=static (the shared prompts copied into a StaticCache) the same tokens too,
+    and so are grpo's greedy answers (generate's own static cache). A rollout generates through the merged adapter
+    and scores with the adapter's own weights back."""
     import contextlib
     from types import SimpleNamespace
 
@@ -705,21 +707,25 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     batches = [{"prompt_ids": ids[:2], "index": torch.tensor([0, 1]), "prompts": texts[:2],
                 "columns": {"response": ["bacba", "zyx esrever"]}},
                {"prompt_ids": ids[2:], "index": torch.tensor([2]), "prompts": texts[2:], "columns": {"response": ["q"]}}]
-    calls, merged = [], []
+    calls, merged, caches = [], [], []
     generate = model.generate
     model.generate = lambda **kw: calls.append(len(kw["input_ids"])) or merged.append(
-        {layer.merged for layer in layers}) or generate(**kw)
-    got = {}
-    for size in ("null", "1"):
+        {layer.merged for layer in layers}) or caches.append(type(kw.get(CACHE_ARG)).__name__) or generate(**kw)
+    got, greedy = {}, {}
+    for size, cache in (("null", "dynamic"), ("null", "static"), ("1", "dynamic")):
         cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
                                      f"grpo.generation_batch_size={size}", "grpo.answer_field=response",
-                                     "grpo.log_completions=false"])
+                                     "grpo.log_completions=false", f"train.generation_cache={cache}"])
         rollouts = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer)
         calls.clear()
-        got[size] = rollouts.sampler.generate_window(model, batches, step=3)
+        caches.clear()
+        got[size, cache] = rollouts.sampler.generate_window(model, batches, step=3)
         assert calls == ([12] if size == "null" else [4, 4, 4]), calls
+        assert caches == [{"dynamic": "DynamicCache", "static": "StaticCache"}[cache]] * len(calls), caches
+        greedy[cache] = rollouts.sampler.complete(model, ids)  # one row a prompt: generate's own cache
     alone = [rollouts.sampler.generate(model, batch, step=3).ids for batch in batches]
-    assert [c.ids for c in got["null"]] == [c.ids for c in got["1"]] == alone
+    assert [c.ids for c in got["null", "dynamic"]] == [c.ids for c in got["1", "dynamic"]] == alone
+    assert [c.ids for c in got["null", "static"]] == alone and greedy["static"] == greedy["dynamic"]
     assert [len(c) for c in alone] == [8, 4] and len({tuple(c) for c in alone[0]}) > 1  # sampled, not one answer
     scored, real = [], rollouts.rewards
 
@@ -734,6 +740,47 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     merged.clear()
     micro = rollouts.roll(batches, step=3)  # generation_batch_size=1: three calls
     assert len(micro) == 2 and merged == [{True}] * 3 and scored == [{False}] * 2, (merged, scored)
+
+
+def test_a_static_cache_takes_the_shared_prompt_where_every_layer_holds_it_whole():
+    """train.generation_cache=static on Gemma 3's layers of a 3-token sliding window: a group's prompt of 3 tokens
+    (its cache holds 2, all of them) is copied into a StaticCache of the positions asked; one of 5 is not (the
+    window's layer kept its last 2 tokens only): None, whole rows, generate's own static cache. The sampled
+    completions are the dynamic cache's either way."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, StaticCache
+
+    from accel_train.config.schema import CONFIGS_DIR
+    from accel_train.models.generation import left_padded, shared_prompt_cache
+
+    tokenizer = AutoTokenizer.from_pretrained(CONFIGS_DIR / "model" / "tiny-llama")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0)).eval()
+    prompts = {"short": [[5, 6, 7], [8, 9]], "long": [[5, 6, 7, 8, 9], [10, 11, 12]]}
+    for name, rows in prompts.items():
+        ids, mask = left_padded(rows, tokenizer.pad_token_id, "cpu")
+        with torch.no_grad():
+            cache = shared_prompt_cache(model, ids, mask, 3, static_length=ids.shape[1] + 5)
+        if name == "short":
+            assert isinstance(cache, StaticCache) and [layer.keys.shape for layer in cache.layers] == [
+                (6, 2, 3, 8), (6, 2, 8, 8)]  # the window's layer: its 3 positions
+        else:
+            assert cache is None
+    accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"), **ONE_PROCESS,
+                                  autocast=contextlib.nullcontext, num_processes=1)
+    got = {}
+    for cache in ("dynamic", "static"):
+        cfg = load_config(overrides=["task=grpo", "grpo.num_generations=3", "grpo.max_new_tokens=6",
+                                     f"train.generation_cache={cache}"])
+        sampler = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer).sampler
+        got[cache] = [sampler.generate(model, {"prompt_ids": rows, "index": torch.tensor([0, 1])}, step=0).ids
+                      for rows in prompts.values()]
+    assert got["static"] == got["dynamic"] and len({tuple(c) for c in got["static"][1]}) > 1  # sampled
 
 
 @pytest.fixture(scope="module")

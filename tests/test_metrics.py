@@ -132,8 +132,14 @@ def test_what_sharded_parameters_rule_out_is_refused_before_loading(monkeypatch,
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is not supported under {kind} with "
                                           r"train.gather_for_generation=false \(generation in lock-step"):
         check_engine(lockstep)  # what grpo states it needs (registry: uneven_generation)
+    static = ["eval.generate=true", "train.generation_cache=static"]
+    with pytest.raises(ConfigError, match=rf"^train.generation_cache=static is not supported under {kind} with "
+                                          r"train.gather_for_generation=false \(every decode step gathers [^\n]*"
+                                          r"or use train.generation_cache=dynamic$"):
+        check_engine(load_config(None, [*static, "train.gather_for_generation=false"]))
     # the weights gathered for generation (the default): each rank generates alone, as many calls as it needs
     check_engine(load_config(None, ["task=grpo", key]))
+    check_engine(load_config(None, static))
     check_engine(load_config(None, BEST))  # the best checkpoint's sharded files are read back (recipe.run)
     if variable == "ACCELERATE_USE_DEEPSPEED":  # ZeRO-2 keeps the whole weights on every rank: it may generate
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")

@@ -65,7 +65,10 @@ from the whole run's split (summary.json's "rollouts" for ours, the same sums ti
 _generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it (ours'
 over bare generation's: generation_ours_vs_generate_grpo, target 0.9; ours' time includes scoring, bare
 generation's has none); the completions' mean length and peak
-memory. With --model PATH (a transformers folder: SmolLM2-135M-Instruct's is made by tests/scripts/distill_pair.py)
+memory. --static-cache also runs ours with its rollouts decoding from a static KV cache (train.generation_cache=static;
+on a GPU transformers compiles the decode step in the first rollouts): generation_static_vs_dynamic_cache_grpo, its
+tokens/s while generating over ours' own, both over the whole run, compilation included (its steps/s leaves the
+warm-up out). With --model PATH (a transformers folder: SmolLM2-135M-Instruct's is made by tests/scripts/distill_pair.py)
 the model is that one, pretrained, and the prompts builtin:addition's sums (number_match): completions then stop
 at the model's end of turn, at lengths of its choosing, alike on every side (the completion length column). What
 keeps it fair:

@@ -266,8 +266,8 @@ def child_result(steps: list[tuple], mean_loss: float) -> dict:
 def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list[tuple[str, Callable]]:
     """One round of `workload`: each contender's run (a function returning its record, given its process's time
     limit as `timeout`, None for none), named, in --contenders' order, then ours' gradient-checkpointing and compile
-    variants ("ours+compile"), then (`scale`) ours on 2 processes ("ours x2"). A name is the contender's whatever
-    its options (TRL's depend on the machine)."""
+    variants ("ours+compile"; on grpo its static KV cache, "ours+static_cache"), then (`scale`) ours on 2 processes
+    ("ours x2"). A name is the contender's whatever its options (TRL's depend on the machine)."""
     jobs, run_on = [], (args, wd, workload, precision)
     for contender in args.contenders:
         if contender == "ours":
@@ -288,6 +288,8 @@ def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -
         if flag and "ours" in args.contenders and workload != "grpo":
             name = "ours+" + option.split("=")[0].split(".")[-1]
             jobs.append((name, partial(run_ours, *run_on, 1, [option])))
+    if args.static_cache and "ours" in args.contenders and workload == "grpo":  # the workload that generates
+        jobs.append(("ours+static_cache", partial(run_ours, *run_on, 1, ["train.generation_cache=static"])))
     if scale:
         jobs.append(("ours x2", partial(run_ours, *run_on, 2)))
     return jobs

@@ -149,7 +149,7 @@ def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat:
         lines += ["", "| workload | contender | procs x threads | tokens/s | step median (s) | padding eff. | MFU | "
                       "peak mem (MB) |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in trained:
-        name = r["contender"] + "".join(f" +{o}" for o in r["options"])
+        name = row_name(r)
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"  # n/a: above the measured peak (tracking.mfu)
         lines.append(f"| {r['workload']} | {name} | {r['processes']} x {r['threads_per_process']} | "
                      f"{r['tokens_per_sec']:.0f} | {r['step_time_median_s']:.3f} | {r['padding_efficiency']:.3f} | "
@@ -160,7 +160,7 @@ def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat:
         lines += ["", "| grpo | procs x threads | steps/s | generated tokens/s | train tokens/s | "
                       "rollout share (run) | tokens/s generating (run) | completion length | peak mem (MB) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['contender']} | {r['processes']} x {r['threads_per_process']} | {r['steps_per_sec']:.3f} | "
+        lines += [f"| {row_name(r)} | {r['processes']} x {r['threads_per_process']} | {r['steps_per_sec']:.3f} | "
                   f"{r['generated_tokens_per_sec']:.0f} | {r['tokens_per_sec']:.0f} | {r['generation_share']:.2f} | "
                   f"{r['generation_tokens_per_sec']:.0f} | {r['completion_mean_length']:.1f} | "
                   f"{r['peak_memory_mb']:.0f} |" for r in grpo]
@@ -188,6 +188,9 @@ def compare(workloads: list[str], results: list[dict], first: str | None, scaled
             # ours' tokens/s while rolling out over bare generate's, both over the whole run (the rollouts' speed)
             bare_generate = _find(results, "generate", w)
             ratios["generation_ours_vs_generate_grpo"] = _ratio(ours, bare_generate, "generation_tokens_per_sec")
+            # --static-cache: the rollouts' tokens/s with the static KV cache over the dynamic one's
+            static = _find(results, "ours", w, 1, ["train.generation_cache=static"])
+            ratios["generation_static_vs_dynamic_cache_grpo"] = _ratio(static, ours, "generation_tokens_per_sec")
             continue
         ratios[f"ours_vs_trainer_{w}"] = _ratio(ours, trainer)
         if w == "cls":
@@ -211,6 +214,11 @@ def compare(workloads: list[str], results: list[dict], first: str | None, scaled
         scaling = ratios["scaling_efficiency"] = _ratio(two, one)  # None until both have run
         ratios["scaling_efficiency_per_device"] = None if scaling is None else round(scaling / 2, 4)
     return ratios
+
+
+def row_name(r: dict) -> str:
+    """A row's contender with its options (ours +train.compile=true)."""
+    return r["contender"] + "".join(f" +{o}" for o in r["options"])
 
 
 def _find(results: list[dict], contender: str, workload: str, procs: int = 1, options=()) -> dict | None:

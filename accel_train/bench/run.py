@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scaling", action="store_true", help="skip the 1- vs 2-process comparison")
     p.add_argument("--grad-ckpt", action="store_true", help="also run ours with gradient checkpointing")
     p.add_argument("--compile", action="store_true", help="also run ours with torch.compile (train.compile=true)")
+    p.add_argument("--static-cache", action="store_true", help="grpo: also run ours with its rollouts decoding from a "
+                                                               "static KV cache (train.generation_cache=static)")
     p.add_argument("--out", default="bench.json", help="JSON results file (and its tables beside it, .md), written "
                                                        "after every run")
     suites = p.add_mutually_exclusive_group()

@@ -53,8 +53,11 @@ GROUPS = {
 }
 """Each group's bench options (run.parse_args); the suite adds the contenders its rows name and --no-scaling."""
 
-VARIANTS = {"ours+compile": "--compile", "ours+gradient_checkpointing": "--grad-ckpt"}
-"""Rows of ours with an option (contenders.contender_jobs' names), and the bench option that adds them."""
+VARIANTS = {"ours+compile": "--compile", "ours+gradient_checkpointing": "--grad-ckpt",
+            "ours+static_cache": "--static-cache"}
+"""Rows of ours with an option (contenders.contender_jobs' names), and the bench option that adds them.
+ours+static_cache (a grpo group's rollouts from a static KV cache) is in no suite yet: a row of it (its process's
+start, and the decode step's compilation) fits neither --gpu's estimate (at most 6 minutes) nor --gpu-full's budget."""
 
 # ours under LoRA on random weights copies its base and saves it (output_dir/base_model: ~2 s at 0.5B); full
 # fine-tuning saves the whole model (~6 GB at 1.5B in fp32)

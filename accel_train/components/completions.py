@@ -6,7 +6,10 @@ max_new_tokens, temperature, top_p, generation_batch_size, tools, environment, m
 
 A row's token at completion position k (observations counted) takes the k-th draw of its noise, whatever the turn:
 trajectories are the same on any number of processes and after a resume. The prompts' KV cache is computed once
-for all the rows that continue them (generation.shared_prompt_cache), but in lock-step (`synced`).
+for all the rows that continue them (generation.shared_prompt_cache), but in lock-step (`synced`); with
+train.generation_cache=static it is copied into a StaticCache sized for the longest call so far (its prompt and
+grpo.max_new_tokens), so that the calls of a run meet few cache shapes (each one a compilation of the decode step on
+a GPU).
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ class CompletionSampler:
         self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
-        self.generation_config = generation_config(model, tokenizer, self.g.max_new_tokens)
+        self.generation_config = generation_config(model, tokenizer, self.g.max_new_tokens,
+                                                   cache=cfg.train.generation_cache)
+        self.static_length = 0  # train.generation_cache=static: the positions of the shared prompts' static caches
         # multi-turn rollouts (grpo.tools, grpo.environment): one environment per completion
         self.make_env, self.max_turns = tools_lib.environment_factory(cfg, tokenizer), tools_lib.max_turns(cfg)
         self.tools = tools_lib.schemas(tuple(self.g.tools))
@@ -202,14 +207,21 @@ class CompletionSampler:
         `sampler(prompt width)`, a LogitsProcessor. The prompts' KV cache is computed once for all their rows
         (generation.shared_prompt_cache), but when synced."""
         input_ids, attention_mask = left_padded(prompts, self.tokenizer.pad_token_id, self.device)
-        # (not when synced: a prompt forward more on one rank than on another would break the lock-step)
-        cache = None if self.synced else shared_prompt_cache(model, input_ids, attention_mask, repeats)
-        input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
-        processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
         config = self.generation_config
         if max_new_tokens:  # a later turn: what is left of grpo.max_new_tokens (in the config: generate() warns of
             config = copy.deepcopy(config)  # an argument beside it)
             config.max_new_tokens = max_new_tokens
+        static = config.cache_implementation == "static"
+        if static:  # the prompt and its new tokens but the last (never fed back), as generate() sizes its own
+            self.static_length = max(self.static_length, input_ids.shape[1] + config.max_new_tokens - 1)
+        # (not when synced: a prompt forward more on one rank than on another would break the lock-step)
+        cache = None if self.synced else shared_prompt_cache(model, input_ids, attention_mask, repeats,
+                                                             self.static_length if static else None)
+        if cache is not None and static:  # static already: generate() refuses a cache_implementation beside it
+            config = copy.deepcopy(config)
+            config.cache_implementation = None
+        input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
+        processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
         more = {CACHE_ARG: cache} if cache is not None else {}
         new = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                              logits_processor=processors, synced_gpus=self.synced, **more)

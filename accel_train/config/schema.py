@@ -40,6 +40,8 @@ OPTIMIZER_PACKAGES = {"adamw_8bit": ("bitsandbytes", "bnb"), "paged_adamw_8bit":
 # transformers' get_scheduler names (our constant is its constant_with_warmup)
 SCHEDULES = ("linear", "cosine", "constant", "cosine_with_min_lr", "cosine_with_restarts", "polynomial",
              "warmup_stable_decay")
+# train.generation_cache's (and the generate tool's --cache): the KV caches generation decodes with
+GENERATION_CACHES = ("dynamic", "static")
 # the train.* keys of some schedules only: the schedules that read each
 SCHEDULE_KEYS = {"min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "polynomial"),
                  "decay_ratio": ("warmup_stable_decay",), "lr_cycles": ("cosine_with_restarts",),
@@ -287,6 +289,13 @@ class TrainConfig:
     gathering each layer again (transformers' synced_gpus): slower, for a model too large to hold whole on one
     device; there grpo's tools and environments, which make ranks generate a different number of times, are
     refused. Elsewhere the weights are whole already: a value given is said to do nothing."""
+    generation_cache: Literal[GENERATION_CACHES] = "dynamic"
+    """The KV cache every generation of the run decodes with (eval.generate, grpo's rollouts and evaluation, distill's
+    on-policy samples): dynamic grows by a token a step; static is allocated once for prompt + new tokens
+    (transformers' cache_implementation="static"), so that each decode step has the same shapes: on a GPU
+    transformers then compiles the decode step (its compile_config's defaults). The same tokens either way
+    (models/generation.py); refused where the run generates nothing, and in lock-step on sharded weights
+    (train.gather_for_generation=false)."""
     debug_collectives: bool = False
     """Check that all ranks issue matching collectives (ACCELERATE_DEBUG_MODE, TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
     early_stopping_patience: Optional[int] = None
@@ -507,6 +516,12 @@ class Config:
 
     def _check_best(self):
         """Generation, early stopping and the best checkpoint: the combinations that can work."""
+        if self.train.generation_cache != "dynamic" and not (self.eval.generate
+                                                             or registry.info(self.task).generating(self)):
+            raise ConfigError(f"train.generation_cache={self.train.generation_cache} sets the KV cache of generation, "
+                              f"and this run generates nothing (task {self.task}"
+                              + (", eval.generate=false" if registry.info(self.task).generation else "")
+                              + "); remove it")
         if self.eval.generate and not registry.info(self.task).generation:
             raise ConfigError("eval.generate=true is for task causal_lm (seq_cls is scored on its predicted classes)")
         if self.eval.generate and (self.data.train_on == "all" or self.data.format == "text"):

@@ -22,6 +22,13 @@ ours. Qwen2.5-Instruct ships repetition_penalty=1.05: grpo's rollouts were drawn
 the logits its loss takes as the sampling distribution. The model's file applies only when asked (the generate
 tool's --model-defaults).
 
+The KV cache they decode with is train.generation_cache's (the generate tool's --cache): dynamic, grown a token a
+step, or static, allocated once for the prompt and max_new_tokens (transformers' cache_implementation="static";
+grpo's prompt shared by its group is copied into one, `shared_prompt_cache`). Static caches give each decode step
+the same shapes, and on a GPU generate() compiles the decode step for them (torch.compile with transformers'
+compile_config defaults, kept as they are: the first calls pay the compilation); on a CPU it runs eagerly. Greedy
+decoding gives the same tokens with either cache (tests/test_generation.py, tests/test_grpo.py).
+
 Seeded sampling (grpo's rollouts, distill's on-policy responses): each sampled row's noise comes from its own
 generator, seeded by `row_seed` (seed, step, the row, the completion's number), and `SeededSampler` picks the token
 where the row's uniform draw falls in the distribution's cumulative sum: 1 and 2 processes, and a resumed run, sample
@@ -42,7 +49,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, LogitsProcessor
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticCache
 from transformers.generation import utils as generation_utils
 
 from accel_train.config.schema import Config
@@ -128,17 +135,20 @@ UNSWITCHABLE = ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "
 
 def generation_config(model, tokenizer, max_new_tokens: int, do_sample: bool | None = None,
                       temperature: float | None = None, top_p: float | None = None, num_beams: int | None = None,
-                      from_model: bool = False) -> GenerationConfig:
+                      from_model: bool = False, cache: str = "dynamic") -> GenerationConfig:
     """generate()'s settings, for every caller: answers stop at the stop ids (formats.stop_token_ids: the template's
     end of turn, eos, the model's own eos) and are padded with the tokenizer's pad, with the KV cache; greedy unless
     do_sample (then temperature and top_p, 1.0 unless given, and no top-k); beam search with num_beams > 1; no
     penalty, n-gram ban or other logits processor. from_model: the model's generation_config.json instead (its
-    sampling, penalties, ...), with the stops and the arguments given (None: the file's)."""
+    sampling, penalties, ...), with the stops and the arguments given (None: the file's). cache
+    (train.generation_cache): "static" decodes with a static KV cache (cache_implementation="static"; on a GPU
+    generate() compiles its decode step), "dynamic" with the growing one."""
     own = getattr(model, "generation_config", None)
     given = {k: v for k, v in {"do_sample": do_sample, "num_beams": num_beams, "temperature": temperature,
                                "top_p": top_p}.items() if v is not None}
     fixed = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_token_ids(tokenizer, own),
-             "pad_token_id": tokenizer.pad_token_id, "use_cache": True}
+             "pad_token_id": tokenizer.pad_token_id, "use_cache": True,
+             **({"cache_implementation": "static"} if cache == "static" else {})}
     if from_model:
         config = copy.deepcopy(own) if own is not None else GenerationConfig()
         config.update(**given, **fixed)
@@ -156,14 +166,20 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: int):
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: int,
+                        static_length: int | None = None):
     """The KV cache of each (left-padded) prompt but its last token, computed once and repeated for the `repeats`
     rows that sample from it (prompt-major), for generate(input_ids=each prompt `repeats` times,
     past_key_values=it): generate() then runs the last prompt token of each row only, not the whole prompt once
     per sampled completion (grpo's group of G: the prompt's forward G times). The prompt's positions are those
     generate() gives them (counted from each row's first real token); None where there is nothing to share.
     generate() takes it as CACHE_ARG. Only a cache of key and value tensors (full or sliding-window attention)
-    repeats so; for another (a linear attention's recurrent state, a quantized cache) None: whole rows."""
+    repeats so; for another (a linear attention's recurrent state, a quantized cache) None: whole rows.
+
+    static_length (train.generation_cache=static): the repeated cache copied into a StaticCache of that many
+    positions (generate() takes a cache or a cache_implementation, not both: pass it with cache_implementation
+    None); None where a layer no longer holds the whole prompt (a sliding window shorter than it): whole rows,
+    with the static cache generate() makes."""
     if repeats < 2 or input_ids.shape[1] < 2:
         return None
     ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
@@ -174,7 +190,18 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     if not all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in getattr(cache, "layers", [None])):
         return None
     cache.batch_repeat_interleave(repeats)
-    return cache
+    return cache if static_length is None else static_copy(model, cache, static_length)
+
+
+def static_copy(model, cache, length: int) -> StaticCache | None:
+    """A StaticCache of `length` positions holding what the dynamic `cache` holds, or None where one of its layers
+    holds fewer tokens than it has seen (a sliding window's: the positions would be lost)."""
+    if any(layer.keys.shape[-2] != layer.get_seq_length() for layer in cache.layers):
+        return None
+    static = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+    for layer, filled in zip(static.layers, cache.layers, strict=True):
+        layer.update(filled.keys, filled.values)  # allocates the layer for the cache's rows, then writes them
+    return static
 
 
 @contextmanager
@@ -219,11 +246,11 @@ def merged_adapter(model, enabled: bool = True):
 
 
 def eval_generation_config(cfg: Config, tokenizer, model) -> GenerationConfig:
-    """eval.generate's settings (eval.*)."""
+    """eval.generate's settings (eval.*, train.generation_cache)."""
     e = cfg.eval
     sampling = {"temperature": e.temperature, "top_p": e.top_p} if e.do_sample else {}
     return generation_config(model, tokenizer, e.max_new_tokens, do_sample=e.do_sample, num_beams=e.num_beams,
-                             **sampling)
+                             cache=cfg.train.generation_cache, **sampling)
 
 
 def until_stop(tokens: list[int], stop_ids: list[int], *, keep: bool) -> list[int]:

@@ -128,6 +128,12 @@ def check_engine(cfg: Config, say: bool = True) -> None:
         key, data, way_out = before
         raise ConfigError(f"{key} runs the whole model over {data} before accelerator.prepare, but the accelerate "
                           f"config's {how}: true builds it sharded; {way_out}, or {how}: false")
+    if cfg.train.generation_cache == "static" and kind and cfg.train.gather_for_generation is False:
+        raise ConfigError(f"train.generation_cache=static is not supported under {kind} with "
+                          "train.gather_for_generation=false (every decode step gathers each layer's shards, and on a "
+                          "GPU transformers compiles the decode step of a static cache, collectives and all); gather "
+                          "the weights for generation (train.gather_for_generation=true, the default) or use "
+                          "train.generation_cache=dynamic")
     uneven = info.generates_unevenly(cfg)
     if uneven and kind and cfg.train.gather_for_generation is False:
         key, why = uneven

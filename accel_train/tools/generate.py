@@ -3,12 +3,14 @@ end of turn or eos. Greedy unless --do-sample. The model is loaded once; the pro
 
     accel-train generate PATH --prompt "reverse abcd" [--prompt ...] [--prompts-file FILE]
         [--system TEXT] [--max-new-tokens 64] [--do-sample [--temperature T] [--top-p P]] [--seed N]
-        [--model-defaults] [--random-base] [--output FILE.jsonl | --jsonl]
+        [--model-defaults] [--cache static] [--random-base] [--output FILE.jsonl | --jsonl]
 
 Decoding is exactly what the flags say: no top-k, repetition penalty or other setting of the model's own
 generation_config.json applies (Qwen2.5-Instruct's, for one, sets a repetition penalty of 1.05).
 --model-defaults decodes as the model's file says (as model.generate() with no arguments does: its
 do_sample, temperature, top_p, top_k, repetition_penalty, ...), with --do-sample, --temperature and --top-p on top.
+--cache static decodes with a static KV cache, as train.generation_cache=static (on a GPU transformers compiles the
+decode step: the first batch pays the compilation); the same greedy answers.
 
 One prompt prints its response as plain text; several prompts (or --jsonl) print one JSON row per prompt on stdout,
 and --output writes them to a file: the prompt's row ({"prompt": ...} or {"messages": [...]}) with "generation" and
@@ -22,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+from accel_train.config.schema import GENERATION_CACHES
 from accel_train.config.sections import ConfigError
 from accel_train.data.sources import jsonl_rows
 from accel_train.models.sources import PATH_HELP, check_task, trained_folder
@@ -72,16 +75,17 @@ def prompt_ids(tokenizer, row: dict, system: str | None) -> list[int]:
 
 
 def generate_rows(path: str, rows: list[dict], system: str | None = None, max_new_tokens: int = 64,
-                  batch_size: int = 8, model_defaults: bool = False, **sampling) -> list[str]:
+                  batch_size: int = 8, model_defaults: bool = False, cache: str = "dynamic", **sampling) -> list[str]:
     """One response per row (see read_prompts), in order. `sampling`: do_sample, temperature, top_p (greedy without
-    them); model_defaults: start from the model's own generation_config.json (generation.generation_config)."""
+    them); model_defaults: start from the model's own generation_config.json (generation.generation_config); cache:
+    the decode's KV cache, dynamic or static."""
     return [text for text, _ in answer_rows(path, rows, system, max_new_tokens, batch_size, model_defaults,
-                                            **sampling)]
+                                            cache=cache, **sampling)]
 
 
 def answer_rows(path: str, rows: list[dict], system: str | None = None, max_new_tokens: int = 64,
                 batch_size: int = 8, model_defaults: bool = False, random_base: bool = False,
-                **sampling) -> list[tuple[str, bool]]:
+                cache: str = "dynamic", **sampling) -> list[tuple[str, bool]]:
     """generate_rows' responses, each with whether it was cut at max_new_tokens (no end of turn reached).
     A run's saved random base (RUN/base_model) is refused unless `random_base`: it was never trained."""
     folder = trained_folder(path)
@@ -100,7 +104,7 @@ def answer_rows(path: str, rows: list[dict], system: str | None = None, max_new_
     model, tokenizer = load_trained(folder, AutoModelForCausalLM)
     prompts = [prompt_ids(tokenizer, row, system) for row in rows]
     # the stops also for a run saved before its generation_config.json held them, or a model/ folder of another tool
-    config = generation_config(model, tokenizer, max_new_tokens, from_model=model_defaults, **sampling)
+    config = generation_config(model, tokenizer, max_new_tokens, from_model=model_defaults, cache=cache, **sampling)
     answers = []
     for start in range(0, len(prompts), batch_size):
         # left-padded: every row continues from its own last token
@@ -139,6 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-defaults", action="store_true",
                         help="decode with the model's own generation_config.json (its sampling, top-k, repetition "
                              "penalty, ...), not only what these flags say")
+    parser.add_argument("--cache", choices=GENERATION_CACHES, default="dynamic",
+                        help="the KV cache decoding uses: dynamic (the default) or static (allocated once; on a GPU "
+                             "the decode step is compiled)")
     parser.add_argument("--random-base", action="store_true",
                         help="allow PATH to be a run's saved random base (RUN/base_model), which was never trained")
     parser.add_argument("--output", help="write the rows with their generation to this JSONL file")
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             given = {"temperature": args.temperature, "top_p": args.top_p}
             sampling = {"do_sample": True, **{k: v for k, v in given.items() if v is not None}}
         answers = answer_rows(args.path, rows, args.system, args.max_new_tokens, args.batch_size,
-                              args.model_defaults, args.random_base, **sampling)
+                              args.model_defaults, args.random_base, cache=args.cache, **sampling)
     except ConfigError as e:
         print(f"accel-train generate: error: {e}", file=sys.stderr)
         sys.exit(2)

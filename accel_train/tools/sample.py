@@ -16,6 +16,7 @@ id. The settings are the config's (a GRPO config file gives the same prompts, re
                               the reward of an answer (the weighted sum), as grpo.rewards, ... score a GRPO run's
     sample.max_new_tokens, sample.temperature, sample.top_p, seed
                               the sampling (single-turn: no grpo.tools)
+    train.generation_cache    the KV cache it decodes with (dynamic or static), as a run's rollouts
 
 sample.KEY is the same setting as a GRPO config's grpo.KEY: a --config file's grpo section gives them, and sample.KEY
 on the command line overrides it (the spelling grpo.KEY there, sample's before it had its own section, still reads
