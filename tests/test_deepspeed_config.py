@@ -130,8 +130,10 @@ def test_deepspeed_buffers_are_sized_for_the_model_not_deepspeed_defaults(name):
 
 ZERO3_TWINS = """
 import torch, deepspeed
+from accel_train.runtime.dist import skip_deepspeed_shm_op
 from accel_train.runtime.engine import share_zero3_master_weights
 
+skip_deepspeed_shm_op()  # as the runs do: DeepSpeed would compile its inference all-reduce (C++) first
 deepspeed.init_distributed(dist_backend="gloo")
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
