@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from accel_train.config.schema import TINY_MODEL
-from accel_train.data.pipeline import IGNORE_INDEX, PackingCollator
+from accel_train.data.pipeline import IGNORE_INDEX, PackingCollator, TargetPositions
 from accel_train.tasks.causal_lm import batch_loss
 from accel_train.models.loss import loss_head
 
@@ -39,6 +39,9 @@ BATCHES = {
     "padded": lambda features: padded(features),
     "packed": lambda features: {k: v for k, v in PackingCollator(0, attention_cost=0.002)(features).items()
                                 if k != "real_tokens"},
+    # as the training loader gives them: the target positions found on the host (no mask counted on the device)
+    "packed, positions": lambda features: TargetPositions(PackingCollator(0, attention_cost=0.002))(features),
+    "padded, positions": lambda features: TargetPositions(padded)(features),
 }
 
 
@@ -77,6 +80,29 @@ def test_chunked_loss_and_lora_gradients_equal_full_logits(layout, targets, shar
         # relative difference in norm, as tests/test_topology.py (elementwise, summation order shows near 0)
         assert (grads[name] - grad).norm() <= 1e-5 * grad.norm(), name
     assert type(model.get_output_embeddings()).forward is model.get_output_embeddings().forward.__func__  # restored
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_loss_is_taken_at_the_loaders_target_positions(sharded):
+    """The training loss selects the hidden states at the batch's target_positions (the flat indices of the trained
+    next tokens, found by the loader), not at a mask counted on the device: given half of them, it is the
+    cross-entropy of full logits at those positions alone."""
+    import torch.nn.functional as F
+
+    rng = random.Random(1)
+    batch = BATCHES["packed, positions"]([sample(n, rng) for n in [30, 4, 11, 19, 2, 25]])
+    trained = (batch["labels"][:, 1:] != IGNORE_INDEX).flatten()
+    assert batch["target_positions"].tolist() == [i for i, t in enumerate(trained.tolist()) if t]
+    batch["target_positions"] = batch["target_positions"][::2]
+    model = lora_model("all-linear")
+    head = loss_head(model, sharded=sharded)
+    head.chunk = 7
+    with torch.no_grad():
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+        logits = model(**inputs, use_cache=False).logits[:, :-1].flatten(0, 1)  # packed: no cache (as batch_loss)
+        want = F.cross_entropy(logits[batch["target_positions"]].float(),
+                               batch["labels"][:, 1:].flatten()[batch["target_positions"]], reduction="sum")
+    torch.testing.assert_close(batch_loss(model, batch, head).detach(), want, rtol=1e-5, atol=0)
 
 
 def logits_kept_for_backward(model, batch: dict, head) -> int:

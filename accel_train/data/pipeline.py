@@ -380,6 +380,21 @@ class PackingCollator:
                 "real_tokens": torch.tensor(sum(len(f["input_ids"]) for f in features))}
 
 
+class TargetPositions:
+    """A causal-LM collator's batches with "target_positions": the flat indices, into (rows x (width - 1)), of the
+    positions whose next token is trained (labels[:, 1:] != IGNORE_INDEX), found here on the host, in the loader.
+    The loss selects the hidden states it needs by them (models/loss.py): selecting by a mask on the device would
+    need the mask's count on the host first, a sync that stalls a GPU's queue at every micro-batch."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.collate(features)
+        batch["target_positions"] = (batch["labels"][:, 1:] != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+        return dict(batch)
+
+
 class TokenBudget:
     """data.max_tokens_per_batch: the training loader's item is a rank's samples of one optimizer step, collated
     here into that step's micro-batches, cut greedily in order so that each holds at most `budget` real tokens (a

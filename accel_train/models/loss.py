@@ -39,9 +39,14 @@ def chunk_bytes() -> int:
     return int(os.environ.get("ACCEL_TRAIN_CHUNK_BYTES", CHUNK_BYTES))
 
 
-def _targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _targets(hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(mask over positions 0..T-2, hidden states that predict a target (N, H), the targets (N,)): position t
-    predicts label t+1."""
+    predicts label t+1. With `positions` (the batch's target_positions, data.pipeline.TargetPositions: N known on
+    the host) selected by them, with no host sync, and no mask (None)."""
+    if positions is not None:
+        return (None, hidden[:, :-1].flatten(0, 1).index_select(0, positions),
+                labels[:, 1:].flatten().index_select(0, positions))
     mask = labels[:, 1:] != IGNORE_INDEX
     return mask, hidden[:, :-1][mask], labels[:, 1:][mask]
 
@@ -50,13 +55,14 @@ def _chunk_sum(head_forward, hidden: torch.Tensor, targets: torch.Tensor) -> tor
     return F.cross_entropy(head_forward(hidden).float(), targets, reduction="sum")
 
 
-def summed_target_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def summed_target_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over the targets of the next-token cross-entropy. `hidden` (B, T, H): final hidden states; `labels`
     (B, T), unshifted. Each chunk but the last is checkpointed: its logits are freed after its loss and recomputed
     in backward. The last one's are kept: the backward pass starts with them, so no more than one chunk's logits is
     held at once either way, and its head is not run twice (one chunk holds every target of a batch of up to 8,192
     tokens at an 8k vocabulary: there the head then runs once forward, as in a plain loop)."""
-    _, hidden, targets = _targets(hidden, labels)
+    _, hidden, targets = _targets(hidden, labels, positions)
     total, n = 0, max(len(targets), 1)
     # An empty batch still calls the head once (on no rows): DDP expects a gradient for each of its parameters.
     for i in range(0, n, chunk):
@@ -126,17 +132,18 @@ class LossHead:
         """ZeRO-3 (a frozen head): the training loss is HeadLoss, recomputed in the head's backward."""
 
     @contextmanager
-    def computing(self, labels: torch.Tensor, evaluation: bool = False):
+    def computing(self, labels: torch.Tensor, evaluation: bool = False, positions: torch.Tensor | None = None):
         """Inside, a call of the model returns as its `logits` the summed target loss (a scalar), or with
-        `evaluation` the per-position losses (B, T-1), with the predictions in the yielded dict's "preds"."""
+        `evaluation` the per-position losses (B, T-1), with the predictions in the yielded dict's "preds".
+        `positions`: the batch's target positions (training; _targets)."""
         original, out = self.head.forward, {}  # the head's own forward: HeadLoss calls it without the module's hooks
 
         def forward(call_head, hidden):
             if not evaluation and self.sharded:
-                _, rows, targets = _targets(hidden, labels)
+                _, rows, targets = _targets(hidden, labels, positions)
                 return HeadLoss.apply(functools.partial(_chunk_sum, original), rows, targets, self.chunk)
             if not evaluation:
-                return summed_target_loss(call_head, hidden, labels, self.chunk)
+                return summed_target_loss(call_head, hidden, labels, self.chunk, positions)
             token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)
             return token_loss
 

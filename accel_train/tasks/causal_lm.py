@@ -57,7 +57,7 @@ def batch_loss(model, batch: dict, head) -> torch.Tensor:
     (its output head returns the loss in place of the logits), else from the logits."""
     if head is None:
         return summed_cross_entropy(forward(model, batch), batch["labels"])
-    with head.computing(batch["labels"]):
+    with head.computing(batch["labels"], positions=batch.get("target_positions")):
         return forward(model, batch)
 
 
