@@ -138,6 +138,10 @@ class LossHead:
         `positions`: the batch's target positions (training; _targets)."""
         original, out = self.head.forward, {}  # the head's own forward: HeadLoss calls it without the module's hooks
 
+        # Not compiled (train.compile): the model's body is, up to the head. Traced, the loss would hold this batch's
+        # labels and target count as constants (reached through the head module, its chunks a loop over the count):
+        # every batch of another shape would compile the model again.
+        @torch.compiler.disable
         def forward(call_head, hidden):
             if not evaluation and self.sharded:
                 _, rows, targets = _targets(hidden, labels, positions)
