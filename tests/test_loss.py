@@ -105,6 +105,7 @@ def test_the_loss_is_taken_at_the_loaders_target_positions(sharded):
     torch.testing.assert_close(batch_loss(model, batch, head).detach(), want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.long
 def test_compiled_model_gives_the_eager_loss_and_gradients_and_compiles_once_per_kind_of_batch():
     """train.compile: the model compiled (dynamic shapes; dynamo's graphs run by its eager backend: inductor's C++
     build takes minutes here, and its numbers are torch's to test) with LoRA and the chunked loss on packed batches of
