@@ -63,9 +63,11 @@ ENGINES = {"fsdp2": ("fsdp2.yaml", ["train.gather_for_generation=false"]), "zero
 # chunk: every chunk but the last recomputed for the backward pass (under ZeRO-3 in the head's own backward: its weight
 # is whole only inside the head module's hooks), ranks holding different numbers of them
 ONE_TARGET = {"ACCEL_TRAIN_CHUNK_BYTES": "1"}
-# FSDP2 reduce-scatters the gradients (another order of the fp32 sums than 1 process's) and steps the optimizer on
-# shards: after 4 steps at lr 1e-2, up to 2e-5 relative (kto's kl, reward's eval_margin): 1e-4
-SHARDED_REL = 1e-4
+# The engines that shard the weights (FSDP2, ZeRO-3) reduce-scatter the gradients in buckets of their own (another
+# order of the fp32 sums than 1 process's) and step the optimizer on shards: after 4 steps at lr 1e-2, up to 5e-5
+# relative, on differences of nearly equal numbers (dpo's eval_rewards/chosen, reward's eval_margin; everything
+# else within 3e-6): 1e-4. ZeRO-2, whose weights are whole: up to 2.7e-6 measured, 1e-5 as for DDP.
+SHARDED_REL = {"fsdp2": 1e-4, "zero2": 1e-5, "zero3": 1e-4}
 # The saved trained weights under an engine against the reference's, each tensor's difference over its norm
 SAVED_REL = 1e-3
 
@@ -265,10 +267,10 @@ def test_sharded_engines_train_as_one_process(name, reference, sharded):
         want_train, want_evals = read_metrics(reference)
         assert [r["step"] for r in train] == [1, 2, 3, 4], engine
         for got, want in zip(train, want_train):
-            assert_same(got, want, f"{engine} step {want['step']}", rel=SHARDED_REL)
+            assert_same(got, want, f"{engine} step {want['step']}", rel=SHARDED_REL[engine])
         assert [r["step"] for r in evals] == [r["step"] for r in want_evals], engine
         for got, want in zip(evals, want_evals):
-            assert_same(got, want, f"{engine} eval at step {want['step']}", rel=SHARDED_REL)
+            assert_same(got, want, f"{engine} eval at step {want['step']}", rel=SHARDED_REL[engine])
         got, want = saved_weights(out), saved_weights(reference)
         assert got.keys() == want.keys() and want, engine
         for key in want:  # each tensor as a whole: Adam moves a weight whose gradient is near 0 by about lr either

@@ -91,3 +91,16 @@ def test_fsdp2_generation_uses_only_the_internals_the_check_checks():
     internal = {n for n in read - public if not re.fullmatch(r"__\w+__", n)}
     checked = {name for _, name, *_ in FSDP2_INTERNALS}
     assert internal == checked, f"read, not checked: {internal - checked}; checked, not read: {checked - internal}"
+
+
+def test_a_torch_that_builds_fsdp2s_state_otherwise_is_judged_by_what_its_classes_set(monkeypatch):
+    """A torch whose FSDP2 classes take other constructor arguments (the check cannot build them as torch 2.13 does)
+    is not refused for that: the attributes generation uses are looked for where the classes set them."""
+    def other_constructor(classes):
+        raise TypeError("__init__() missing 1 required positional argument")
+
+    monkeypatch.setattr(engine, "_fsdp2_instances", other_constructor)
+    assert refusal(gather=True) is None and refusal(gather=False) is None
+    monkeypatch.setattr(engine, "_sets", lambda cls, name: name != "_post_forward_indices")
+    line = refusal(gather=False)
+    assert line is not None and "lacks FSDPParamGroup._post_forward_indices" in line, line

@@ -1,7 +1,7 @@
 """Throughput benchmark: this toolkit's real entry vs transformers.Trainer, TRL's SFTTrainer and GRPOTrainer and a
 bare PyTorch loop.
 
-    python -m accel_train.bench --quick                 # ~6.5 min on 2 idle CPU cores (with trl installed)
+    python -m accel_train.bench --quick                 # ~3.5 min on 2 idle CPU cores (with trl installed)
     python -m accel_train.bench --out bench.json        # the 25M-parameter default, every workload
     python -m accel_train.bench --quick --workloads grpo  # rollouts + updates only: ours vs TRL's GRPOTrainer
     python -m accel_train.bench --workloads grpo --model outputs/smollm2/teacher --new-tokens 24  # a real model

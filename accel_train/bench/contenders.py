@@ -99,6 +99,7 @@ def child_trainer(spec: dict) -> dict:
 
     cfg, task, tokenizer, ds, model = setup_child(spec)
     collator = task.collator(tokenizer)
+    collator = getattr(collator, "collate", collator)  # causal LM: without ours' target positions (not model inputs)
     targs = TrainingArguments(**trainer_args(spec, cfg), remove_unused_columns=False,
                               train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random")
     return train_timed(Trainer, spec, model, targs, dict(train_dataset=ds, data_collator=collator))

@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m accel_train.bench", description=accel_train.bench.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="small model, short sequences, few steps (~6.5 min on 2 CPU cores)")
+                   help="small model, short sequences, few steps (~3.5 min on 2 CPU cores)")
     p.add_argument("--size", choices=SIZES, help="model size (default 25m; small with --quick)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: skewed, fixed, cls, grpo")
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "trl" or has_trl()),

@@ -281,6 +281,7 @@ def source_run(cfg, i: int):
     except ConfigError as e:
         raise source_error(cfg, i, e) from None
 
+
 def source_error(cfg, i: int, error: ConfigError) -> ConfigError:
     """An error of the run as it reads data.sources[i] (source_run), naming the source's own keys
     (data.path -> data.sources[i].path), or else the source."""

@@ -148,7 +148,7 @@ def generation_config(model, tokenizer, max_new_tokens: int, do_sample: bool | N
                                "top_p": top_p}.items() if v is not None}
     fixed = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_token_ids(tokenizer, own),
              "pad_token_id": tokenizer.pad_token_id, "use_cache": True,
-             **({"cache_implementation": "static"} if cache == "static" else {})}
+             "cache_implementation": "static" if cache == "static" else None}  # None: not a model file's
     if from_model:
         config = copy.deepcopy(own) if own is not None else GenerationConfig()
         config.update(**given, **fixed)
@@ -199,7 +199,9 @@ def static_copy(model, cache, length: int) -> StaticCache | None:
     if any(layer.keys.shape[-2] != layer.get_seq_length() for layer in cache.layers):
         return None
     static = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
-    for layer, filled in zip(static.layers, cache.layers, strict=True):
+    if len(static.layers) != len(cache.layers):  # layers the config does not describe as the model ran them
+        return None
+    for layer, filled in zip(static.layers, cache.layers):
         layer.update(filled.keys, filled.values)  # allocates the layer for the cache's rows, then writes them
     return static
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from contextlib import contextmanager
 
 import torch
@@ -218,6 +219,7 @@ def generating(model, gather: bool = False):
 # false) needs it too. An FSDP2 launch that generates checks them before any rank loads (check_fsdp2_generation:
 # earlier torch releases' FSDPState held one _fsdp_param_group, not this list), and tests/test_fsdp_internals.py holds
 # `_fsdp2_generating` to these rows.
+FSDP2_CHECKED_TORCH = "2.13"  # the torch release whose FSDP2 internals these are
 FSDP2_INTERNALS = (
     ("FSDPModule", "_get_fsdp_state", "method", True),
     ("FSDPState", "_lazy_init", "method", True),
@@ -299,14 +301,21 @@ def check_fsdp2_generation(key: str, gather: bool) -> None:
     wrong, lockstep_too = [], False  # what is missing or changed; whether lock-step generation needs it too
     try:
         classes = fsdp2_classes()
-        instances = _fsdp2_instances(classes)
-    except Exception as e:  # noqa: BLE001 (any failure to build them is a change in what generation relies on)
-        first = str(e).splitlines()[0] if str(e) else ""
-        wrong, lockstep_too, classes = [f"does not build its state as torch 2.13's does ({type(e).__name__}: "
-                                        f"{first})"], True, {}
+    except (ImportError, AttributeError) as e:  # the classes themselves moved or went
+        classes, wrong, lockstep_too = {}, [f"has no {getattr(e, 'name', None) or e}"], True
+    try:
+        instances = _fsdp2_instances(classes) if classes else {}
+    except Exception:  # noqa: BLE001 (built otherwise than torch 2.13 builds them: not itself a reason to refuse)
+        instances = None  # the attributes are then looked for in the classes' source, where they are set
     missing = object()
     for owner, name, kind, lockstep in FSDP2_INTERNALS if classes else ():
         if not (gather or lockstep):
+            continue
+        if kind != "method" and instances is None:
+            problem = None if _sets(classes[owner], name) else f"lacks {owner}.{name}"
+            if problem:
+                wrong.append(problem)
+                lockstep_too = lockstep_too or lockstep
             continue
         value = getattr(classes[owner] if kind == "method" else instances[owner], name, missing)
         if value is missing:
@@ -328,8 +337,17 @@ def check_fsdp2_generation(key: str, gather: bool) -> None:
         instead = "generation in lock-step (train.gather_for_generation=false), " if not lockstep_too else ""
         raise ConfigError(f"{key} is not supported under FSDP2 on torch {torch.__version__}: its FSDP2 "
                           f"{', '.join(wrong)}, which accel_train's generation under FSDP2 uses (torch-private: "
-                          f"runtime/engine.py FSDP2_INTERNALS); use torch 2.13, {instead}or another engine "
-                          "(DeepSpeed ZeRO-3, DDP)")
+                          f"runtime/engine.py FSDP2_INTERNALS); use torch {FSDP2_CHECKED_TORCH}, {instead}or another "
+                          "engine (DeepSpeed ZeRO-3, DDP)")
+
+
+def _sets(cls, name: str) -> bool:
+    """Whether the class's source assigns self.NAME (True where its source cannot be read: nothing to judge by)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return True
+    return re.search(rf"\bself\.{name}\s*(:[^=]*)?=", source) is not None
 
 
 def zero3_engine(engine) -> bool:

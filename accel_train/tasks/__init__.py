@@ -131,6 +131,14 @@ class Task:
             return next(batches, [])
         return list(islice(batches, accum))
 
+    @property
+    def counts_data_as_loaded(self) -> bool:
+        """Whether the loop counts a step's targets and tokens on its micro-batches as loaded, before `step_batches`
+        (in the collective that shares the micro-batch counts, and the step's only host sync before its forwards):
+        unless the task has a step_batches of its own, which may replace them (grpo's rollouts, distill's on-policy
+        samples); one whose step_batches leaves the counts as they are says so (kto)."""
+        return type(self).step_batches is Task.step_batches
+
     def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
         """The step's micro-batches, as many on every rank (the loop pads a rank's window with `replay` batches: its
         last len(window) - real, run with weight 0), before any loss: what runs the model on each micro-batch

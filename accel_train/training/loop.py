@@ -262,12 +262,12 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # over all ranks (not a mean of per-micro-batch means), so that number is needed before backward.
             window = task.window(batches, state.step, accum)  # no collective that depends on its length (Task.window)
             # One collective and one host sync before the forwards: every rank learns how many micro-batches each
-            # rank has, whether a signal came and, where the task trains on the data as loaded (no step_batches of
-            # its own: no rollouts), the window's counts, which normalise the loss.
-            counted_now = type(task).step_batches is Task.step_batches
-            head = torch.tensor([len(window), job.preemption.signum], device=accelerator.device)
-            stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(head[:0])
-            rows = accelerator.gather(torch.cat([head, stats])[None]).tolist()
+            # rank has, whether a signal came and, where the task counts the data as loaded (no rollouts:
+            # Task.counts_data_as_loaded), the window's counts, which normalise the loss.
+            counted_now = task.counts_data_as_loaded
+            shared = torch.tensor([len(window), job.preemption.signum], device=accelerator.device)
+            stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(shared[:0])
+            rows = accelerator.gather(torch.cat([shared, stats])[None]).tolist()
             micro = [r[0] for r in rows]  # per rank
             n_micro, signal = max(micro), max(r[1] for r in rows)
             if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step

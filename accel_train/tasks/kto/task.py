@@ -315,6 +315,8 @@ class KTO(Task):
         self.kto = KtoLoss(self.cfg, model, accelerator)
         return train_ds, eval_ds
 
+    counts_data_as_loaded = True  # step_batches adds the reference point, the rows stay as they are
+
     def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
         """The step's micro-batches, each given the step's reference point z0 (`kl`), computed on the first `real`
         (the others, replayed with weight 0, run the same forwards without counting)."""
