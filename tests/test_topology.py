@@ -255,3 +255,22 @@ def test_token_budget_on_2_processes_resumes_exactly(runs, tmp_path):
         assert (final[key] - ref).norm() <= 1e-5 * ref.norm(), key
     # steps 9-12, over both ranks: an odd count is a step whose ranks ran 1 and 2 micro-batches
     assert any(n % 2 for n in json.loads((out / "steps.json").read_text())["micro_batches"])
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("config, rel", [("cpu_deepspeed_zero2.yaml", 1e-5), ("fsdp2.yaml", 1e-4)])
+def test_token_budget_under_the_engines_trains_as_one_process(runs, tmp_path, config, rel):
+    """T2's budget under DeepSpeed ZeRO-2 (the accumulation boundary marked by the loop, whatever the number of
+    micro-batches a step) and FSDP2 (reduce-scatter: test_conformance's 1e-4): every step's loss and gradient norm
+    are A's, with steps whose ranks ran different numbers of micro-batches."""
+    out = tmp_path / "T3"
+    args = overrides(runs["A"]["data"], out) + ["train.per_device_batch_size=1", "train.grad_accum_steps=2",
+                                                  "data.max_tokens_per_batch=64"]
+    proc = forked_launch(config, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = read_metrics(out)[0], runs["A"]["train"]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 13))
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel), f"step {a['step']}"
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), f"step {a['step']}"
+    assert any(n % 2 for n in json.loads((out / "steps.json").read_text())["micro_batches"])
