@@ -710,7 +710,9 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     calls, merged, caches = [], [], []
     generate = model.generate
     model.generate = lambda **kw: calls.append(len(kw["input_ids"])) or merged.append(
-        {layer.merged for layer in layers}) or caches.append(type(kw.get(CACHE_ARG)).__name__) or generate(**kw)
+        {layer.merged for layer in layers}) or caches.append(type(kw.get(CACHE_ARG)).__name__) or lengths.append(
+        kw.get(CACHE_ARG).get_max_length() if caches[-1] == "StaticCache" else None) or generate(**kw)
+    lengths = []
     got, greedy = {}, {}
     for size, cache in (("null", "dynamic"), ("null", "static"), ("1", "dynamic")):
         cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
@@ -722,6 +724,8 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
         got[size, cache] = rollouts.sampler.generate_window(model, batches, step=3)
         assert calls == ([12] if size == "null" else [4, 4, 4]), calls
         assert caches == [{"dynamic": "DynamicCache", "static": "StaticCache"}[cache]] * len(calls), caches
+        # static: one length for every call, the run's prompt budget and new tokens (a compiled decode step each)
+        assert set(lengths[-len(calls):]) == ({cfg.data.max_length + 6 - 1} if cache == "static" else {None}), lengths
         greedy[cache] = rollouts.sampler.complete(model, ids)  # one row a prompt: generate's own cache
     alone = [rollouts.sampler.generate(model, batch, step=3).ids for batch in batches]
     assert [c.ids for c in got["null", "dynamic"]] == [c.ids for c in got["1", "dynamic"]] == alone

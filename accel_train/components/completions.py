@@ -7,9 +7,9 @@ max_new_tokens, temperature, top_p, generation_batch_size, tools, environment, m
 A row's token at completion position k (observations counted) takes the k-th draw of its noise, whatever the turn:
 trajectories are the same on any number of processes and after a resume. The prompts' KV cache is computed once
 for all the rows that continue them (generation.shared_prompt_cache), but in lock-step (`synced`); with
-train.generation_cache=static it is copied into a StaticCache sized for the longest call so far (its prompt and
-grpo.max_new_tokens), so that the calls of a run meet few cache shapes (each one a compilation of the decode step on
-a GPU).
+train.generation_cache=static it is copied into a StaticCache of one size from the start (data.max_length +
+grpo.max_new_tokens, larger only for a longer call: a later turn), so that the calls of a run meet one cache length
+(each length a compilation of the decode step on a GPU).
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ class CompletionSampler:
         self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
+        budget = cfg.data.max_length + self.g.max_new_tokens  # a prompt's tokens and its completion's
         self.generation_config = generation_config(model, tokenizer, self.g.max_new_tokens,
-                                                   cache=cfg.train.generation_cache)
-        self.static_length = 0  # train.generation_cache=static: the positions of the shared prompts' static caches
+                                                   cache=cfg.train.generation_cache, cache_length=budget)
+        # train.generation_cache=static: the positions of the shared prompts' static caches, one size from the start
+        self.static_length = budget - 1
         # multi-turn rollouts (grpo.tools, grpo.environment): one environment per completion
         self.make_env, self.max_turns = tools_lib.environment_factory(cfg, tokenizer), tools_lib.max_turns(cfg)
         self.tools = tools_lib.schemas(tuple(self.g.tools))

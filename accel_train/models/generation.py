@@ -135,20 +135,24 @@ UNSWITCHABLE = ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "
 
 def generation_config(model, tokenizer, max_new_tokens: int, do_sample: bool | None = None,
                       temperature: float | None = None, top_p: float | None = None, num_beams: int | None = None,
-                      from_model: bool = False, cache: str = "dynamic") -> GenerationConfig:
+                      from_model: bool = False, cache: str = "dynamic", cache_length: int | None = None
+                      ) -> GenerationConfig:
     """generate()'s settings, for every caller: answers stop at the stop ids (formats.stop_token_ids: the template's
     end of turn, eos, the model's own eos) and are padded with the tokenizer's pad, with the KV cache; greedy unless
     do_sample (then temperature and top_p, 1.0 unless given, and no top-k); beam search with num_beams > 1; no
     penalty, n-gram ban or other logits processor. from_model: the model's generation_config.json instead (its
     sampling, penalties, ...), with the stops and the arguments given (None: the file's). cache
     (train.generation_cache): "static" decodes with a static KV cache (cache_implementation="static"; on a GPU
-    generate() compiles its decode step), "dynamic" with the growing one."""
+    generate() compiles its decode step), "dynamic" with the growing one. cache_length: the static cache's positions
+    from the first call (max_cache_len: the run's prompt budget and new tokens), so that calls of other lengths reuse
+    one size (and one compiled decode step) rather than grow it call by call."""
     own = getattr(model, "generation_config", None)
     given = {k: v for k, v in {"do_sample": do_sample, "num_beams": num_beams, "temperature": temperature,
                                "top_p": top_p}.items() if v is not None}
     fixed = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_token_ids(tokenizer, own),
              "pad_token_id": tokenizer.pad_token_id, "use_cache": True,
-             "cache_implementation": "static" if cache == "static" else None}  # None: not a model file's
+             "cache_implementation": "static" if cache == "static" else None,  # None: not a model file's
+             **({"max_cache_len": cache_length} if cache == "static" and cache_length else {})}
     if from_model:
         config = copy.deepcopy(own) if own is not None else GenerationConfig()
         config.update(**given, **fixed)
@@ -252,7 +256,8 @@ def eval_generation_config(cfg: Config, tokenizer, model) -> GenerationConfig:
     e = cfg.eval
     sampling = {"temperature": e.temperature, "top_p": e.top_p} if e.do_sample else {}
     return generation_config(model, tokenizer, e.max_new_tokens, do_sample=e.do_sample, num_beams=e.num_beams,
-                             cache=cfg.train.generation_cache, **sampling)
+                             cache=cfg.train.generation_cache, cache_length=cfg.data.max_length + e.max_new_tokens,
+                             **sampling)
 
 
 def until_stop(tokens: list[int], stop_ids: list[int], *, keep: bool) -> list[int]:

@@ -351,7 +351,8 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
     weights gathered for it, or in lock-step with the other ranks)."""
     d, device = cfg.distill, next(model.parameters()).device
     # greedy: the sampler picks the token
-    config = generation_config(model, tokenizer, d.max_new_tokens, cache=cfg.train.generation_cache)
+    config = generation_config(model, tokenizer, d.max_new_tokens, cache=cfg.train.generation_cache,
+                               cache_length=cfg.data.max_length + d.max_new_tokens)
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
         row_seed(cfg.seed, step, prompt_key(p), 0))) for p in prompts]).to(device)
     input_ids, attention_mask = left_padded(prompts, tokenizer.pad_token_id, device)
