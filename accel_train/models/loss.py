@@ -44,9 +44,9 @@ def _targets(hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor
     """(mask over positions 0..T-2, hidden states that predict a target (N, H), the targets (N,)): position t
     predicts label t+1. With `positions` (the batch's target_positions, data.pipeline.TargetPositions: N known on
     the host) selected by them, with no host sync, and no mask (None)."""
-    if positions is not None:
-        return (None, hidden[:, :-1].flatten(0, 1).index_select(0, positions),
-                labels[:, 1:].flatten().index_select(0, positions))
+    if positions is not None:  # flat in (B, T-1): row b's position t is b(T-1) + t, in (B, T) b*T + t (no copy)
+        at = positions + positions // max(labels.shape[1] - 1, 1)
+        return None, hidden.flatten(0, 1).index_select(0, at), labels.flatten().index_select(0, at + 1)
     mask = labels[:, 1:] != IGNORE_INDEX
     return mask, hidden[:, :-1][mask], labels[:, 1:][mask]
 
