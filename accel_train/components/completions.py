@@ -30,7 +30,7 @@ from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.data.formats import stop_token_ids
 from accel_train.models.generation import (CACHE_ARG, SeededSampler, generation_config, left_padded, row_seed,
-                                           shared_prompt_cache, until_stop)
+                                           run_cache, shared_prompt_cache, until_stop)
 
 
 @dataclasses.dataclass
@@ -78,11 +78,11 @@ class CompletionSampler:
         self.cfg, self.g, self.tokenizer, self.device, self.synced = cfg, cfg.grpo, tokenizer, device, synced
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         # greedy (the sampled rollouts draw their tokens in SeededSampler), with nothing from the model's file
-        budget = cfg.data.max_length + self.g.max_new_tokens  # a prompt's tokens and its completion's
         self.generation_config = generation_config(model, tokenizer, self.g.max_new_tokens,
-                                                   cache=cfg.train.generation_cache, cache_length=budget)
+                                                   **run_cache(cfg, self.g.max_new_tokens))
         # train.generation_cache=static: the positions of the shared prompts' static caches, one size from the start
-        self.static_length = budget - 1
+        # (the prompt and its new tokens but the last, never fed back)
+        self.static_length = (self.generation_config.max_cache_len or 1) - 1
         # multi-turn rollouts (grpo.tools, grpo.environment): one environment per completion
         self.make_env, self.max_turns = tools_lib.environment_factory(cfg, tokenizer), tools_lib.max_turns(cfg)
         self.tools = tools_lib.schemas(tuple(self.g.tools))

@@ -90,7 +90,10 @@ def collator(tokenizer, pack: bool = False, attention_cost: float = 0.0, multipl
 
 
 def count_targets(batch: dict):
-    """The trained tokens (after the shift): what the summed loss is divided by."""
+    """The trained tokens (after the shift): what the summed loss is divided by (counted by the loader where it found
+    their positions, data_lib.TargetPositions)."""
+    if "target_positions" in batch:
+        return len(batch["target_positions"])
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 

@@ -251,13 +251,18 @@ def merged_adapter(model, enabled: bool = True):
             layer.merged_adapters = []
 
 
+def run_cache(cfg: Config, max_new_tokens: int) -> dict:
+    """generation_config's cache arguments for a run's generation of up to `max_new_tokens` after a prompt of up to
+    data.max_length: train.generation_cache, and a static cache's length from the first call."""
+    return {"cache": cfg.train.generation_cache, "cache_length": cfg.data.max_length + max_new_tokens}
+
+
 def eval_generation_config(cfg: Config, tokenizer, model) -> GenerationConfig:
     """eval.generate's settings (eval.*, train.generation_cache)."""
     e = cfg.eval
     sampling = {"temperature": e.temperature, "top_p": e.top_p} if e.do_sample else {}
     return generation_config(model, tokenizer, e.max_new_tokens, do_sample=e.do_sample, num_beams=e.num_beams,
-                             cache=cfg.train.generation_cache, cache_length=cfg.data.max_length + e.max_new_tokens,
-                             **sampling)
+                             **run_cache(cfg, e.max_new_tokens), **sampling)
 
 
 def until_stop(tokens: list[int], stop_ids: list[int], *, keep: bool) -> list[int]:

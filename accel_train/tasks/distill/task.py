@@ -65,8 +65,8 @@ from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.sections import ConfigError
 from accel_train.runtime.engine import Engine, whole_model
 from accel_train.data.formats import IGNORE_INDEX
-from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, split_prompt,
-                                           until_stop)
+from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, run_cache,
+                                           split_prompt, until_stop)
 from accel_train.models.loss import HeadLoss, chunk_bytes, loss_head, replaced_head
 from accel_train.models.build import build_model
 from accel_train.models.sources import one_line
@@ -351,8 +351,7 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
     weights gathered for it, or in lock-step with the other ranks)."""
     d, device = cfg.distill, next(model.parameters()).device
     # greedy: the sampler picks the token
-    config = generation_config(model, tokenizer, d.max_new_tokens, cache=cfg.train.generation_cache,
-                               cache_length=cfg.data.max_length + d.max_new_tokens)
+    config = generation_config(model, tokenizer, d.max_new_tokens, **run_cache(cfg, d.max_new_tokens))
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
         row_seed(cfg.seed, step, prompt_key(p), 0))) for p in prompts]).to(device)
     input_ids, attention_mask = left_padded(prompts, tokenizer.pad_token_id, device)
