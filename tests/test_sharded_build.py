@@ -46,8 +46,9 @@ def variant(tmp_path_factory, name: str, source: str, old: str, new: str) -> str
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """The tiny Llama with weights, saved as a pretrained model is (read by from_pretrained, not built from config)."""
-    return save_tiny_model(tmp_path_factory.mktemp("pretrained") / "tiny")
+    """The tiny Llama with weights, saved as a pretrained model is (read by from_pretrained, not built from config),
+    its embeddings tied to the output head, as the models users shard are (Qwen2.5-0.5B, Llama-3.2-1B, SmolLM2)."""
+    return save_tiny_model(tmp_path_factory.mktemp("pretrained") / "tiny", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,15 @@ def records(out) -> list[dict]:
 
 
 def weights(out) -> dict:
+    """The saved weights, every file of them (a full model is written in files of save.max_shard_size)."""
     folder = out / "adapter" if (out / "adapter").is_dir() else out / "model"
-    return load_file(next(folder.glob("*.safetensors")))
+    files = sorted(folder.glob("*.safetensors"))
+    if (index := folder / "model.safetensors.index.json").is_file():  # each tensor in the file its index names
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert sorted(set(weight_map.values())) == [f.name for f in files]
+        return {name: load_file(folder / file)[name] for name, file in weight_map.items()}
+    assert len(files) == 1, files
+    return load_file(files[0])
 
 
 @pytest.mark.long
@@ -96,8 +104,10 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
     gradient entry at the level of fp32 noise (LoRA's A while B is near 0) into a step of about lr in either
     direction; a step more or less (about lr, 2.5e-3 at step 4, on every entry) or a missing shard differ more."""
     out = tmp_path / "run"
+    # a full model saved in files of 100 KB (the tiny model: 356 KB), gathered a file at a time (save_whole_weights)
+    files = ["save.max_shard_size=100KB"] if "lora.enabled=false" in JOBS[job] else []
     proc = forked_launch(engines[engine], *JOBS[job], *SMALL, f"model.name_or_path={pretrained}",
-                         "train.grad_accum_steps=1", f"output_dir={out}", timeout=240, env=ENV.get(job))
+                         "train.grad_accum_steps=1", f"output_dir={out}", *files, timeout=240, env=ENV.get(job))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     got, want = records(out), records(one_process[job])
     assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) == 6  # 4 steps, 2 evaluations
@@ -106,7 +116,13 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
         for key in theirs:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), (mine["step"], key)
     mine, theirs = weights(out), weights(one_process[job])
-    assert mine.keys() == theirs.keys()
+    assert mine.keys() == theirs.keys()  # tied weights once, as save_pretrained writes them
+    if files:
+        assert len(list((out / "model").glob("model-*.safetensors"))) >= 3
+        from transformers import AutoModelForCausalLM
+        reloaded = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()  # the index read as users read it
+        for key in theirs:
+            torch.testing.assert_close(reloaded[key], mine[key], rtol=0, atol=0, msg=key)
     for key in theirs:
         scale = float(theirs[key].abs().max())
         torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=5e-3 * scale, msg=key)

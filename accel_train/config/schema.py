@@ -398,6 +398,17 @@ class SaveConfig:
     final: Literal["last", "best"] = "last"
     """Which weights go to output_dir/adapter (or model): those of the last step, or of the best evaluation by
     eval.metric_for_best (read from its checkpoint: needs checkpoint.keep_best)."""
+    max_shard_size: str = "1GB"
+    """The largest safetensors file of a full fine-tuning's output_dir/model (save_pretrained's max_shard_size; a
+    larger model is split into files with an index). Under ZeRO-3 and FSDP2 the main process gathers the weights
+    one file at a time: it holds this much beside its shards while saving."""
+
+    def check(self, cfg) -> None:
+        # what save_pretrained (huggingface_hub's split_torch_state_dict_into_shards) reads
+        size = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*[KMGT]B\s*", str(self.max_shard_size), re.IGNORECASE)
+        if size is None or float(size[1]) <= 0:
+            raise ConfigError(f"save.max_shard_size={self.max_shard_size!r} is not a size: a number and a unit, KB, "
+                              "MB, GB or TB (e.g. 1GB, 500MB)")
 
 
 @dataclass

@@ -134,10 +134,52 @@ def plain_name(name: str) -> str:
 
 
 def trainable_state(model) -> dict:
-    """The trainable tensors (the adapter under LoRA) of an unwrapped model by their plain names; FSDP2's shards are
-    gathered whole, a collective per tensor that every rank must call."""
-    return {plain_name(name): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            for name, p in model.named_parameters() if p.requires_grad}
+    """The trainable tensors (the adapter under LoRA) of an unwrapped model by their plain names, on the CPU; ZeRO-3's
+    and FSDP2's shards are gathered whole, a collective per tensor that every rank must call (the frozen base is
+    not gathered: accelerator.get_state_dict would gather it whole into the main process's memory)."""
+    from accel_train.runtime.engine import gather_whole
+
+    return {plain_name(name): gather_whole(p) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_whole_weights(model, target: Path, main: bool, max_shard_size: str) -> None:
+    """The whole weights of an unwrapped model whose weights are sharded over the ranks (ZeRO-3, FSDP2), written by
+    the main process into `target` as save_pretrained writes them (safetensors files of at most `max_shard_size`
+    with their index; tied weights once; transformers' weight conversions reverted per file, as it does for an
+    offloaded model), gathered one tensor at a time: the main process holds one file's weights beside its shards,
+    not the whole model (accelerator.get_state_dict gathers it all there first: a 1B model's 4 GB on top of its
+    training memory). A collective per tensor, in the same order on every rank: every rank calls it. The config
+    and generation config are the model's (save_model writes the run's stopping config over the latter)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from accel_train.runtime.engine import gather_whole, whole_shapes
+
+    plan = remove_tied_weights_from_state_dict(whole_shapes(model), model)
+    split = split_torch_state_dict_into_shards(plan, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    tensors, weight_map = model.state_dict(keep_vars=True), {}
+    if main:
+        target.mkdir(parents=True, exist_ok=True)
+        for stale in target.glob("model*.safetensors*"):  # an earlier save's files (save.final=best saves twice)
+            stale.unlink()
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: gather_whole(tensors[name]).contiguous() for name in names}  # every rank: collectives
+        if main:
+            shard = revert_weight_conversion(model, shard)
+            save_file(shard, target / filename, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, filename))
+        del shard
+    if main:
+        if split.is_sharded:
+            index = {"metadata": {**split.metadata}, "weight_map": dict(sorted(weight_map.items()))}
+            (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(target)
+        if model.can_generate():
+            model.generation_config.save_pretrained(target)
 
 
 def _trainable_keys(model) -> set[str]:

@@ -164,6 +164,28 @@ def share_zero3_master_weights(engine) -> int:
     return freed
 
 
+def gather_whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value on the CPU, on every rank: ZeRO-3's partitions gathered (deepspeed's
+    GatheredParameters), FSDP2's shards (DTensor.full_tensor): a collective that every rank runs, for the same
+    parameter at the same point; a parameter that is not sharded, as it is (the CPU's own tensor, not a copy)."""
+    if hasattr(parameter, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+            return parameter.detach().to("cpu", copy=True)
+    if hasattr(parameter, "full_tensor"):
+        return parameter.full_tensor().detach().cpu()
+    return parameter.detach().cpu()
+
+
+def whole_shapes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each tensor of the unwrapped `model`'s state dict by name, as an empty tensor (meta device) of its whole
+    shape and dtype (ZeRO-3 keeps a partitioned parameter's in ds_shape; FSDP2's DTensor has its global shape):
+    what save_pretrained would write, planned before anything is gathered."""
+    return {name: torch.empty(tuple(getattr(t, "ds_shape", t.shape)), dtype=t.dtype, device="meta")
+            for name, t in model.state_dict(keep_vars=True).items()}
+
+
 def inner_module(model: torch.nn.Module) -> torch.nn.Module:
     """The module a DeepSpeed engine runs (whose `training` is the mode: the engine's own stays unset), else
     `model`."""

@@ -29,8 +29,8 @@ from accel_train import tasks
 from accel_train.runtime import faults
 from accel_train.models.card import write_cards
 from accel_train.runtime.checkpoint import (StopTogether, TrainState, checkpoints_dir, load_checkpoint, load_trainable,
-                                            plain_name, register_hooks, save_checkpoint, set_aside_later,
-                                            trainable_state)
+                                            plain_name, register_hooks, save_checkpoint, save_whole_weights,
+                                            set_aside_later, trainable_state)
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.load import save_config
 from accel_train.config.sections import ConfigError
@@ -41,7 +41,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import Engine, share_zero3_master_weights, whole_model
+from accel_train.runtime.engine import Engine, share_zero3_master_weights, whole_model, zero3
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, INITIAL_ADAPTER, make_output_dir, saved_random_base
@@ -178,7 +178,7 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     reuse_base = resume and cfg.model.random_init and cfg.lora.enabled  # full fine-tuning resumes every weight
     # whole, or sharded as the accelerate config says (runtime/engine.py); a random base is saved whole (below)
     random_base = cfg.lora.enabled and cfg.model.random_init and not resume
-    engine = Engine(accelerator)
+    engine, t0 = Engine(accelerator), time.perf_counter()
     if random_base and engine.builds_sharded == "zero3_init_flag":
         main_logger().info("model: built whole on each process despite zero3_init_flag: true (model.random_init "
                            "under LoRA saves its random base, output_dir/base_model); accelerator.prepare shards it")
@@ -208,6 +208,13 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
             tokenizer.save_pretrained(base)
         if cfg.lora.changes_base():  # what save_model converts the trained adapter against (made again on resume)
             model.save_pretrained(Path(cfg.output_dir) / INITIAL_ADAPTER, selected_adapters=["default"])
+    how = {"zero3_init_flag": "each process built its partition of the weights alone (zero3_init_flag)",
+           "fsdp_cpu_ram_efficient_loading": "the main process read the weights, the others wait for their shards "
+                                             "(fsdp_cpu_ram_efficient_loading)"}.get(
+        engine.builds_sharded if random_base is None else None,
+        "whole on each process, until accelerator.prepare shards it" if engine.shards_weights else
+        "whole on each process" if accelerator.num_processes > 1 else "")
+    main_logger().info(f"model: built in {time.perf_counter() - t0:.1f} s" + (f", {how}" if how else ""))
     return model
 
 
@@ -336,14 +343,19 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
     """The trained adapter (or full model) into output_dir: written by the main process, gathered by all."""
     out = Path(cfg.output_dir)
     target = out / ("adapter" if cfg.lora.enabled else "model")
-    if cfg.lora.enabled and accelerator.is_fsdp2:
-        # Gather the adapter's shards only (a collective per tensor): get_state_dict would gather the whole
-        # model, frozen base included, into rank 0's memory.
-        state = trainable_state(accelerator.unwrap_model(model, keep_torch_compile=False))
-    else:  # a collective under FSDP/DeepSpeed: every rank must call it (ZeRO-3 returns the weights on rank 0 only)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    shards = zero3(accelerator) or getattr(accelerator, "is_fsdp2", False)  # FSDP1: accelerate's own gathering
+    # Under ZeRO-3 and FSDP2 the weights are gathered a tensor at a time, a collective every rank runs: the adapter's
+    # alone under LoRA, the whole model's written a file at a time (accelerator.get_state_dict would gather the whole
+    # model, frozen base included, into the main process's memory at once).
+    if shards and not cfg.lora.enabled:
+        save_whole_weights(unwrapped, target, accelerator.is_main_process, cfg.save.max_shard_size)
+        state = None
+    elif shards:
+        state = trainable_state(unwrapped)
+    else:  # a collective under DeepSpeed ZeRO-2 and FSDP1: every rank must call it
         state = {plain_name(k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         if cfg.lora.enabled:
             # The base the adapter loads on: the copy saved before training for a random base (it cannot be
             # re-downloaded), an absolute path for a local folder (the adapter may be loaded from anywhere).
@@ -365,8 +377,9 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
                 warnings.filterwarnings("ignore", "(PiSSA|OLoRA) changes the base weights")  # it converts them
                 unwrapped.save_pretrained(target, safe_serialization=True, **only_trained,
                                           path_initial_model_for_weight_conversion=str(out / INITIAL_ADAPTER))
-        else:
-            unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True, **only_trained)
+        elif state is not None:  # else written above (save_whole_weights)
+            unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True,
+                                      max_shard_size=cfg.save.max_shard_size, **only_trained)
         tokenizer.save_pretrained(target)
         if task.info.head == "causal_lm":
             # eos_token_id: the template's end of turn too, so generate() stops where training taught it to (peft

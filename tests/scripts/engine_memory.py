@@ -13,8 +13,10 @@ as users run it, while this script samples every process of the job (the launche
 /proc) every 0.2 s: its anonymous resident memory (RssAnon: heap, tensors; not the file-backed pages of the
 memory-mapped safetensors, which the kernel may drop). Each process's peak is split at the run's log lines:
 setup (from its start to recipe.describe's line, just before the first step: imports, reading, building and
-sharding the model, the MFU probe), training (to the last step's line) and the end (gathering and saving the
-weights, the final evaluation); a poll that sees several of these lines counts its reading for each phase entered.
+sharding the model, the engine's buffers and optimizer state where it makes them there (DeepSpeed), the MFU probe),
+training (to the last step's line) and the end (gathering and saving the weights, the final evaluation); a poll
+that sees several of these lines counts its reading for each phase entered. Load: setup's part up to the poll that
+sees recipe.setup_model's line (the model built, before accelerator.prepare: where the weights are read).
 
 Formula (GB per process, 1 GB = 1e9 bytes; P parameters, N = 2 processes), the trained model only: full
 fine-tuning with AdamW in fp32 holds 16 bytes a parameter (weights 4, gradients 4, two moments 8): DDP 16P,
@@ -30,7 +32,9 @@ machine's MemAvailable (activations, and the 0.2 s guard cannot stop one multi-G
 killer); a run is stopped where MemAvailable falls under GUARD_GB. Each row is appended to --out (JSON lines)
 as it ends; a rerun skips the rows measured there (same task, engine, mode, size and steps) and tries skipped and
 failed ones again (a row's last line counts). Ends with a Markdown table of the selected rows in --out. The smoke
-run takes about 2.5 minutes on 2 cores. (The earlier engine_memory_results.json, sharded_generation_results.json and
+run takes about 2.5 minutes on 2 cores. (engine_memory_sizes_results.jsonl and engine_memory_1b_results.jsonl hold
+the rows measured before the mmap threshold, ZeRO-3's shared master partitions and the saving a file at a time;
+the earlier engine_memory_results.json, sharded_generation_results.json and
 teacher_memory_results.json were measured by this script's first version: summary.json's peak resident set, which
 counts file-backed pages too, batch 4, data.max_length 128.)
 
@@ -67,7 +71,7 @@ from accel_train.bench.common import SIZES as BENCH_SIZES
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "accelerate"
-RESULTS = Path(__file__).with_name("engine_memory_sizes_results.jsonl")
+RESULTS = Path(__file__).with_name("engine_memory_table_results.jsonl")
 PROCESSES = 2  # every config below starts 2
 INTERVAL_S = 0.2
 FIXED_GB = 1.0  # a process's memory besides the formula, until the engine's `fixed` row is measured
@@ -101,7 +105,8 @@ TASKS["grpo-lockstep"] = [*TASKS["grpo"], "train.gather_for_generation=false"]
 # sft with bitsandbytes' 8-bit AdamW (embeddings keep 32-bit state, as the Trainer's): beside sft's AdamW
 TASKS["sft-adamw_8bit"] = [*TASKS["sft"], "train.optimizer=adamw_8bit"]
 MODES = {"full": ["lora.enabled=false"], "lora": ["lora.enabled=true", f"lora.r={LORA_R}"]}
-COMMON = ["train.mixed_precision=no", "train.per_device_batch_size=2", "train.grad_accum_steps=1",
+# lr 1e-4: a full fine-tuning's rate (the default 3e-3 is LoRA's), so that a few steps show the loss falling
+COMMON = ["train.mixed_precision=no", "train.per_device_batch_size=2", "train.grad_accum_steps=1", "train.lr=1e-4",
           "data.builtin_size=64", "train.eval_every=null", "checkpoint.save_every=null", "track.log_with=[]",
           "train.warmup_steps=0", "train.log_every=1", "overwrite=true"]
 TIED = {"tie_word_embeddings": True}
@@ -120,8 +125,9 @@ SIZES = {  # LlamaConfig fields
 }
 KEY = ("task", "engine", "mode", "size", "steps")
 DESCRIBE = re.compile(r"([\d,]+) of ([\d,]+) parameters trainable")  # recipe.describe: just before the first step
+BUILT = re.compile(r"\bmodel: built in ")  # recipe.setup_model: the model built (or partitioned), not yet prepared
 STEP = re.compile(r"\bstep (\d+) \| ")  # a training record's console line (RunLog.log), one per step here
-PHASES = ("setup", "training", "end")
+PHASES = ("setup", "training", "end")  # and "load": setup's part before the model is built (BUILT)
 
 
 def parameters(shape: dict) -> tuple[int, int]:
@@ -272,10 +278,11 @@ def sample_job(cmd: list[str], steps: int | None) -> dict:
     sampler, seen, phase, starts, stopped = Sampler(proc.pid), 0, "setup", {"setup": 0.0}, None
     try:
         while proc.poll() is None:
+            loading = not any(BUILT.search(line) for line in lines[:seen])  # up to the poll that sees the line
             seen, entered = advance(lines, seen, phase, steps)
             for now in entered:  # each phase passed since the last poll starts now, and gets this reading
                 phase, starts[now] = now, round(time.monotonic() - t0, 1)
-            sampler.sample(entered or [phase])
+            sampler.sample((entered or [phase]) + (["load"] if loading and phase == "setup" else []))
             if (available := mem_available_gb()) < GUARD_GB:
                 stopped = f"stopped: the machine's available memory fell to {available:.2f} GB"
                 break
@@ -502,10 +509,11 @@ def split(row: dict, phase: str) -> tuple[float | None, float | None, float | No
 def table(rows: list[dict], done: dict) -> str:
     """Markdown: each row's peaks per process (GB) beside its formula, and over DDP's: the other ranks' setup
     peak (where only rank 0 reads the weights) and the training peak of any rank."""
-    header = ("| task | engine | mode | size | parameters (trained) | formula GB/process | setup peak GB: max "
-              "(rank 0 / others) | training peak GB: max (rank 0 / others) | end peak GB: max | (training - fixed "
-              "row's training peak, max rank) / formula | x DDP's: setup (others) / training |")
-    out = [header, "|---" * 11 + "|"]
+    header = ("| task | engine | mode | size | parameters (trained) | formula GB/process | load peak GB: rank 0 / "
+              "others | setup peak GB: max (rank 0 / others) | training peak GB: max (rank 0 / others) | end peak GB: "
+              "max | (training - fixed row's training peak, max rank) / formula | x DDP's: load (others) / setup "
+              "(others) / training |")
+    out = [header, "|---" * 12 + "|"]
     for row in rows:
         r = done.get(tuple(row[k] for k in KEY))
         head = f"| {row['task']} | {row['engine']} | {row['mode']} | {row['size']} | "
@@ -514,15 +522,22 @@ def table(rows: list[dict], done: dict) -> str:
             continue
         head += f"{r['parameters'] / 1e6:,.1f}M ({r['trainable'] / 1e6:,.2f}M) | {r['formula_gb']:.2f} | "
         if r["status"] != "measured":
-            out.append(head + f"{r['status']}: {r.get('why') or r['error'][:100]} | | | | |")
+            out.append(head + f"{r['status']}: {r.get('why') or r['error'][:100]} | | | | | |")
             continue
-        (setup, s0, s1), (train, t0, t1) = split(r, "setup"), split(r, "training")
+        (setup, s0, s1), (train, t0, t1), (_, l0, l1) = split(r, "setup"), split(r, "training"), split(r, "load")
         ddp = done.get((row["task"], "ddp", row["mode"], row["size"], row["steps"]))
-        versus = (f"{s1 / split(ddp, 'setup')[2]:.2f} / {train / split(ddp, 'training')[0]:.2f}"
-                  if ddp and ddp["status"] == "measured" and r["size"] != "fixed" and s1 else "–")
+        if not (ddp and ddp["status"] == "measured") and row["mode"] == "full":  # refused: its load is LoRA's
+            ddp_load = done.get((row["task"], "ddp", "lora", row["size"], row["steps"]))
+            ddp_load = split(ddp_load, "load")[2] if ddp_load and ddp_load["status"] == "measured" else None
+        else:
+            ddp_load = split(ddp, "load")[2] if ddp else None
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else "–"  # noqa: E731
+        versus = " / ".join((ratio(l1, ddp_load), *(
+            (ratio(s1, split(ddp, "setup")[2]), ratio(train, split(ddp, "training")[0]))
+            if ddp and ddp["status"] == "measured" and r["size"] != "fixed" else ("–", "–"))))
         fixed = fixed_rank_gb(done, row["engine"])
         over = f"{(train - fixed) / r['formula_gb']:.2f}" if r["size"] != "fixed" and fixed is not None else "–"
-        out.append(head + f"{gb(setup)} ({gb(s0)} / {gb(s1)}) | {gb(train)} ({gb(t0)} / {gb(t1)}) | "
+        out.append(head + f"{gb(l0)} / {gb(l1)} | {gb(setup)} ({gb(s0)} / {gb(s1)}) | {gb(train)} ({gb(t0)} / {gb(t1)}) | "
                    f"{gb(split(r, 'end')[0])} | {over} | {versus} |")
     return "\n".join(out)
 
