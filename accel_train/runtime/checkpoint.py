@@ -166,7 +166,12 @@ def save_whole_weights(model, target: Path, main: bool, max_shard_size: str) -> 
         for stale in target.glob("model*.safetensors*"):  # an earlier save's files (save.final=best saves twice)
             stale.unlink()
     for filename, names in split.filename_to_tensors.items():
-        shard = {name: gather_whole(tensors[name]).contiguous() for name in names}  # every rank: collectives
+        shard = {}
+        for name in names:
+            whole = gather_whole(tensors[name])  # every rank: a collective
+            if main:  # the others drop it at once
+                shard[name] = whole.contiguous()
+            del whole
         if main:
             shard = revert_weight_conversion(model, shard)
             save_file(shard, target / filename, metadata={"format": "pt"})

@@ -239,6 +239,10 @@ class Sampler:
         now: dict[str, int] = {}
         for pid, parent in descendants(self.root).items():
             name = self.roles.get(pid) or role(pid, parent, self.root)
+            if name.startswith("rank") and any(p != pid and n == name for p, n in self.roles.items()):
+                # a child a rank forked (its copy-on-write pages read as its own), handed to the launcher when the
+                # rank ended before it (torchrun's agent is the job's subreaper), RANK still in its environment
+                name = "others"
             if name != "others":  # a worker reads as "others" between its fork and its exec: asked again
                 self.roles[pid] = name
             now[name] = now.get(name, 0) + anon_kb(pid)
