@@ -15,6 +15,12 @@ Built whole or sharded, by the accelerate config:
                                          meta device) that `prepare` fills from the main process's (a broadcast)
 A model built sharded has no whole weights before `prepare`: the checks that run a forward of the model
 (models.build.check_packing, models.loss.loss_head) run after it (Task.start), on every rank at once.
+
+The frozen models beside the policy are placed as it is, by `prepare_frozen` alone: a full fine-tuning's reference
+(`frozen_copy`, built as the policy is), distill's teacher and a grpo reward model (built whole on every process,
+then sharded). Sharded, each forward of theirs is a collective too: every rank runs as many, in the same order (the
+loop's padded window; components/rewards.py's Rewards.in_step for the reward models); a head called outside its
+model's forward is a whole copy (`whole_head`).
 """
 
 from __future__ import annotations
