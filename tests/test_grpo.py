@@ -5,8 +5,9 @@ to the reference at step 2, at another temperature); full fine-tuning's KL to a 
 a reward function that returns None for some completions (TRL's "not applicable"); the same completions, losses and
 rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
 reward function raising on one rank of two mid-run; the log-probs in chunks against the whole-logits formula; prompts
-cut and refused on real chat templates; under ZeRO-2 the same completions as DDP's. (Bad rewards and data:
-test_bad_input.py; training under FSDP2, ZeRO-2 and ZeRO-3 equal to 1 process: test_conformance.py.)"""
+cut and refused on real chat templates; under ZeRO-2 the same completions as DDP's; a reward model (model:PATH)
+sharded under ZeRO-3 and FSDP2 scoring and training as on 1 process, its forwards in step over the ranks. (Bad
+rewards and data: test_bad_input.py; training under FSDP2, ZeRO-2 and ZeRO-3 equal to 1 process: test_conformance.py.)"""
 
 from __future__ import annotations
 
