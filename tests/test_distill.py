@@ -11,6 +11,7 @@ resume, SIGTERM, bad inputs and reload: test_conformance.py (the registry's exam
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -477,7 +478,11 @@ def test_prompts_alone_1proc_accumulation_equals_2proc(tmp_path):
     student): each prompt's response is sampled alike whatever rank, batch and row of it holds the prompt (the
     micro-batches differ: alone, or in pairs). 9 training rows: step 3 has one sample, and rank 1 samples for a
     replayed micro-batch with weight 0. So do ZeRO-3 (the student's weights gathered for sampling) and FSDP2 (in
-    lock-step on the shards), to test_conformance's 1e-4 for the engines that shard the weights."""
+    lock-step on the shards), to test_conformance's 1e-4 for the engines that shard the weights, with the teacher
+    sharded like the student (the main process holds half its parameters' elements, give or take a shard's
+    padding), a forward of it on every rank for each micro-batch (the replayed one too) and each evaluation batch
+    (3 eval prompts: accelerate repeats one on rank 1): a rank running one less would hang (forked_launch's
+    timeout)."""
     common = ["task=distill", "data.path=builtin:addition", "data.builtin_size=12", "data.eval_fraction=0.25",
               "distill.teacher=configs/model/tiny-llama", "distill.on_policy=1", "distill.max_new_tokens=6",
               "train.max_steps=3", "train.log_every=1", "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2",
@@ -493,6 +498,13 @@ def test_prompts_alone_1proc_accumulation_equals_2proc(tmp_path):
         proc = forked_launch(config, *common, *extra, "train.per_device_batch_size=2", "train.grad_accum_steps=1",
                              f"output_dir={out}")
         assert proc.returncode == 0, proc.stderr[-3000:]
+        (loaded,) = [line for line in proc.stderr.splitlines() if "distill.teacher: configs/model/tiny-llama loaded" in line]
+        if config == "cpu_2proc.yaml":
+            assert loaded.endswith("whole on every process"), loaded
+        else:
+            total, held = (int(n.replace(",", "")) for n in re.search(
+                r"([\d,]+) parameters, .* sharded over the processes \(([\d,]+) of them on this one\)", loaded).groups())
+            assert 0.45 * total < held < 0.55 * total, (config, loaded)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in want_records] == [r["step"] for r in records] == [1, 2, 2, 3, 3], config
         for want, got in zip(want_records, records):

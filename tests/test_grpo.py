@@ -5,14 +5,16 @@ to the reference at step 2, at another temperature); full fine-tuning's KL to a 
 a reward function that returns None for some completions (TRL's "not applicable"); the same completions, losses and
 rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
 reward function raising on one rank of two mid-run; the log-probs in chunks against the whole-logits formula; prompts
-cut and refused on real chat templates; under ZeRO-2 the same completions as DDP's. (Bad rewards and data:
-test_bad_input.py; training under FSDP2, ZeRO-2 and ZeRO-3 equal to 1 process: test_conformance.py.)"""
+cut and refused on real chat templates; under ZeRO-2 the same completions as DDP's; a reward model (model:PATH)
+sharded under ZeRO-3 and FSDP2 scoring and training as on 1 process, its forwards in step over the ranks. (Bad
+rewards and data: test_bad_input.py; training under FSDP2, ZeRO-2 and ZeRO-3 equal to 1 process: test_conformance.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import re
 from collections import defaultdict
 
 import pytest
@@ -1184,3 +1186,52 @@ def test_a_run_whose_groups_never_differ_in_reward_says_it_learned_nothing(tmp_p
     assert spread.returncode == 0, spread.stderr[-3000:]
     assert [r["frac_reward_zero_std"] for r in read_run(tmp_path / "spread")["train"]] != [1.0, 1.0]
     assert "nothing learned" not in spread.stderr
+
+
+@pytest.mark.long  # a reward run, then grpo on 1 process and on 2 under ZeRO-3 and FSDP2 (about 45 s)
+def test_a_reward_model_sharded_scores_as_on_one_process(tmp_path):
+    """grpo.rewards=[model:RM] (a LoRA reward run on the tiny random model: its adapter merged) beside a user's
+    function: 2 processes x 2 prompts under ZeRO-3 and FSDP2, the reward model sharded like the policy (the main
+    process holds half its parameters' elements), log what 1 process x 1 prompt x 4 micro-batches logs (to
+    test_conformance's 1e-4 for the engines that shard the weights): the same completions, each scored alike, the
+    same losses and evaluation. Every forward of the reward model is then a collective, and the ranks' counts
+    differ unless made equal (Rewards.in_step, RewardModel.score): 9 training prompts, so at step 3 rank 1 has only
+    a replayed micro-batch (not scored), rank 0 one prompt of 2 completions, 1 per forward (train.eval_batch_size=1);
+    3 eval prompts. A rank running one forward less would hang (forked_launch's timeout)."""
+    rm = tmp_path / "rm"
+    proc = python_m("task=reward", "data.path=builtin:reverse_pref", "data.builtin_size=16", "data.eval_fraction=0",
+                    "train.max_steps=2", "train.per_device_batch_size=4", "train.lr=1e-2", "train.mixed_precision=no",
+                    "track.log_with=[]", f"output_dir={rm}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (rm / "adapter").is_dir() and (rm / "base_model").is_dir()
+    (tmp_path / "my_rewards.py").write_text(REWARDS_PY)
+    common = ["task=grpo", "data.path=builtin:reverse", "data.builtin_size=12", "data.eval_fraction=0.25",
+              "grpo.answer_field=response", f"grpo.rewards=[model:{rm},{tmp_path / 'my_rewards.py'}:length_match]",
+              "grpo.num_generations=2", "grpo.max_new_tokens=4", "train.eval_batch_size=1", "train.max_steps=3",
+              "train.log_every=1", "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2",
+              "train.mixed_precision=no", "track.log_with=[]", "train.dist_timeout_s=60"]
+    one = tmp_path / "one"
+    proc = python_m(*common, "train.per_device_batch_size=1", "train.grad_accum_steps=4", f"output_dir={one}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = read_run(one)
+    assert [r["step"] for r in want["train"]] == [1, 2, 3] and len(want["eval"]) == 2
+    timing = {"tokens_per_sec", "mfu", "memory_mb"}
+    for config in ("cpu_deepspeed_zero3.yaml", "fsdp2.yaml"):
+        out = tmp_path / config.removesuffix(".yaml")
+        proc = forked_launch(config, *common, "train.per_device_batch_size=2", "train.grad_accum_steps=1",
+                             f"output_dir={out}", timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        (loaded,) = [line for line in proc.stderr.splitlines() if f"grpo.rewards: model:{rm} loaded, " in line]
+        total, held = (int(n.replace(",", "")) for n in re.search(
+            r"([\d,]+) parameters, .* sharded over the processes \(([\d,]+) of them on this one\)", loaded).groups())
+        assert 0.45 * total < held < 0.55 * total, (config, loaded)
+        got = read_run(out)
+        assert completions(got["rollouts"]) == completions(want["rollouts"]), config
+        scores = {(r["step"], r["index"], r["generation"]): r["rewards"] for r in want["rollouts"]}
+        for r in got["rollouts"]:
+            for name, value in scores[(r["step"], r["index"], r["generation"])].items():
+                assert r["rewards"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (config, name)
+        for mine, theirs in zip(got["train"] + got["eval"], want["train"] + want["eval"], strict=True):
+            assert mine.keys() == theirs.keys(), config
+            for key in set(theirs) - timing:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (config, theirs["step"], key)

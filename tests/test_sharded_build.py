@@ -27,7 +27,8 @@ SMALL = ["data.builtin_size=12", "data.eval_fraction=0.125", "train.max_steps=4"
 JOBS = {"dpo_full": ["task=dpo", "data.path=builtin:reverse_pref", "dpo.reference=start", "lora.enabled=false"],
         "sft_packed": ["data.path=builtin:reverse", "data.packing=true"],
         # the student's head trained under ZeRO-3 (whole only inside its module's calls: its logits not recomputed),
-        # a random teacher whole on each rank, half the steps sampled by the student on the gathered weights
+        # a random teacher sharded like the student (built whole, then an engine), its head a whole copy on each
+        # rank, half the steps sampled by the student on the gathered weights
         "distill_full": ["task=distill", "data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
                          "distill.on_policy=0.5", "distill.max_new_tokens=8", "lora.enabled=false"]}
 TIMING = {"tokens_per_sec", "mfu", "memory_mb"}

@@ -1,13 +1,19 @@
 """A reward model trained by task reward, as a reward of task grpo (grpo.rewards: model:PATH, rewards.py): loaded
-once per process, frozen, its adapter merged, on the process's device; it scores each completion after its
-prompt, rendered as the reward run's pairs were (the prompt a user turn, or the prompt's turns; the completion the
-assistant's answer; through the reward run's chat template), its last data.max_length tokens, a batch of
-train.eval_batch_size sequences a forward, without gradient.
+once per process, built whole, its adapter merged, then frozen and placed as the policy is
+(runtime.engine.Engine.prepare_frozen: sharded like it under FSDP2 and DeepSpeed ZeRO-3, whole on each process's
+device elsewhere); it scores each completion after its prompt, rendered as the reward run's pairs were (the prompt a
+user turn, or the prompt's turns; the completion the assistant's answer; through the reward run's chat template),
+its last data.max_length tokens, a batch of train.eval_batch_size sequences a forward, without gradient.
+
+Sharded, every forward is a collective: each call of `score` first agrees with the other ranks on the number of
+forwards (the most any rank needs), and a rank with fewer batches runs padding forwards; so every rank calls `score`
+as many times, in the same order (rewards.Rewards.in_step keeps them in step where a rank has nothing to score).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -15,10 +21,11 @@ from accel_train.components.pairs import as_turns, renderer
 
 
 class RewardModel:
-    """A trained reward model, frozen, scoring texts the way task reward trained it (one process's copy)."""
+    """A trained reward model, frozen, scoring texts the way task reward trained it (one process's copy, or its
+    shard: `collective`, each `score` a collective)."""
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, collective: bool = False):
+        self.model, self.tokenizer, self.collective = model, tokenizer, collective
         self.render = renderer(tokenizer)
 
     def ids(self, prompt, completion: str, row: int, max_length: int) -> list[int]:
@@ -32,36 +39,48 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, prompts: list, completions: list[str], max_length: int, batch_size: int) -> list[float]:
-        """One score per completion, `batch_size` sequences a forward (padded on the right)."""
+        """One score per completion, `batch_size` sequences a forward (padded on the right). Collective: as many
+        forwards as the rank with the most batches, the others' a padding token's (scored for nothing)."""
         rows = [self.ids(p, c, i, max_length) for i, (p, c) in enumerate(zip(prompts, completions))]
         pad, device, out = self.tokenizer.pad_token_id, self.model.device, []
-        for start in range(0, len(rows), batch_size):
-            part = rows[start: start + batch_size]
+        forwards = math.ceil(len(rows) / batch_size)
+        if self.collective:
+            most = torch.tensor([forwards], device=device)
+            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+            forwards = int(most.item())
+        for start in range(0, forwards * batch_size, batch_size):
+            part = rows[start: start + batch_size] or [[pad]]
             width = max(len(r) for r in part)
             ids = torch.tensor([r + [pad] * (width - len(r)) for r in part], device=device)
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part], device=device)
-            out += self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float().tolist()
+            scores = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float().tolist()
+            out += scores if start < len(rows) else []
         return out
 
 
 @functools.cache  # once per process: the smoke test before training and every step use the same copy
-def reward_model(path: str, dtype: str) -> RewardModel:
-    """The reward model at `path` (a reward run's output_dir, adapter/ or model/), on this process's device, its
-    adapter merged, frozen."""
+def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
+    """The reward model at `path` (a reward run's output_dir, adapter/ or model/), its adapter merged, frozen, placed
+    by the run's engine (`accelerator`: Engine.prepare_frozen, a collective under FSDP2 and ZeRO-3: every rank at
+    once), or without one (a tool's single process) on this process's device."""
     from accelerate import PartialState
     from transformers import AutoModelForSequenceClassification
 
     from accel_train.models.build import load_trained
-    from accel_train.runtime.engine import whole_model
+    from accel_train.runtime.engine import Engine, whole_model
     from accel_train.runtime.tracking import get_logger, loaded_line
 
-    with whole_model():  # on every rank, whatever the launch shards
+    with whole_model():  # whole on every rank, whatever the launch builds sharded: the engine shards it next
         model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
                                         dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it
-    model.requires_grad_(False).eval().to(PartialState().device)
+    engine = Engine(accelerator) if accelerator is not None else None
+    if engine is not None:
+        model = engine.prepare_frozen(model)
+    else:
+        model.requires_grad_(False).eval().to(PartialState().device)
     get_logger(__name__).info(f"grpo.rewards: model:{path} loaded, {loaded_line(model, PartialState().device)}",
                               main_process_only=True)
-    return RewardModel(model, tokenizer)
+    return RewardModel(model, tokenizer, collective=engine is not None and engine.shards_weights)

@@ -21,10 +21,13 @@ Built-ins (grpo.rewards):
                     (linearly) at max_new_tokens
 
 A reward model trained by task reward (tasks/reward/) is a reward too: `model:PATH`, PATH its output_dir (or
-its adapter/ or model/ folder). Each process loads it once, frozen, on its device, and scores its own completions
-without gradient, a batch of train.eval_batch_size at a time: each completion after its prompt, rendered as the
-reward model's pairs were (the prompt a user turn, or the prompt's turns; the completion the assistant's answer;
-through the reward run's chat template), its last data.max_length tokens.
+its adapter/ or model/ folder). Each process loads it once, frozen, placed as the policy is (sharded like it under
+FSDP2 and ZeRO-3, else whole on its device: reward_model.py), and scores its own completions without gradient, a
+batch of train.eval_batch_size at a time: each completion after its prompt, rendered as the reward model's pairs
+were (the prompt a user turn, or the prompt's turns; the completion the assistant's answer; through the reward run's
+chat template), its last data.max_length tokens. Sharded, its forwards are collectives: `Rewards` calls the reward
+models before the other functions (a function that raises does not skip them), and `Rewards.in_step` makes up, on a
+rank that scored fewer batches, the calls it missed.
 
 Importing this module imports no torch: preflight resolves the names with it before the heavy imports.
 """
@@ -40,6 +43,7 @@ import math
 import numbers
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -83,16 +87,18 @@ MODEL = "model:"  # grpo.rewards: model:PATH, a reward model
 
 class ModelReward:
     """grpo.rewards model:PATH as a reward function: the model is loaded at the first call (reward_model.py, once per
-    process), so that preflight, which only checks PATH, imports no torch."""
+    process; placed by the engine of `accelerator`, the run's), so that preflight, which only checks PATH, imports no
+    torch."""
 
-    def __init__(self, path: str, cfg: Config):
-        self.path, self.dtype = path, cfg.model.dtype
+    def __init__(self, path: str, cfg: Config, accelerator=None):
+        self.path, self.dtype, self.accelerator = path, cfg.model.dtype, accelerator
         self.max_length, self.batch_size = cfg.data.max_length, cfg.train.eval_batch_size
 
     def __call__(self, prompts, completions, completion_ids=None, **_) -> list[float]:
         from accel_train.components.reward_model import reward_model
 
-        return reward_model(self.path, self.dtype).score(prompts, completions, self.max_length, self.batch_size)
+        return reward_model(self.path, self.dtype, self.accelerator).score(prompts, completions, self.max_length,
+                                                                           self.batch_size)
 
 
 def model_label(name: str) -> str:
@@ -186,22 +192,45 @@ class RewardError(ConfigError):
 class Rewards:
     """The run's reward functions, weighted; `__call__` scores completions, and names a function that fails."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, accelerator=None, models: bool | None = None):
+        """`accelerator`: the run's, which places a reward model (model:PATH); `models`: the reward models alone
+        (True), the other functions alone (False), or all (None)."""
         g = cfg.grpo
-        self.names = list(g.rewards)
+        weights = list(g.reward_weights) if g.reward_weights is not None else [1.0] * len(g.rewards)
+        kept = [(n, w) for n, w in zip(g.rewards, weights) if models is None or n.startswith(MODEL) == models]
+        self.names, self.weights = [n for n, _ in kept], [w for _, w in kept]
         self.labels = labels(self.names)
-        self.weights = list(g.reward_weights) if g.reward_weights is not None else [1.0] * len(self.names)
         self.answer_field = g.answer_field
         self.builtin_kwargs = {"pattern": g.regex, "max_new_tokens": g.max_new_tokens,
                                "buffer": g.length_buffer or max(g.max_new_tokens // 4, 1)}
-        self.functions = [BUILTIN.get(n) or (ModelReward(n.removeprefix(MODEL), cfg) if n.startswith(MODEL) else
-                                             load_function(n)) for n in self.names]
+        self.functions = [BUILTIN.get(n) or (ModelReward(n.removeprefix(MODEL), cfg, accelerator)
+                                             if n.startswith(MODEL) else load_function(n)) for n in self.names]
+        self.calls = 0  # of __call__: Rewards.in_step counts them
+
+    @contextmanager
+    def in_step(self, batches: int):
+        """Around scoring `batches` batches, the same number on every rank (a step's micro-batches, an evaluation
+        batch): after it, each call this rank did not make (a replayed batch, neither scored nor logged; a failure
+        before its scoring) is made up with no completions, so that a sharded reward model runs as many forwards,
+        in the same order, on every rank (each `score` a collective). Nothing to make up without a reward model."""
+        start = self.calls
+        try:
+            yield
+        finally:
+            models = [f for f in self.functions if isinstance(f, ModelReward)]
+            for _ in range(batches - (self.calls - start)) if models else ():
+                for model in models:
+                    model([], [])
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]],
                  columns: dict[str, list]) -> list[list[float]]:
-        """Each function's rewards (a list per function, one number per completion: NaN where it returned None)."""
-        out = []
-        for name, fn in zip(self.names, self.functions):
+        """Each function's rewards (a list per function, one number per completion: NaN where it returned None).
+        The reward models first: a function that raises leaves none of them out on this rank (`in_step`)."""
+        self.calls += 1
+        out = [None] * len(self.functions)
+        order = sorted(range(len(self.functions)), key=lambda f: not isinstance(self.functions[f], ModelReward))
+        for f in order:
+            name, fn = self.names[f], self.functions[f]
             kwargs = dict(columns)
             if name in BUILTIN:
                 kwargs.update(self.builtin_kwargs)
@@ -222,7 +251,7 @@ class Rewards:
             if bad:
                 raise RewardError(f"grpo.rewards: {name} returned {bad[0]!r}; rewards must be finite numbers (or None "
                                   "where a function does not apply)")
-            out.append([math.nan if v is None else float(v) for v in values])
+            out[f] = [math.nan if v is None else float(v) for v in values]
         return out
 
 
@@ -240,7 +269,8 @@ def check_rewards(cfg: Config) -> None:
     for name in g.rewards:
         if name.startswith(MODEL):
             check_reward_model(name)
-    for name, fn in zip(g.rewards, Rewards(cfg).functions):
+    rewards = Rewards(cfg)
+    for name, fn in zip(rewards.names, rewards.functions):
         if name.startswith(MODEL):
             continue
         try:

@@ -15,6 +15,12 @@ Built whole or sharded, by the accelerate config:
                                          meta device) that `prepare` fills from the main process's (a broadcast)
 A model built sharded has no whole weights before `prepare`: the checks that run a forward of the model
 (models.build.check_packing, models.loss.loss_head) run after it (Task.start), on every rank at once.
+
+The frozen models beside the policy are placed as it is, by `prepare_frozen` alone: a full fine-tuning's reference
+(`frozen_copy`, built as the policy is), distill's teacher and a grpo reward model (built whole on every process,
+then sharded). Sharded, each forward of theirs is a collective too: every rank runs as many, in the same order (the
+loop's padded window; components/rewards.py's Rewards.in_step for the reward models); a head called outside its
+model's forward is a whole copy (`whole_head`).
 """
 
 from __future__ import annotations
@@ -70,8 +76,9 @@ def whole_model():
     """Inside, transformers builds a model whole on this process whatever the launch says: not partitioned
     (accelerate registers a ZeRO-3 DeepSpeed config with transformers, which then builds under deepspeed.zero.Init,
     with no engine to gather the weights), nor with weights left on the meta device where it is not the machine's
-    first process (FSDP's cpu_ram_efficient_loading). For the models each rank holds whole: distill's teacher, a grpo
-    reward model."""
+    first process (FSDP's cpu_ram_efficient_loading). For the frozen models built whole on every rank and then
+    placed by `prepare_frozen` (sharded under FSDP2 and ZeRO-3): distill's teacher, a grpo reward model; and the
+    main process's merge of an adapter after training."""
     import os
 
     from transformers.integrations import deepspeed as hf_deepspeed
@@ -141,6 +148,47 @@ def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn
         engine.eval()  # DeepSpeedEngine.eval returns None, and sets its module's mode only (inner_module)
         return engine
     return model.to(accelerator.device)
+
+
+def whole_head(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The output head of a frozen `model` placed by `prepare_frozen`, whole on this rank, for calls outside the
+    model's forward (distill's teacher head on each chunk of target rows, in the forward and the backward pass): the
+    model's own where its weights are whole; under FSDP2 and ZeRO-3, where a module's weight is whole only inside its
+    module's forward, a frozen copy (an nn.Linear) gathered once here: a collective, every rank at once. What each
+    rank then holds whole is the head alone (vocabulary x width), the body staying sharded."""
+    head = inner_module(model).get_output_embeddings()
+    if not (getattr(accelerator, "is_fsdp2", False) or zero3(accelerator)):
+        return head
+    if not isinstance(head, torch.nn.Linear):
+        from accel_train.config.sections import ConfigError
+
+        raise ConfigError(f"the output head of {type(inner_module(model)).__name__} is a {type(head).__name__}, not a "
+                          "linear layer: it cannot be copied whole beside its sharded model (FSDP2, ZeRO-3); use "
+                          "another engine (DDP, ZeRO-2)")
+    params = [head.weight] + ([head.bias] if head.bias is not None else [])
+    if zero3(accelerator):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            whole = [p.detach().clone() for p in params]
+    else:
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in params]
+    copy_ = torch.nn.Linear(whole[0].shape[1], whole[0].shape[0], bias=len(whole) > 1, device="meta")
+    copy_.weight = torch.nn.Parameter(whole[0], requires_grad=False)
+    if len(whole) > 1:
+        copy_.bias = torch.nn.Parameter(whole[1], requires_grad=False)
+    return copy_.eval()
+
+
+def held_elements(model: torch.nn.Module) -> tuple[int, int]:
+    """(the elements of `model`'s parameters, those this rank holds): fewer where prepare_frozen (or prepare)
+    sharded them, ZeRO-3's partitions (ds_tensor) or FSDP2's local shards."""
+    total = held = 0
+    for p in model.parameters():
+        total += getattr(p, "ds_numel", None) or p.numel()
+        held += (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else
+                 p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+    return total, held
 
 
 def share_zero3_master_weights(engine) -> int:
@@ -450,6 +498,10 @@ class Engine:
     def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen model placed beside the policy (`prepare_frozen`)."""
         return prepare_frozen(self.accelerator, model)
+
+    def whole_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The output head of a frozen model placed by prepare_frozen, whole on this rank (`whole_head`)."""
+        return whole_head(self.accelerator, model)
 
     def generating(self, model):
         """Around generate() on the unwrapped model of the prepared `model` (`generating`), gathered or in lock-step

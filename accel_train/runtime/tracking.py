@@ -159,11 +159,14 @@ def get_logger(name: str):
 
 
 def loaded_line(model, device) -> str:
-    """What a model loaded beside the trained one (distill's teacher, a grpo reward model) holds: "N parameters,
-    DTYPE, on DEVICE, whole on every process"."""
-    params = list(model.parameters())
-    return (f"{sum(p.numel() for p in params):,} parameters, {str(params[0].dtype).removeprefix('torch.')}, on "
-            f"{device}, whole on every process")
+    """What a frozen model placed beside the trained one (distill's teacher, a grpo reward model: Engine.prepare_frozen)
+    holds: "N parameters, DTYPE, on DEVICE, whole on every process", or where its weights are sharded "..., sharded
+    over the processes (M of them on this one)"."""
+    from accel_train.runtime.engine import held_elements
+
+    total, held = held_elements(model)
+    where = "whole on every process" if held == total else f"sharded over the processes ({held:,} of them on this one)"
+    return f"{total:,} parameters, {str(next(model.parameters()).dtype).removeprefix('torch.')}, on {device}, {where}"
 
 
 def main_logger():

@@ -22,7 +22,8 @@ Formula (GB per process, 1 GB = 1e9 bytes; P parameters, N = 2 processes), the t
 fine-tuning with AdamW in fp32 holds 16 bytes a parameter (weights 4, gradients 4, two moments 8): DDP 16P,
 ZeRO-2 4P + 12P/N, ZeRO-3 and FSDP2 16P/N; LoRA holds the frozen weights, 4P (4P/N where they are sharded), and
 16 bytes a trainable parameter. grpo adds its reference (full fine-tuning: 4P, sharded like the policy), distill
-its teacher (4P, whole on every rank). The formula leaves out activations, the engines' buckets (buckets_gb) and
+its teacher (4P, sharded like the policy: 4P/N under ZeRO-3 and FSDP2, plus a whole copy of its output head on each
+rank, 4 bytes x vocabulary x hidden; built whole on each process before it is sharded, a setup peak). The formula leaves out activations, the engines' buckets (buckets_gb) and
 each process's fixed part (imports, process group, data), measured once per engine on a 2M-parameter model (size
 `fixed`, run first, with FIXED_STEPS steps at least): the table subtracts its largest rank's training peak; the
 preflight takes its whole job's peak (ranks and launcher) over N (FIXED_GB until measured).
@@ -98,7 +99,8 @@ TASKS = {
     "sft": ["data.path=builtin:reverse", "data.max_length=64"],
     "grpo": ["task=grpo", "data.path=builtin:reverse", "grpo.num_generations=4", "grpo.max_new_tokens=16",
              "grpo.rewards=[length_penalty]", "grpo.beta=0.04"],
-    # distillation from the same model as teacher (distill.teacher={model}: whole on every rank, frozen), off-policy
+    # distillation from the same model as teacher (distill.teacher={model}: frozen, sharded like the policy under
+    # ZeRO-3 and FSDP2, its head whole on every rank; whole on every rank under DDP and ZeRO-2), off-policy
     "distill": ["task=distill", "data.path=builtin:reverse", "data.max_length=64", "distill.teacher={model}"],
 }
 TASKS["grpo-lockstep"] = [*TASKS["grpo"], "train.gather_for_generation=false"]
@@ -151,7 +153,8 @@ def formula_gb(task: str, engine: str, mode: str, size: str) -> float:
         trained = weights + 16 * adapter
     else:
         trained = {"ddp": 16 * params, "zero2": 4 * params + 12 * params / n}.get(family, 16 * params / n)
-    extra = {"grpo": weights if mode == "full" else 0, "distill": 4 * params}.get(task.split("-")[0], 0)
+    head = 4 * SIZES[size]["vocab_size"] * SIZES[size]["hidden_size"] if family in SHARDS_WEIGHTS else 0
+    extra = {"grpo": weights if mode == "full" else 0, "distill": weights + head}.get(task.split("-")[0], 0)
     return (trained + extra) / 1e9
 
 

@@ -9,8 +9,13 @@ grpo's (components/prompts.py: a prompt column, text or chat turns, or conversat
 told by the split's first row), cut to data.max_length - distill.max_new_tokens tokens; with on_policy < 1 such
 data is refused in one line before any model loads.
 
-The teacher (distill.teacher) is loaded on every process, frozen, in evaluation mode, on the process's device; it
-is not wrapped (no DDP). It must share the student's tokenizer and vocabulary: checked before the data is read.
+The teacher (distill.teacher) is frozen, in evaluation mode, placed as the student is (runtime.engine.Engine.
+prepare_frozen): under FSDP2 and DeepSpeed ZeRO-3 sharded over the ranks like it (built whole on each process, then
+sharded; every forward of it a collective: each rank runs one per micro-batch of the loop's padded window and one per
+batch of the evaluation, whose batches accelerate evens out over the ranks), elsewhere whole on each process's device,
+not wrapped (no DDP). Its output head, called on the target rows outside the teacher's forward, is then a whole copy
+on each rank (Engine.whole_head). It must share the student's tokenizer and vocabulary: checked before the data is
+read.
 
 The loss of one target token: with s and p the student's and the teacher's log-softmax at temperature T
 (distill.temperature) of the logits at the position that predicts it, summed over the vocabulary (TRL's
@@ -63,7 +68,7 @@ from accel_train.components.prompts import (PromptBudget, PromptCollator, inspec
                                             tokenize_prompts)
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.engine import Engine, whole_model
+from accel_train.runtime.engine import Engine, inner_module, whole_model
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, run_cache,
                                            split_prompt, until_stop)
@@ -134,18 +139,21 @@ class Distillation:
     """The divergence between a student and its frozen teacher on a batch, from both models' hidden states."""
 
     def __init__(self, cfg: Config, student_head: torch.nn.Module, teacher: torch.nn.Module, autocast,
-                 chunk: int | None = None, sharded: bool = False):
+                 chunk: int | None = None, sharded: bool = False, teacher_head: torch.nn.Module | None = None):
         """`student_head`: the student's output head (the same module inside any wrapper); `autocast`: the run's
         (accelerator.autocast), for the teacher's forward, which no wrapper runs; `sharded`: ZeRO-3, where the head's
         weight is whole only inside its module's calls: a frozen head's chunks are recomputed in its backward
-        (loss.HeadLoss), a trained head's are all kept until the backward pass (no recomputation)."""
+        (loss.HeadLoss), a trained head's are all kept until the backward pass (no recomputation); `teacher_head`:
+        the teacher's head as the chunks call it, outside the teacher's forward (Engine.whole_head: a whole copy
+        where the teacher is sharded), by default its own."""
         self.beta, self.temperature = cfg.distill.beta, cfg.distill.temperature
         self.student_head, self.teacher, self.autocast = student_head, teacher, autocast
         trained = any(p.requires_grad for p in student_head.parameters())
         self.mode = "checkpoint" if not sharded else "keep" if trained else "head_backward"
         """How the chunks' logits are held for the backward pass: checkpoint (each recomputed by a call of the
         head module), head_backward (loss.HeadLoss), keep (every chunk's graph kept)."""
-        self.teacher_head = teacher.get_output_embeddings()
+        self.own_teacher_head = inner_module(teacher).get_output_embeddings()  # replaced in the teacher's forward
+        self.teacher_head = teacher_head if teacher_head is not None else self.own_teacher_head
         rows = [getattr(h, "out_features", None) or h.weight.shape[0] for h in (student_head, self.teacher_head)]
         # a head padded past the shared tokenizer (Qwen2.5-7B's 152,064 rows, 0.5B's 151,936): the common tokens
         self.vocab = min(rows) if rows[0] != rows[1] else None
@@ -156,7 +164,7 @@ class Distillation:
     @torch.no_grad()
     def teacher_rows(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
         """The teacher's final hidden states at the positions that predict a target (N, H)."""
-        with replaced_head(self.teacher_head, lambda call_head, hidden: hidden[:, :-1][mask]), self.autocast():
+        with replaced_head(self.own_teacher_head, lambda call_head, hidden: hidden[:, :-1][mask]), self.autocast():
             return self.teacher(**data_lib.model_inputs(batch), use_cache=False).logits
 
     def __call__(self, model, batch: dict, evaluation: bool = False) -> torch.Tensor:
@@ -231,17 +239,21 @@ def check_vocabulary(cfg: Config) -> None:
                           "teacher with the student's tokenizer")
 
 
-def load_teacher(cfg: Config, tokenizer, device) -> torch.nn.Module:
-    """The teacher, frozen, in evaluation mode, on `device`, in model.dtype (not quantized); the embedded tiny model
-    is random, drawn from seed + 1 (the student, when it is the tiny model too, is drawn from seed)."""
+def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
+    """The teacher, frozen, in evaluation mode, in model.dtype (not quantized), placed by the engine
+    (Engine.prepare_frozen: sharded like the student under FSDP2 and ZeRO-3, whole on this process's device
+    elsewhere); built whole on every process first, whatever the launch's zero3_init_flag or
+    fsdp_cpu_ram_efficient_loading say. The embedded tiny model is random, drawn from seed + 1 (the student, when it
+    is the tiny model too, is drawn from seed). Under sharded weights a collective: every rank at once."""
     teacher = cfg.distill.teacher
     as_model = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, name_or_path=teacher, revision=None, random_init=is_embedded_tiny_model(teacher),
         quantization=None, adapter_from=None))
-    with torch.random.fork_rng(devices=[]), whole_model():  # whole on every rank, whatever the launch shards
+    with torch.random.fork_rng(devices=[]), whole_model():  # whole on every rank: the engine shards it next
         torch.manual_seed(cfg.seed + 1)
         model = build_model(as_model, tokenizer)
-    model = model.requires_grad_(False).eval().to(device)
+    model = engine.prepare_frozen(model)
+    device = engine.accelerator.device
     logger.info(f"distill.teacher: {teacher} loaded, {loaded_line(model, device)}", main_process_only=True)
     return model
 
@@ -385,7 +397,8 @@ class Distill(Task):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.distillation: Distillation | None = None
-        self.teacher: torch.nn.Module | None = None  # loaded in setup, whole on each rank
+        self.teacher: torch.nn.Module | None = None  # loaded in setup, placed as the student (prepare_frozen)
+        self.teacher_head: torch.nn.Module | None = None  # its head as called outside its forward (whole_head)
         self.job, self.tokenizer = None, None
 
     def columns(self, columns: list[str], source: str) -> str:
@@ -424,8 +437,11 @@ class Distill(Task):
         return responses.count_targets(batch)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
-        self.teacher = load_teacher(self.cfg, tokenizer, accelerator.device)
-        checked_head(self.teacher, f"distill.teacher={self.cfg.distill.teacher}")
+        engine = Engine(accelerator)
+        self.teacher = load_teacher(self.cfg, tokenizer, engine)  # these three collectives under sharded weights
+        self.teacher_head = engine.whole_head(self.teacher)
+        # its module (a DeepSpeed engine's: the engine's own `training`, which loss_head puts back, is not the mode)
+        checked_head(inner_module(self.teacher), f"distill.teacher={self.cfg.distill.teacher}")
         if not Engine(accelerator).builds_sharded:  # checked before wrapping (one forward); the wrappers keep the head
             self.start_distillation(model, accelerator)
         return train_ds, eval_ds
@@ -433,7 +449,8 @@ class Distill(Task):
     def start_distillation(self, student, accelerator, low_precision: bool = False) -> None:
         head = checked_head(student, f"model.name_or_path={self.cfg.model.name_or_path}", low_precision)
         self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast,
-                                         sharded=Engine(accelerator).head_whole_only_in_forward)
+                                         sharded=Engine(accelerator).head_whole_only_in_forward,
+                                         teacher_head=self.teacher_head)
         if self.distillation.mode == "keep":
             logger.info("distill under ZeRO-3 with a trained output head: every chunk's logits and divergence terms "
                         "(fp32, the vocabulary wide) are held until the backward pass, not recomputed: the head's "

@@ -82,7 +82,7 @@ class Rollouts:
 
     def __init__(self, cfg: Config, accelerator, model, tokenizer):
         self.cfg, self.g, self.accelerator, self.model, self.tokenizer = cfg, cfg.grpo, accelerator, model, tokenizer
-        self.rewards = Rewards(cfg)
+        self.rewards = Rewards(cfg, accelerator)
         # under sharded weights: gathered whole for the rollouts, or in lock-step (train.gather_for_generation)
         self.engine = Engine(accelerator, cfg)
         self.synced = self.engine.generates_in_lockstep
@@ -145,18 +145,21 @@ class Rollouts:
         out, records, failed = [], [], None
         where = f"generating the completions of step {step + 1}"  # an environment's or a tool parser's error
         try:
-            # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
-            with self.engine.generating(self.model), merged_adapter(unwrapped, self.merge and bool(prompt_batches)), \
-                    self.accelerator.autocast():
-                # a replayed batch (weight 0: its tokens do not matter) runs no environment
-                generated = (self.sampler.generate_window(unwrapped, prompt_batches[:logged], step)
-                             + self.sampler.generate_window(unwrapped, prompt_batches[logged:], step, multi=False))
-            self.phase("scoring")
-            where = f"scoring the completions of step {step + 1}"
-            for i, (batch, completions) in enumerate(zip(prompt_batches, generated)):
-                micro, rows = self.score(batch, completions, step, i < logged)
-                out.append(micro)
-                records += rows
+            # a sharded reward model's forwards in step with the other ranks': as many prompt batches on each, the
+            # replayed ones (not scored) and those after a failure made up
+            with self.rewards.in_step(len(prompt_batches)):
+                # one copy of the adapted weights while generating, freed before the rewards (a reward model) run
+                with self.engine.generating(self.model), \
+                        merged_adapter(unwrapped, self.merge and bool(prompt_batches)), self.accelerator.autocast():
+                    # a replayed batch (weight 0: its tokens do not matter) runs no environment
+                    generated = (self.sampler.generate_window(unwrapped, prompt_batches[:logged], step)
+                                 + self.sampler.generate_window(unwrapped, prompt_batches[logged:], step, multi=False))
+                self.phase("scoring")
+                where = f"scoring the completions of step {step + 1}"
+                for i, (batch, completions) in enumerate(zip(prompt_batches, generated)):
+                    micro, rows = self.score(batch, completions, step, i < logged)
+                    out.append(micro)
+                    records += rows
         except RewardError as e:  # a reward function's, or an environment's: named with its rank's phase
             failed = f"{e} ({where})"
         finally:

@@ -107,15 +107,14 @@ def tokenize(ds: Dataset | IterableDataset, tokenizer, cfg: Config, report: dict
     return tokenize_prompts(ds, tokenizer, cfg, budget(cfg), tools_lib.schemas(tuple(cfg.grpo.tools)), report, split)
 
 
-def check_rewards_on(cfg: Config, ds: Dataset | IterableDataset) -> None:
-    """Before any model is built: grpo.environment made and reset on the first row, as a rollout resets one per
-    completion; every reward function called once on it (two empty completions)."""
-    example = next(iter(ds)) if isinstance(ds, IterableDataset) else ds[0]
+def check_rewards_on(cfg: Config, example: dict, rewards: Rewards, environment: bool = True) -> None:
+    """grpo.environment made and reset on a split's first row (`example`), as a rollout resets one per completion;
+    each of `rewards` called once on it (two empty completions)."""
     column = prompt_column(cfg, list(example))
-    if cfg.grpo.environment:
+    if cfg.grpo.environment and environment:
         tools_lib.check_environment(cfg, {"prompt": example[column], **{k: v for k, v in example.items()
                                                                          if k != column}})
-    smoke_test(Rewards(cfg), example, example[column], [k for k in example if k != column],
+    smoke_test(rewards, example, example[column], [k for k in example if k != column],
                turns=bool(cfg.grpo.tools or cfg.grpo.environment))
 
 
@@ -194,13 +193,15 @@ def evaluate(accelerator, model, eval_dl, rollouts: Rollouts) -> dict:
         for batch in eval_dl:
             n_rows = len(batch["prompt_ids"])
             try:
-                # the adapted weights' copy while generating, freed before the rewards (a reward model) run
-                with rollouts.engine.generating(model), merged_adapter(unwrapped, rollouts.merge), \
-                        accelerator.autocast():
-                    completions = rollouts.sampler.turns(unwrapped, batch, 1)
-                texts = rollouts.sampler.texts(completions)
-                values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions.ids,
-                                                       completions.columns(batch["columns"])))
+                # a sharded reward model's forwards in step with the other ranks' (as many eval batches on each)
+                with rollouts.rewards.in_step(1):
+                    # the adapted weights' copy while generating, freed before the rewards (a reward model) run
+                    with rollouts.engine.generating(model), merged_adapter(unwrapped, rollouts.merge), \
+                            accelerator.autocast():
+                        completions = rollouts.sampler.turns(unwrapped, batch, 1)
+                    texts = rollouts.sampler.texts(completions)
+                    values = torch.tensor(rollouts.rewards(batch["prompts"], texts, completions.ids,
+                                                           completions.columns(batch["columns"])))
                 lengths = [float(n) for n in completions.written()]
             except RewardError as e:  # the others gather on: every rank stops after the loop
                 failed = failed or str(e)
@@ -232,16 +233,20 @@ class GRPO(Task):
         self.steps_per_batch = cfg.grpo.num_iterations
         self.rollouts: Rollouts | None = None
         self.policy: PolicyLoss | None = None
+        self.first_rows: list[dict] = []  # each split's, for the reward models' smoke test (setup)
 
     def columns(self, columns: list[str], source: str) -> None:
         prompt_columns(self.cfg, columns, source)
 
     def read_splits(self, train_raw, eval_raw) -> None:
         """A reward function that fails on the first row of either split stops the run now, before any model is
-        built (the eval split's at the end of training would lose it)."""
-        for split in (train_raw, eval_raw):
-            if split is not None and (not isinstance(split, Dataset) or len(split)):
-                check_rewards_on(self.cfg, split)
+        built (the eval split's at the end of training would lose it); the reward models (model:PATH) are tried on
+        them in `setup`, once the engine that places them is up, on every rank at once."""
+        self.first_rows = [next(iter(split)) if isinstance(split, IterableDataset) else split[0]
+                           for split in (train_raw, eval_raw)
+                           if split is not None and (not isinstance(split, Dataset) or len(split))]
+        for example in self.first_rows:
+            check_rewards_on(self.cfg, example, Rewards(self.cfg, models=False))
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize(ds, tokenizer, self.cfg, report, split)
@@ -256,6 +261,10 @@ class GRPO(Task):
         return bool(self.cfg.grpo.beta)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
+        # the reward models loaded (placed as the policy: under sharded weights every forward a collective, every
+        # rank tries them together) and tried on each split's first row, as read_splits tried the other functions
+        for example in self.first_rows:
+            check_rewards_on(self.cfg, example, Rewards(self.cfg, accelerator, models=True), environment=False)
         # with beta > 0 under full fine-tuning, the reference is a frozen copy of these initial weights
         self.policy = PolicyLoss(self.cfg, accelerator, model)
         self.logged = self.policy.names
