@@ -108,8 +108,8 @@ def test_deepspeed_buffers_are_sized_for_the_model_not_deepspeed_defaults(name):
     ZeRO-3 keeps every parameter under 1e5 elements whole) are sized for GPUs and large models. Filled from the
     model's hidden size h as accelerate fills "auto": reduce bucket h², ZeRO-3's prefetch bucket 0.9 h² and
     persistence threshold 10 h, its optimizer's sub-groups 10 h² (DeepSpeed's 1e9 elements: one transient copy of
-    a whole partition's gradients), its largest reuse distance and live parameters 10 h² (DeepSpeed's 1e9: the
-    weights a backward uses again kept gathered since their forward); a value the config gives is kept."""
+    a whole partition's gradients), its largest reuse distance 10 h² (DeepSpeed's 1e9: the weights a backward
+    uses again kept gathered since their forward); a value the config gives is kept."""
     from accel_train.runtime.dist import configure_deepspeed
 
     h, cfg = 896, load_config(None, [])
@@ -123,8 +123,8 @@ def test_deepspeed_buffers_are_sized_for_the_model_not_deepspeed_defaults(name):
     assert zero.get("stage3_prefetch_bucket_size") == (int(0.9 * h * h) if stage3 else None)
     assert zero.get("stage3_param_persistence_threshold") == (10 * h if stage3 else None)
     assert zero.get("sub_group_size") == (10 * h * h if stage3 else None)
-    for key in ("stage3_max_reuse_distance", "stage3_max_live_parameters"):  # DeepSpeed's 1e9: half a 1B model kept
-        assert zero.get(key) == (10 * h * h if stage3 else None), key
+    # DeepSpeed's 1e9: the later half of a 1B model kept gathered from forward to backward
+    assert zero.get("stage3_max_reuse_distance") == (10 * h * h if stage3 else None)
     with patch_environment(**launch_environment(ACCEL_CONFIGS / name)):
         plugin = DeepSpeedPlugin()
     plugin.deepspeed_config["zero_optimization"]["reduce_bucket_size"] = 12345

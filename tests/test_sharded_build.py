@@ -10,6 +10,7 @@ from_pretrained) and the reference of full fine-tuning, under each way of buildi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -110,6 +111,10 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
     proc = forked_launch(engines[engine], *JOBS[job], *SMALL, f"model.name_or_path={pretrained}",
                          "train.grad_accum_steps=1", f"output_dir={out}", *files, timeout=240, env=ENV.get(job))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    built = {"fsdp2_ram_efficient": "the main process read the weights, the others wait for their shards",
+             "zero3_init": "each process built its partition of the weights alone"}.get(
+        engine, "whole on each process, until accelerator.prepare shards it")
+    assert len(re.findall(r"model: built in [\d.]+ s, " + re.escape(built), proc.stdout + proc.stderr)) == 1
     got, want = records(out), records(one_process[job])
     assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) == 6  # 4 steps, 2 evaluations
     for mine, theirs in zip(got, want):
@@ -120,6 +125,9 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
     assert mine.keys() == theirs.keys()  # tied weights once, as save_pretrained writes them
     if files:
         assert len(list((out / "model").glob("model-*.safetensors"))) >= 3
+        # the config as save_pretrained writes it: the class as transformers names it (not FSDP2's FSDPLlama...)
+        config = json.loads((out / "model" / "config.json").read_text())
+        assert (config["architectures"], config["dtype"]) == (["LlamaForCausalLM"], "float32"), config
         from transformers import AutoModelForCausalLM
         reloaded = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()  # the index read as users read it
         for key in theirs:

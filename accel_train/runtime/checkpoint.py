@@ -145,8 +145,9 @@ def trainable_state(model) -> dict:
 def save_whole_weights(model, target: Path, main: bool, max_shard_size: str) -> None:
     """The whole weights of an unwrapped model whose weights are sharded over the ranks (ZeRO-3, FSDP2), written by
     the main process into `target` as save_pretrained writes them (safetensors files of at most `max_shard_size`
-    with their index; tied weights once; transformers' weight conversions reverted per file, as it does for an
-    offloaded model), gathered one tensor at a time: the main process holds one file's weights beside its shards,
+    with their index; tied weights once, _keys_to_ignore_on_save left out; transformers' weight conversions
+    reverted per file, as it does for an offloaded model; a remote-code model's modeling files), gathered one tensor
+    at a time: the main process holds one file's weights beside its shards,
     not the whole model (accelerator.get_state_dict gathers it all there first: a 1B model's 4 GB on top of its
     training memory). A collective per tensor, in the same order on every rank: every rank calls it. The config
     and generation config are the model's (save_model writes the run's stopping config over the latter)."""
@@ -157,7 +158,8 @@ def save_whole_weights(model, target: Path, main: bool, max_shard_size: str) -> 
 
     from accel_train.runtime.engine import gather_whole, whole_shapes
 
-    plan = remove_tied_weights_from_state_dict(whole_shapes(model), model)
+    plan = {k: v for k, v in whole_shapes(model).items() if k not in (model._keys_to_ignore_on_save or ())}
+    plan = remove_tied_weights_from_state_dict(plan, model)
     split = split_torch_state_dict_into_shards(plan, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     tensors, weight_map = model.state_dict(keep_vars=True), {}
@@ -181,7 +183,13 @@ def save_whole_weights(model, target: Path, main: bool, max_shard_size: str) -> 
         if split.is_sharded:
             index = {"metadata": {**split.metadata}, "weight_map": dict(sorted(weight_map.items()))}
             (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        model.config.architectures = [type(model).__name__]
+        # as save_pretrained says them: the class without FSDP2's prefix (fully_shard renames it), the files' dtype
+        model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+        model.config.dtype = str(next(t.dtype for t in plan.values() if t.is_floating_point())).split(".")[1]
+        if model.is_remote_code():  # the modeling files a trust_remote_code model's auto_map names
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(model, target, config=model.config)
         model.config.save_pretrained(target)
         if model.can_generate():
             model.generation_config.save_pretrained(target)

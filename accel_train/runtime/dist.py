@@ -364,13 +364,13 @@ def configure_deepspeed(ds: dict, cfg: Config, width: int | None = None) -> None
             # sub_group_size: the optimizer steps its partition in groups, each group's gradients flattened first;
             # DeepSpeed's 1e9 elements make one group of a rank's partition under 1e9 elements: a transient copy of the
             # whole partition's gradients (2.1 GB a process for a 1B model on 2) where 10 h² keeps it at a few layers
-            # stage3_max_reuse_distance, stage3_max_live_parameters: DeepSpeed's 1e9 parameters keep every weight
-            # the backward will use again within 1e9 parameters gathered whole from its forward to that backward (a
-            # model under 1B: its later layers, about half of it, whole on every rank through each step); 10 h²
-            # releases a layer after its forward, gathered again by its backward, as FSDP2 does
+            # stage3_max_reuse_distance: DeepSpeed's 1e9 parameters keep every weight the backward will use again
+            # within 1e9 parameters gathered whole from its forward to that backward (a model under 1B: its later
+            # layers, about half of it, whole on every rank through each step); 10 h² releases a layer after its
+            # forward, gathered again by its backward, as FSDP2 does (stage3_max_live_parameters only caps prefetch)
             sized.update(stage3_prefetch_bucket_size=int(0.9 * width * width),
                          stage3_param_persistence_threshold=10 * width, sub_group_size=10 * width * width,
-                         stage3_max_reuse_distance=10 * width * width, stage3_max_live_parameters=10 * width * width)
+                         stage3_max_reuse_distance=10 * width * width)
         for key, value in sized.items():
             if zero.get(key, "auto") == "auto":
                 zero[key] = value

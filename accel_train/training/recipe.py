@@ -179,13 +179,11 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     # whole, or sharded as the accelerate config says (runtime/engine.py); a random base is saved whole (below)
     random_base = cfg.lora.enabled and cfg.model.random_init and not resume
     engine, t0 = Engine(accelerator), time.perf_counter()
-    if random_base and engine.builds_sharded == "zero3_init_flag":
-        main_logger().info("model: built whole on each process despite zero3_init_flag: true (model.random_init "
-                           "under LoRA saves its random base, output_dir/base_model); accelerator.prepare shards it")
     with engine.building(whole=random_base) as empty:
         empty = empty and not cfg.model.quantization  # accelerate broadcasts no quantized weights: every rank reads
         model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
                             device=accelerator.device, empty=empty)
+    seconds = time.perf_counter() - t0
     if engine.builds_sharded == "fsdp_cpu_ram_efficient_loading":  # the broadcast's tensors, alike on every rank
         built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
         if any(b != built[0] for b in built):
@@ -208,13 +206,17 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
             tokenizer.save_pretrained(base)
         if cfg.lora.changes_base():  # what save_model converts the trained adapter against (made again on resume)
             model.save_pretrained(Path(cfg.output_dir) / INITIAL_ADAPTER, selected_adapters=["default"])
-    how = {"zero3_init_flag": "each process built its partition of the weights alone (zero3_init_flag)",
-           "fsdp_cpu_ram_efficient_loading": "the main process read the weights, the others wait for their shards "
-                                             "(fsdp_cpu_ram_efficient_loading)"}.get(
-        engine.builds_sharded if random_base is None else None,
-        "whole on each process, until accelerator.prepare shards it" if engine.shards_weights else
-        "whole on each process" if accelerator.num_processes > 1 else "")
-    main_logger().info(f"model: built in {time.perf_counter() - t0:.1f} s" + (f", {how}" if how else ""))
+    # how it was built, as Engine.building decided: partitioned (but a random base under LoRA, saved whole), read by
+    # the main process alone (but a quantized model, which every process reads), else whole
+    how = engine.builds_sharded
+    how = (("each process built its partition of the weights alone (zero3_init_flag)" if random_base is None else
+            "whole on each process despite zero3_init_flag: true (model.random_init under LoRA saves its random base, "
+            "output_dir/base_model), until accelerator.prepare shards it") if how == "zero3_init_flag" else
+           "the main process read the weights, the others wait for their shards (fsdp_cpu_ram_efficient_loading)"
+           if how == "fsdp_cpu_ram_efficient_loading" and not cfg.model.quantization else
+           "whole on each process, until accelerator.prepare shards it" if engine.shards_weights else
+           "whole on each process" if accelerator.num_processes > 1 else "")
+    main_logger().info(f"model: built in {seconds:.1f} s" + (f", {how}" if how else ""))
     return model
 
 

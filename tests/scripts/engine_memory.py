@@ -537,7 +537,7 @@ def table(rows: list[dict], done: dict) -> str:
             ddp_load = done.get((row["task"], "ddp", "lora", row["size"], row["steps"]))
             ddp_load = split(ddp_load, "load")[2] if ddp_load and ddp_load["status"] == "measured" else None
         else:
-            ddp_load = split(ddp, "load")[2] if ddp else None
+            ddp_load = split(ddp, "load")[2] if ddp and ddp["status"] == "measured" else None
         ratio = lambda a, b: f"{a / b:.2f}" if a and b else "–"  # noqa: E731
         versus = " / ".join((ratio(l1, ddp_load), *(
             (ratio(s1, split(ddp, "setup")[2]), ratio(train, split(ddp, "training")[0]))
