@@ -362,9 +362,10 @@ def check_packing(model: torch.nn.Module, low_precision: bool = False) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = whole_shape(model.get_input_embeddings().weight)[0]
     a, b = (torch.randint(vocab, (1, n), generator=g).to(model.device) for n in (5, 3))
-    alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1).float()
-    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
-    packed = model(input_ids=torch.cat([a, b], dim=1), position_ids=positions, use_cache=False).logits.float()
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1).float()
+        positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
+        packed = model(input_ids=torch.cat([a, b], dim=1), position_ids=positions, use_cache=False).logits.float()
     model.train(was_training)
     tolerance = (1e-4 if model_dtype == torch.float32 and not low_precision else 2e-2) * (1 + alone.abs().max())
     if not torch.allclose(alone, packed, rtol=0, atol=float(tolerance)):

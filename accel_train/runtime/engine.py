@@ -212,6 +212,17 @@ def share_zero3_master_weights(engine) -> int:
     return freed
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """FSDP2: every shard group's gathered weights freed (FSDPModule.reshard, no collective). The root group keeps its
+    weights (the embeddings, a tied head) gathered from a forward to the next backward: a check's forwards before
+    training (models.build.check_packing) would hold them through setup into the first step. Else nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def gather_whole(parameter: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value on the CPU, on every rank: ZeRO-3's partitions gathered (deepspeed's
     GatheredParameters), FSDP2's shards (DTensor.full_tensor): a collective that every rank runs, for the same

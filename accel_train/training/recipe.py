@@ -41,7 +41,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import Engine, share_zero3_master_weights, whole_model, zero3
+from accel_train.runtime.engine import Engine, reshard, share_zero3_master_weights, whole_model, zero3
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, INITIAL_ADAPTER, make_output_dir, saved_random_base
@@ -75,6 +75,9 @@ def run(cfg: Config, resume: Path | None) -> dict:
         job = wrap(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume,
                    eval_sources)
         task.start(job, tokenizer, eval_ds)
+        # the checks' forwards before training (packing, the loss head): FSDP2's root keeps its weights (embeddings,
+        # a tied head) gathered from a forward to the next backward; freed before the first step
+        reshard(job.model)
         describe(cfg, job, train_ds, eval_ds, data_report.get("mixture"))
 
         t0 = time.perf_counter()
