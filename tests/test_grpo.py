@@ -6,7 +6,9 @@ a reward function that returns None for some completions (TRL's "not applicable"
 rewards on 1 process with accumulation and on 2 without; a resume after a crash reproducing the uninterrupted run; a
 reward function raising on one rank of two mid-run; the log-probs in chunks against the whole-logits formula; prompts
 cut and refused on real chat templates; under ZeRO-2 the same completions as DDP's; a reward model (model:PATH)
-sharded under ZeRO-3 and FSDP2 scoring and training as on 1 process, its forwards in step over the ranks. (Bad
+sharded under ZeRO-3 and FSDP2 scoring and training as on 1 process, its forwards in step over the ranks (the calls
+a rank missed made up after a reward function's error alone; collectives only where the engine shards it), and tried
+before training on a data source's rows read with that source's column names. (Bad
 rewards and data: test_bad_input.py; training under FSDP2, ZeRO-2 and ZeRO-3 equal to 1 process: test_conformance.py.)"""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import json
 import math
 import re
+import types
 from collections import defaultdict
 
 import pytest
@@ -26,11 +29,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import chat_templates as ct
 from tensors import LargestTensors
+from accel_train import tasks
+from accel_train.data import mixture
 from accel_train.data import pipeline as data_lib
 from accel_train.config.load import load_config
 from accel_train.config.sections import ConfigError
 from accel_train.components import completions as completions_lib
 from accel_train.components import logprobs
+from accel_train.components import reward_model as reward_model_lib
 from accel_train.components import rewards as rewards_lib
 from accel_train.models.generation import CACHE_ARG, position_ids
 from accel_train.tasks.grpo import rollouts as grpo_rollouts
@@ -1235,3 +1241,80 @@ def test_a_reward_model_sharded_scores_as_on_one_process(tmp_path):
             assert mine.keys() == theirs.keys(), config
             for key in set(theirs) - timing:
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (config, theirs["step"], key)
+
+
+class CountedRewardModel:
+    """reward_model.RewardModel's `score`, each call's prompts kept and counted by its completions (a made-up call:
+    0), raising `fail` from its second call on."""
+
+    def __init__(self, fail: BaseException | None = None):
+        self.calls, self.prompts, self.fail = [], [], fail
+
+    def score(self, prompts, completions, max_length, batch_size):
+        self.calls.append(len(completions))
+        self.prompts.append(prompts)
+        if self.fail is not None and len(self.calls) > 1:
+            raise self.fail
+        return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("rewards", [["length_penalty"], ["model:RM", "length_penalty"]])
+def test_a_source_with_its_own_prompt_column_tries_the_reward_models_on_its_rows(tmp_path, monkeypatch, rewards):
+    """data.sources: a source whose prompts are in its column `question` (fields: {prompt_field: question}), read
+    through the run's data pipeline: setup tries a reward model on each split's first row read as that source reads
+    it (not with the run's data.prompt_field, which names no column of it); without a reward model, it tries
+    nothing."""
+    rows = [{"question": f"reverse {w}", "response": w[::-1]} for w in ("abc", "hello", "tiny", "model")]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = f"{{path: {tmp_path / 'q.jsonl'}, fields: {{prompt_field: question}}}}"
+    cfg = load_config(None, ["task=grpo", f"data.sources=[{source}]", "data.eval_fraction=0.5",
+                             f"grpo.rewards=[{','.join(rewards)}]"])
+    task = tasks.make(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    mixture.prepare(cfg, task, tokenizer, {})
+    fake = CountedRewardModel()
+    monkeypatch.setattr(reward_model_lib, "reward_model", lambda *a: fake)
+    monkeypatch.setattr(grpo, "PolicyLoss", lambda *a: types.SimpleNamespace(names=()))
+    task.setup(None, None, tokenizer, None, None)
+    questions = {r["question"] for r in rows}
+    assert len(fake.prompts) == (2 if rewards[0].startswith("model:") else 0)  # the train split's first row, the eval's
+    assert all(len(p) == 2 and p[0] == p[1] and p[0] in questions for p in fake.prompts), fake.prompts
+
+
+@pytest.mark.parametrize("case", ["reward error", "model out of memory", "interrupt"])
+def test_a_sharded_reward_models_calls_are_made_up_after_a_reward_error_alone(tmp_path, monkeypatch, case):
+    """Rewards.in_step around 3 batches, the second one failing. A RewardError (a user's function raising: the ranks
+    stop together after the step) makes up the call missed, so that the sharded reward model is called 3 times as
+    on the other ranks; any other exception ends the rank as it is, with no call made up (forwards run alone could
+    pair with another rank's other collectives: a hang): the sharded model's own (out of memory, not turned into a
+    RewardError) and an interrupt."""
+    (tmp_path / "picky.py").write_text("def picky(completions, **kw):\n"
+                                       "    if 'bad' in completions:\n        raise ValueError('bad')\n"
+                                       "    return [1.0] * len(completions)\n")
+    cfg = load_config(None, ["task=grpo", f"grpo.rewards=[model:{tmp_path},{tmp_path / 'picky.py'}:picky]"])
+    fake = CountedRewardModel(torch.OutOfMemoryError("out of memory") if case == "model out of memory" else None)
+    monkeypatch.setattr(reward_model_lib, "reward_model", lambda *a: fake)
+    monkeypatch.setattr(rewards_lib.ModelReward, "collective", True, raising=False)  # as under FSDP2, ZeRO-3
+    rewards = rewards_lib.Rewards(cfg)
+    raised = {"reward error": rewards_lib.RewardError, "model out of memory": torch.OutOfMemoryError,
+              "interrupt": KeyboardInterrupt}[case]
+    with pytest.raises(raised), rewards.in_step(3):
+        rewards(["p"], ["good"], [[]], {})
+        if case == "interrupt":
+            raise KeyboardInterrupt
+        rewards(["p"], ["bad" if case == "reward error" else "good"], [[]], {})
+        rewards(["p"], ["good"], [[]], {})
+    assert fake.calls == {"reward error": [1, 1, 0], "model out of memory": [1, 1], "interrupt": [1]}[case]
+
+
+@pytest.mark.parametrize("engine, collective", [("FSDP1", False), ("FSDP2", True), ("ZeRO-3", True), ("ZeRO-2", False)])
+def test_a_reward_model_is_collective_where_the_engine_shards_it(engine, collective):
+    """A reward model's calls are collectives where Engine.prepare_frozen shards it (FSDP2, ZeRO-3), not where it
+    stays whole on each rank (FSDP1, ZeRO-2), though FSDP1 shards the policy."""
+    from accelerate.utils import DistributedType
+
+    fsdp = engine.startswith("FSDP")
+    accelerator = types.SimpleNamespace(
+        distributed_type=DistributedType.FSDP if fsdp else DistributedType.DEEPSPEED, is_fsdp2=engine == "FSDP2",
+        state=types.SimpleNamespace(deepspeed_plugin=None if fsdp else types.SimpleNamespace(zero_stage=int(engine[-1]))))
+    assert rewards_lib.ModelReward("RM", load_config(None, ["task=grpo"]), accelerator).collective is collective

@@ -2,7 +2,8 @@
 tasks read them (sft.jsonl: causal_lm; pairs.jsonl: dpo and reward; kto.jsonl: kto), with pass@k and best-of-n
 recomputed here from the answers; an interruption continued by the same command, and 2 processes under
 `accel-train launch ... sample` (and under FSDP2 and ZeRO-3 launch configs), give the answers of one uninterrupted
-process; answers stop at a real chat template's end of turn (Qwen's, Gemma's: a model built to answer "abc").
+process; answers stop at a real chat template's end of turn (Qwen's, Gemma's: a model built to answer "abc"); a
+broken reward model is said in one line before any sampling.
 
 The model is the tiny Llama with random weights, saved as a pretrained model: its answers are noise, scored by a
 reward of this file (the answer's characters, modulo 3), which gives each prompt answers of different rewards.
@@ -349,3 +350,24 @@ def test_a_bad_argument_under_accel_train_launch_is_said_once_before_any_process
     assert said(proc.stderr) == ["accel-train sample: error: train.lr: not a key sample reads (data.*, sample.*, "
                                  "model.*, seed)"], proc.stderr
     assert "rank" not in proc.stderr
+
+
+def test_a_broken_reward_model_is_said_in_one_line_before_any_sampling(setup, tmp_path):
+    """sample.rewards=[model:RM], RM a reward model whose weights file is broken (passing the cheap checks on its
+    config): it is loaded and tried on the first prompt before the model answers any, failing in one line that
+    names it (not after the whole sampling)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from accel_train.config.schema import TINY_MODEL
+
+    root, model = setup
+    rm = tmp_path / "rm"
+    config = AutoConfig.from_pretrained(TINY_MODEL, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(rm)
+    (rm / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = python_m(*args(root, model, tmp_path / "out"), f"sample.rewards=[model:{rm}]", tool="sample")
+    lines = said(proc.stderr)  # the error alone: no "accel-train sample: 10 prompts ..." line before it
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"accel-train sample: error: grpo.rewards: model:{rm} raised SafetensorError: "), lines
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -83,4 +83,4 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
         model.requires_grad_(False).eval().to(PartialState().device)
     get_logger(__name__).info(f"grpo.rewards: model:{path} loaded, {loaded_line(model, PartialState().device)}",
                               main_process_only=True)
-    return RewardModel(model, tokenizer, collective=engine is not None and engine.shards_weights)
+    return RewardModel(model, tokenizer, collective=engine is not None and engine.shards_frozen)

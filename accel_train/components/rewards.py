@@ -27,7 +27,8 @@ batch of train.eval_batch_size at a time: each completion after its prompt, rend
 were (the prompt a user turn, or the prompt's turns; the completion the assistant's answer; through the reward run's
 chat template), its last data.max_length tokens. Sharded, its forwards are collectives: `Rewards` calls the reward
 models before the other functions (a function that raises does not skip them), and `Rewards.in_step` makes up, on a
-rank that scored fewer batches, the calls it missed.
+rank that scored fewer batches, the calls it missed; an error of the sharded model's own (out of memory) is not a
+RewardError, made up, but ends the run.
 
 Importing this module imports no torch: preflight resolves the names with it before the heavy imports.
 """
@@ -93,6 +94,15 @@ class ModelReward:
     def __init__(self, path: str, cfg: Config, accelerator=None):
         self.path, self.dtype, self.accelerator = path, cfg.model.dtype, accelerator
         self.max_length, self.batch_size = cfg.data.max_length, cfg.train.eval_batch_size
+
+    @property
+    def collective(self) -> bool:
+        """Each call a collective: the model sharded like the policy (FSDP2, ZeRO-3), every rank calling together."""
+        if self.accelerator is None:
+            return False
+        from accel_train.runtime.engine import Engine
+
+        return Engine(self.accelerator).shards_frozen
 
     def __call__(self, prompts, completions, completion_ids=None, **_) -> list[float]:
         from accel_train.components.reward_model import reward_model
@@ -210,17 +220,26 @@ class Rewards:
     @contextmanager
     def in_step(self, batches: int):
         """Around scoring `batches` batches, the same number on every rank (a step's micro-batches, an evaluation
-        batch): after it, each call this rank did not make (a replayed batch, neither scored nor logged; a failure
-        before its scoring) is made up with no completions, so that a sharded reward model runs as many forwards,
-        in the same order, on every rank (each `score` a collective). Nothing to make up without a reward model."""
+        batch): after it, or after a RewardError (a stop the ranks decide together, later), each call this rank did
+        not make (a replayed batch, neither scored nor logged; the batches after the failure) is made up with no
+        completions, so that a sharded reward model runs as many forwards, in the same order, on every rank (each
+        `score` a collective). Nothing to make up without a reward model. Any other exception (out of memory, an
+        interrupt) ends this rank as it is: forwards run alone then could pair with another rank's other
+        collectives, a hang instead of a failure."""
         start = self.calls
         try:
             yield
-        finally:
-            models = [f for f in self.functions if isinstance(f, ModelReward)]
-            for _ in range(batches - (self.calls - start)) if models else ():
-                for model in models:
-                    model([], [])
+        except RewardError:
+            self.make_up(start + batches - self.calls)
+            raise
+        self.make_up(start + batches - self.calls)
+
+    def make_up(self, calls: int) -> None:
+        """`calls` calls of the reward models with no completions (padding forwards only, when sharded)."""
+        models = [f for f in self.functions if isinstance(f, ModelReward)]
+        for _ in range(calls) if models else ():
+            for model in models:
+                model([], [])
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]],
                  columns: dict[str, list]) -> list[list[float]]:
@@ -238,7 +257,9 @@ class Rewards:
                     kwargs["answers"] = columns[self.answer_field]
             try:
                 values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-            except Exception as e:  # noqa: BLE001 (a user's function: any error it raises)
+            except Exception as e:  # a user's function: any error it raises
+                if isinstance(fn, ModelReward) and fn.collective:
+                    raise  # a sharded forward that failed (out of memory) leaves the ranks out of step: no make-up
                 raise RewardError(f"grpo.rewards: {name} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
                                   ) from None
             values = list(values) if values is not None and not isinstance(values, (str, bytes)) else values

@@ -48,6 +48,12 @@ def sharded(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
 
 
+def frozen_sharded(accelerator: Accelerator) -> bool:
+    """Whether `prepare_frozen` shards a frozen model (FSDP2, ZeRO-3; FSDP1 leaves it whole on each rank): every
+    forward of it is then a collective."""
+    return getattr(accelerator, "is_fsdp2", False) or zero3(accelerator)
+
+
 def built_sharded(accelerator: Accelerator) -> str | None:
     """The accelerate config's key under which models are built sharded (module docstring), or None: whole."""
     if zero3(accelerator) and accelerator.state.deepspeed_plugin.zero3_init_flag:
@@ -157,7 +163,7 @@ def whole_head(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mod
     module's forward, a frozen copy (an nn.Linear) gathered once here: a collective, every rank at once. What each
     rank then holds whole is the head alone (vocabulary x width), the body staying sharded."""
     head = inner_module(model).get_output_embeddings()
-    if not (getattr(accelerator, "is_fsdp2", False) or zero3(accelerator)):
+    if not frozen_sharded(accelerator):
         return head
     if not isinstance(head, torch.nn.Linear):
         from accel_train.config.sections import ConfigError
@@ -472,6 +478,11 @@ class Engine:
     def shards_weights(self) -> bool:
         """Every forward of the trained model is a collective (FSDP, ZeRO-3): each rank runs as many as the others."""
         return sharded(self.accelerator)
+
+    @property
+    def shards_frozen(self) -> bool:
+        """A frozen model placed by `prepare_frozen` is sharded (FSDP2, ZeRO-3): every forward of it a collective."""
+        return frozen_sharded(self.accelerator)
 
     @property
     def builds_sharded(self) -> str | None:

@@ -247,7 +247,10 @@ def prompts(cfg: Config, tokenizer, split: str):
         raise ConfigError(f"--split {split}: the data has no held-out rows (data.eval_fraction=0, no "
                           "data.eval_path or data.eval_split)")
     task.columns(list(ds.column_names), cfg.data.path)
-    task.read_splits(ds, None)  # every reward function called once on the first row, before any sampling
+    # every reward function called once on the first row, before any sampling: a broken one fails now, not after all
+    # the generation (the reward models too, loaded whole on this process's device: no engine places them here)
+    task.read_splits(ds, None)
+    task.check_reward_models()
     return (task.tokenize(ds, tokenizer, split="eval" if split == "eval" else "train"),
             (len(train), len(held_out or [])))
 

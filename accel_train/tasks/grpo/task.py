@@ -70,7 +70,7 @@ from accel_train.components.logprobs import completion_logps, forward_tokens, ou
 from accel_train.components.prompts import (PromptBudget, PromptCollator, inspect_prompts, prompt_column,
                                              tokenize_prompts)
 from accel_train.components.reference import reference_mode, reference_model
-from accel_train.components.rewards import ANSWERED, RewardError, Rewards, smoke_test, weighted_total
+from accel_train.components.rewards import ANSWERED, MODEL, RewardError, Rewards, smoke_test, weighted_total
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.data.pipeline import columns as data_columns
@@ -233,7 +233,9 @@ class GRPO(Task):
         self.steps_per_batch = cfg.grpo.num_iterations
         self.rollouts: Rollouts | None = None
         self.policy: PolicyLoss | None = None
-        self.first_rows: list[dict] = []  # each split's, for the reward models' smoke test (setup)
+        # (the config reading its source, its first row): each split's of each source, for the reward models' smoke
+        # test (setup), read as its source reads (data.sources' own column names)
+        self.first_rows: list[tuple[Config, dict]] = []
 
     def columns(self, columns: list[str], source: str) -> None:
         prompt_columns(self.cfg, columns, source)
@@ -242,11 +244,20 @@ class GRPO(Task):
         """A reward function that fails on the first row of either split stops the run now, before any model is
         built (the eval split's at the end of training would lose it); the reward models (model:PATH) are tried on
         them in `setup`, once the engine that places them is up, on every rank at once."""
-        self.first_rows = [next(iter(split)) if isinstance(split, IterableDataset) else split[0]
-                           for split in (train_raw, eval_raw)
-                           if split is not None and (not isinstance(split, Dataset) or len(split))]
-        for example in self.first_rows:
+        firsts = [next(iter(split)) if isinstance(split, IterableDataset) else split[0]
+                  for split in (train_raw, eval_raw) if split is not None and (not isinstance(split, Dataset) or len(split))]
+        for example in firsts:
             check_rewards_on(self.cfg, example, Rewards(self.cfg, models=False))
+        self.first_rows += [(self.cfg, example) for example in firsts]  # self.cfg: this source's (Task.reading)
+
+    def check_reward_models(self, accelerator=None) -> None:
+        """The reward models (model:PATH) loaded, placed by `accelerator`'s engine (sharded: a collective, every rank
+        at once; none: whole on this process's device), and tried on each first row read_splits kept, as its source
+        reads it."""
+        if not any(name.startswith(MODEL) for name in self.cfg.grpo.rewards):
+            return
+        for cfg, example in self.first_rows:
+            check_rewards_on(cfg, example, Rewards(cfg, accelerator, models=True), environment=False)
 
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize(ds, tokenizer, self.cfg, report, split)
@@ -261,10 +272,8 @@ class GRPO(Task):
         return bool(self.cfg.grpo.beta)
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
-        # the reward models loaded (placed as the policy: under sharded weights every forward a collective, every
-        # rank tries them together) and tried on each split's first row, as read_splits tried the other functions
-        for example in self.first_rows:
-            check_rewards_on(self.cfg, example, Rewards(self.cfg, accelerator, models=True), environment=False)
+        # the reward models tried now, as read_splits tried the other functions, once the engine placing them is up
+        self.check_reward_models(accelerator)
         # with beta > 0 under full fine-tuning, the reference is a frozen copy of these initial weights
         self.policy = PolicyLoss(self.cfg, accelerator, model)
         self.logged = self.policy.names
