@@ -38,10 +38,10 @@ def assert_quiet(stderr: str) -> None:
     assert lines[0].startswith("accel_train: starting ") and stderr.count("accel_train: starting ") == 1
     for noise in ("Warning", "saved in", "Saving", "examples/s", "it/s"):
         assert noise not in stderr, noise
-    # beside the step, evaluation and checkpoint lines: the data format found, the header, "resumed from", the
-    # final line
+    # beside the step, evaluation and checkpoint lines: the data format found, how the model was built, the header,
+    # "resumed from", the final line
     others = [line for line in lines[1:] if " | " not in line and "checkpoint saved: " not in line]
-    assert len(others) == 4 and "data: format prompt_response from column(s) prompt, response" in others[0], others
+    assert len(others) == 5 and "data: format prompt_response from column(s) prompt, response" in others[0], others
 
 
 def weights(out):

@@ -748,6 +748,9 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
             scored.append({layer.merged for layer in layers})
             return real(*args)
 
+        def in_step(self, batches):
+            return real.in_step(batches)
+
     rollouts.rewards = Spy()
     merged.clear()
     micro = rollouts.roll(batches, step=3)  # generation_batch_size=1: three calls
