@@ -48,9 +48,10 @@ def sharded(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
 
 
-def frozen_sharded(accelerator: Accelerator) -> bool:
-    """Whether `prepare_frozen` shards a frozen model (FSDP2, ZeRO-3; FSDP1 leaves it whole on each rank): every
-    forward of it is then a collective."""
+def tensor_sharded(accelerator: Accelerator) -> bool:
+    """Whether the weights are sharded tensor by tensor (FSDP2's DTensors, ZeRO-3's partitions; FSDP1's flat
+    parameters are not): `prepare_frozen` shards a frozen model (every forward of it then a collective), and
+    `gather_whole` gathers a parameter."""
     return getattr(accelerator, "is_fsdp2", False) or zero3(accelerator)
 
 
@@ -163,7 +164,7 @@ def whole_head(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mod
     module's forward, a frozen copy (an nn.Linear) gathered once here: a collective, every rank at once. What each
     rank then holds whole is the head alone (vocabulary x width), the body staying sharded."""
     head = inner_module(model).get_output_embeddings()
-    if not frozen_sharded(accelerator):
+    if not tensor_sharded(accelerator):
         return head
     if not isinstance(head, torch.nn.Linear):
         from accel_train.config.sections import ConfigError
@@ -482,7 +483,7 @@ class Engine:
     @property
     def shards_frozen(self) -> bool:
         """A frozen model placed by `prepare_frozen` is sharded (FSDP2, ZeRO-3): every forward of it a collective."""
-        return frozen_sharded(self.accelerator)
+        return tensor_sharded(self.accelerator)
 
     @property
     def builds_sharded(self) -> str | None:

@@ -41,7 +41,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import Engine, reshard, share_zero3_master_weights, whole_model, zero3
+from accel_train.runtime.engine import Engine, reshard, share_zero3_master_weights, tensor_sharded, whole_model
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, INITIAL_ADAPTER, make_output_dir, saved_random_base
@@ -349,7 +349,7 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
     out = Path(cfg.output_dir)
     target = out / ("adapter" if cfg.lora.enabled else "model")
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    shards = zero3(accelerator) or getattr(accelerator, "is_fsdp2", False)  # FSDP1: accelerate's own gathering
+    shards = tensor_sharded(accelerator)  # FSDP1: accelerate's own gathering
     # Under ZeRO-3 and FSDP2 the weights are gathered a tensor at a time, a collective every rank runs: the adapter's
     # alone under LoRA, the whole model's written a file at a time (accelerator.get_state_dict would gather the whole
     # model, frozen base included, into the main process's memory at once).
