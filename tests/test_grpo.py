@@ -19,10 +19,11 @@ import math
 import re
 import types
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import ONE_PROCESS, accel_train_launch, forked_launch, python_m, said, tokenized
+from conftest import ACCEL_CONFIGS, ONE_PROCESS, accel_train_launch, forked_launch, python_m, said, tokenized
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1206,31 +1207,45 @@ def test_a_reward_model_sharded_scores_as_on_one_process(tmp_path):
     same losses and evaluation. Every forward of the reward model is then a collective, and the ranks' counts
     differ unless made equal (Rewards.in_step, RewardModel.score): 9 training prompts, so at step 3 rank 1 has only
     a replayed micro-batch (not scored), rank 0 one prompt of 2 completions, 1 per forward (train.eval_batch_size=1);
-    3 eval prompts. A rank running one forward less would hang (forked_launch's timeout)."""
+    3 eval prompts. A rank running one forward less would hang (forked_launch's timeout).
+    The sharded runs read the same reward model merged into a whole model (`accel-train export`'s merge_adapter),
+    built as the policy is: partitioned on each rank (ZeRO-3's zero3_init_flag), or read by the main process alone
+    and broadcast into the others' empty models (FSDP2's fsdp_cpu_ram_efficient_loading)."""
+    from accel_train.models.merge import merge_adapter
+
     rm = tmp_path / "rm"
     proc = python_m("task=reward", "data.path=builtin:reverse_pref", "data.builtin_size=16", "data.eval_fraction=0",
                     "train.max_steps=2", "train.per_device_batch_size=4", "train.lr=1e-2", "train.mixed_precision=no",
                     "track.log_with=[]", f"output_dir={rm}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (rm / "adapter").is_dir() and (rm / "base_model").is_dir()
+    merged = merge_adapter(rm, tmp_path / "rm_merged" / "model")
+    zero3_init = tmp_path / "zero3_init.yaml"
+    zero3_init.write_text((ACCEL_CONFIGS / "cpu_deepspeed_zero3.yaml").read_text().replace(
+        "zero3_init_flag: false", "zero3_init_flag: true"))
+    assert "zero3_init_flag: true" in zero3_init.read_text()
     (tmp_path / "my_rewards.py").write_text(REWARDS_PY)
     common = ["task=grpo", "data.path=builtin:reverse", "data.builtin_size=12", "data.eval_fraction=0.25",
-              "grpo.answer_field=response", f"grpo.rewards=[model:{rm},{tmp_path / 'my_rewards.py'}:length_match]",
-              "grpo.num_generations=2", "grpo.max_new_tokens=4", "train.eval_batch_size=1", "train.max_steps=3",
+              "grpo.answer_field=response", "grpo.num_generations=2", "grpo.max_new_tokens=4",
+              "train.eval_batch_size=1", "train.max_steps=3",
               "train.log_every=1", "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2",
               "train.mixed_precision=no", "track.log_with=[]", "train.dist_timeout_s=60"]
+    rewards = f"{tmp_path / 'my_rewards.py'}:length_match"
     one = tmp_path / "one"
-    proc = python_m(*common, "train.per_device_batch_size=1", "train.grad_accum_steps=4", f"output_dir={one}")
+    proc = python_m(*common, f"grpo.rewards=[model:{rm},{rewards}]", "train.per_device_batch_size=1",
+                    "train.grad_accum_steps=4", f"output_dir={one}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = read_run(one)
     assert [r["step"] for r in want["train"]] == [1, 2, 3] and len(want["eval"]) == 2
     timing = {"tokens_per_sec", "mfu", "memory_mb"}
-    for config in ("cpu_deepspeed_zero3.yaml", "fsdp2.yaml"):
-        out = tmp_path / config.removesuffix(".yaml")
-        proc = forked_launch(config, *common, "train.per_device_batch_size=2", "train.grad_accum_steps=1",
+    for config in (str(zero3_init), "fsdp2.yaml"):
+        out = tmp_path / Path(config).stem
+        proc = forked_launch(config, *common, f"grpo.rewards=[model:{merged.parent},{rewards}]",
+                             "train.per_device_batch_size=2", "train.grad_accum_steps=1",
                              f"output_dir={out}", timeout=240)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-        (loaded,) = [line for line in proc.stderr.splitlines() if f"grpo.rewards: model:{rm} loaded, " in line]
+        (loaded,) = [line for line in proc.stderr.splitlines()
+                     if f"grpo.rewards: model:{merged.parent} loaded, " in line]
         total, held = (int(n.replace(",", "")) for n in re.search(
             r"([\d,]+) parameters, .* sharded over the processes \(([\d,]+) of them on this one\)", loaded).groups())
         assert 0.45 * total < held < 0.55 * total, (config, loaded)
@@ -1239,8 +1254,10 @@ def test_a_reward_model_sharded_scores_as_on_one_process(tmp_path):
         scores = {(r["step"], r["index"], r["generation"]): r["rewards"] for r in want["rollouts"]}
         for r in got["rollouts"]:
             for name, value in scores[(r["step"], r["index"], r["generation"])].items():
+                name = name.replace(f"model:{rm.name}", f"model:{merged.parent.name}")
                 assert r["rewards"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (config, name)
         for mine, theirs in zip(got["train"] + got["eval"], want["train"] + want["eval"], strict=True):
+            theirs = {k.replace(f"model:{rm.name}", f"model:{merged.parent.name}"): v for k, v in theirs.items()}
             assert mine.keys() == theirs.keys(), config
             for key in set(theirs) - timing:
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (config, theirs["step"], key)

@@ -28,9 +28,9 @@ SMALL = ["data.builtin_size=12", "data.eval_fraction=0.125", "train.max_steps=4"
 JOBS = {"dpo_full": ["task=dpo", "data.path=builtin:reverse_pref", "dpo.reference=start", "lora.enabled=false"],
         "sft_packed": ["data.path=builtin:reverse", "data.packing=true"],
         # the student's head trained under ZeRO-3 (whole only inside its module's calls: its logits not recomputed),
-        # a random teacher sharded like the student (built whole, then an engine), its head a whole copy on each
-        # rank, half the steps sampled by the student on the gathered weights
-        "distill_full": ["task=distill", "data.path=builtin:reverse", "distill.teacher=configs/model/tiny-llama",
+        # a pretrained teacher (another seed's weights: TEACHER) built and sharded as the student is, its head a whole
+        # copy on each rank, half the steps sampled by the student on the gathered weights
+        "distill_full": ["task=distill", "data.path=builtin:reverse", "distill.teacher={teacher}",
                          "distill.on_policy=0.5", "distill.max_new_tokens=8", "lora.enabled=false"]}
 TIMING = {"tokens_per_sec", "mfu", "memory_mb"}
 # one target position per chunk (loss.CHUNK_BYTES): a recomputed chunk calls the head again (under ZeRO-3 outside the
@@ -67,12 +67,22 @@ def engines(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, pretrained):
+def teacher(tmp_path_factory):
+    """distill's teacher: the tiny Llama with other weights than `pretrained`'s, saved as a pretrained model is."""
+    return save_tiny_model(tmp_path_factory.mktemp("teacher") / "tiny", seed=7, tie_word_embeddings=True)
+
+
+def job_args(job: str, teacher) -> list[str]:
+    return [arg.format(teacher=teacher) for arg in JOBS[job]]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, pretrained, teacher):
     """Each job on 1 process x 2 micro-batches of 2: the effective batch of 2 processes x 1."""
     made = {}
-    for job, extra in JOBS.items():
+    for job in JOBS:
         out = tmp_path_factory.mktemp("one") / job
-        proc = python_m(*extra, *SMALL, f"model.name_or_path={pretrained}", "train.grad_accum_steps=2",
+        proc = python_m(*job_args(job, teacher), *SMALL, f"model.name_or_path={pretrained}", "train.grad_accum_steps=2",
                         f"output_dir={out}", env=ENV.get(job))
         assert proc.returncode == 0, proc.stderr[-3000:]
         made[job] = out
@@ -100,7 +110,7 @@ def weights(out) -> dict:
 @pytest.mark.parametrize("job,engine", [("dpo_full", "fsdp2_ram_efficient"), ("dpo_full", "fsdp2_whole"),
                                         ("dpo_full", "zero3_init"), ("dpo_full", "zero3_whole"),
                                         ("sft_packed", "zero3_init"), ("distill_full", "zero3_init")])
-def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engines, one_process, job, engine):
+def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, teacher, engines, one_process, job, engine):
     """2 processes log 1 process's numbers at every step and evaluation (to 1e-4: test_conformance.SHARDED_REL) and
     save its weights, consolidated on the main process: to 0.5% of each tensor's largest entry, as Adam turns a
     gradient entry at the level of fp32 noise (LoRA's A while B is near 0) into a step of about lr in either
@@ -108,13 +118,17 @@ def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, engin
     out = tmp_path / "run"
     # a full model saved in files of 100 KB (the tiny model: 356 KB), gathered a file at a time (save_whole_weights)
     files = ["save.max_shard_size=100KB"] if "lora.enabled=false" in JOBS[job] else []
-    proc = forked_launch(engines[engine], *JOBS[job], *SMALL, f"model.name_or_path={pretrained}",
+    proc = forked_launch(engines[engine], *job_args(job, teacher), *SMALL, f"model.name_or_path={pretrained}",
                          "train.grad_accum_steps=1", f"output_dir={out}", *files, timeout=240, env=ENV.get(job))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     built = {"fsdp2_ram_efficient": "the main process read the weights, the others wait for their shards",
              "zero3_init": "each process built its partition of the weights alone"}.get(
         engine, "whole on each process, until accelerator.prepare shards it")
     assert len(re.findall(r"model: built in [\d.]+ s, " + re.escape(built), proc.stdout + proc.stderr)) == 1
+    if job == "distill_full":  # the teacher built as the student is: half its elements on the main process
+        (total, held), = re.findall(rf"distill.teacher: {re.escape(str(teacher))} loaded, ([\d,]+) parameters, .* "
+                                    r"sharded over the processes \(([\d,]+) of them on this one\)", proc.stderr)
+        assert 0.45 < int(held.replace(",", "")) / int(total.replace(",", "")) < 0.55, (total, held)
     got, want = records(out), records(one_process[job])
     assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) == 6  # 4 steps, 2 evaluations
     for mine, theirs in zip(got, want):

@@ -1,7 +1,8 @@
 """A reward model trained by task reward, as a reward of task grpo (grpo.rewards: model:PATH, rewards.py): loaded
-once per process, built whole, its adapter merged, then frozen and placed as the policy is
-(runtime.engine.Engine.prepare_frozen: sharded like it under FSDP2 and DeepSpeed ZeRO-3, whole on each process's
-device elsewhere); it scores each completion after its prompt, rendered as the reward run's pairs were (the prompt a
+once per process, built as the policy is (runtime.engine.Engine.building: partitioned under zero3_init_flag, read by
+the main process alone under fsdp_cpu_ram_efficient_loading; but an adapter, merged on whole weights on every
+process), frozen and placed as the policy is (Engine.prepare_frozen: sharded like it under FSDP2 and DeepSpeed
+ZeRO-3, whole on each process's device elsewhere); it scores each completion after its prompt, rendered as the reward run's pairs were (the prompt a
 user turn, or the prompt's turns; the completion the assistant's answer; through the reward run's chat template),
 its last data.max_length tokens, a batch of train.eval_batch_size sequences a forward, without gradient.
 
@@ -67,17 +68,23 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
     from transformers import AutoModelForSequenceClassification
 
     from accel_train.models.build import load_trained
+    from accel_train.models.sources import trained_folder
     from accel_train.runtime.engine import Engine, whole_model
     from accel_train.runtime.tracking import get_logger, loaded_line
 
-    with whole_model():  # whole on every rank, whatever the launch builds sharded: the engine shards it next
+    engine = Engine(accelerator) if accelerator is not None else None
+    # an adapter is merged into whole weights (on every rank: the engine shards the merged model next); a whole model
+    # is read as the policy's weights are (transformers reads the launch's config: partitioned, or on the meta device
+    # but on the main process)
+    adapter = (trained_folder(path) / "adapter_config.json").is_file()
+    with whole_model() if engine is None or adapter else engine.building():
         model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
                                         dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it
-    engine = Engine(accelerator) if accelerator is not None else None
     if engine is not None:
+        engine.check_built(model, f"grpo.rewards: model:{path}")
         model = engine.prepare_frozen(model)
     else:
         model.requires_grad_(False).eval().to(PartialState().device)

@@ -16,11 +16,12 @@ Built whole or sharded, by the accelerate config:
 A model built sharded has no whole weights before `prepare`: the checks that run a forward of the model
 (models.build.check_packing, models.loss.loss_head) run after it (Task.start), on every rank at once.
 
-The frozen models beside the policy are placed as it is, by `prepare_frozen` alone: a full fine-tuning's reference
-(`frozen_copy`, built as the policy is), distill's teacher and a grpo reward model (built whole on every process,
-then sharded). Sharded, each forward of theirs is a collective too: every rank runs as many, in the same order (the
-loop's padded window; components/rewards.py's Rewards.in_step for the reward models); a head called outside its
-model's forward is a whole copy (`whole_head`).
+The frozen models beside the policy are built as it is (`building`: partitioned, or read by the main process
+alone) and placed as it is, by `prepare_frozen`: a full fine-tuning's reference (`frozen_copy`), distill's teacher
+and a grpo reward model (but one trained as an adapter under zero3_init_flag: merged on whole weights first).
+Sharded, each forward of theirs is a collective too: every rank runs as many, in the same order (the loop's padded
+window; components/rewards.py's Rewards.in_step for the reward models); a head called outside its model's forward is
+a whole copy (`whole_head`).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def whole_model():
     """Inside, transformers builds a model whole on this process whatever the launch says: not partitioned
     (accelerate registers a ZeRO-3 DeepSpeed config with transformers, which then builds under deepspeed.zero.Init,
     with no engine to gather the weights), nor with weights left on the meta device where it is not the machine's
-    first process (FSDP's cpu_ram_efficient_loading). For the frozen models built whole on every rank and then
-    placed by `prepare_frozen` (sharded under FSDP2 and ZeRO-3): distill's teacher, a grpo reward model; and the
+    first process (FSDP's cpu_ram_efficient_loading). For the models that must be whole on this process: a grpo
+    reward model's adapter merged into its base (then placed by `prepare_frozen`), a model loaded by a tool, and the
     main process's merge of an adapter after training."""
     import os
 
@@ -101,6 +102,22 @@ def whole_model():
             os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
         else:
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = loading
+
+
+def check_built(accelerator: Accelerator, model: torch.nn.Module, key: str) -> None:
+    """Under FSDP2's cpu_ram_efficient_loading: the model built empty on the other processes has the parameters
+    (names, dtypes, shapes) of the one the main process read, as the broadcast that fills it tensor by tensor needs;
+    a ConfigError naming `key` (the model's setting) on every rank otherwise. A collective on the setup group."""
+    if built_sharded(accelerator) != "fsdp_cpu_ram_efficient_loading":
+        return
+    from accel_train.config.sections import ConfigError
+    from accel_train.runtime.dist import gather_setup
+
+    built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
+    if any(b != built[0] for b in built):
+        raise ConfigError(f"{key}: fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has "
+                          "other parameters (names, dtypes or shapes) than the one the main process read; set "
+                          "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
 
 
 def frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
@@ -513,6 +530,10 @@ class Engine:
     def building(self, whole: bool = False):
         """Around building a model before prepare (`building`)."""
         return building(self.accelerator, whole)
+
+    def check_built(self, model: torch.nn.Module, key: str = "model.name_or_path") -> None:
+        """A model built under `building` fits the main process's where the others built it empty (`check_built`)."""
+        check_built(self.accelerator, model, key)
 
     def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy of the not yet prepared `model`, placed as the policy will be (`frozen_copy`)."""

@@ -187,12 +187,7 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
         model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
                             device=accelerator.device, empty=empty)
     seconds = time.perf_counter() - t0
-    if engine.builds_sharded == "fsdp_cpu_ram_efficient_loading":  # the broadcast's tensors, alike on every rank
-        built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
-        if any(b != built[0] for b in built):
-            raise ConfigError("fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has other "
-                              "parameters (names, dtypes or shapes) than the one the main process read; set "
-                              "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
+    engine.check_built(model)  # built empty on the other processes: the same tensors as the main one's
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if random_base else None
     model = apply_lora(cfg, model, task.frozen_reference_adapter(), tokenizer)

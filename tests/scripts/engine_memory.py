@@ -21,10 +21,12 @@ sees recipe.setup_model's line (the model built, before accelerator.prepare: whe
 Formula (GB per process, 1 GB = 1e9 bytes; P parameters, N = 2 processes), the trained model only: full
 fine-tuning with AdamW in fp32 holds 16 bytes a parameter (weights 4, gradients 4, two moments 8): DDP 16P,
 ZeRO-2 4P + 12P/N, ZeRO-3 and FSDP2 16P/N; LoRA holds the frozen weights, 4P (4P/N where they are sharded), and
-16 bytes a trainable parameter. grpo adds its reference (full fine-tuning: 4P, sharded like the policy), distill
-its teacher (4P, sharded like the policy: 4P/N under ZeRO-3 and FSDP2, plus a whole copy of its output head on each
-rank, 4 bytes x vocabulary x hidden; built whole on each process before it is sharded, a setup peak). The formula leaves out activations, the engines' buckets (buckets_gb) and
-each process's fixed part (imports, process group, data), measured once per engine on a 2M-parameter model (size
+16 bytes a trainable parameter. grpo adds its reference (full fine-tuning: 4P, sharded like the policy), grpo-rm
+that and its reward model (4P, sharded like the policy), distill its teacher (4P, sharded like the policy: 4P/N
+under ZeRO-3 and FSDP2, plus a whole copy of its output head on each rank, 4 bytes x vocabulary x hidden); the
+frozen models are built as the policy is (partitioned, or read by the main process alone). The formula leaves out
+activations, the engines' buckets (buckets_gb), the layer gathered whole under ZeRO-3 and FSDP2 (gathered_gb: the
+table's second ratio adds it) and each process's fixed part (imports, process group, data), measured once per engine on a 2M-parameter model (size
 `fixed`, run first, with FIXED_STEPS steps at least): the table subtracts its largest rank's training peak; the
 preflight takes its whole job's peak (ranks and launcher) over N (FIXED_GB until measured).
 
@@ -104,6 +106,10 @@ TASKS = {
     "distill": ["task=distill", "data.path=builtin:reverse", "data.max_length=64", "distill.teacher={model}"],
 }
 TASKS["grpo-lockstep"] = [*TASKS["grpo"], "train.gather_for_generation=false"]
+# grpo scored by a reward model of the policy's size ({reward}: a one-output Llama classifier with random weights,
+# built beside the model: REWARD), frozen, built and sharded like the policy (components/reward_model.py)
+TASKS["grpo-rm"] = [*(a for a in TASKS["grpo"] if not a.startswith("grpo.rewards=")), "grpo.rewards=[model:{reward}]"]
+REWARD = "-reward"  # the reward model's folder: the size's, with this suffix
 # sft with bitsandbytes' 8-bit AdamW (embeddings keep 32-bit state, as the Trainer's): beside sft's AdamW
 TASKS["sft-adamw_8bit"] = [*TASKS["sft"], "train.optimizer=adamw_8bit"]
 MODES = {"full": ["lora.enabled=false"], "lora": ["lora.enabled=true", f"lora.r={LORA_R}"]}
@@ -154,8 +160,25 @@ def formula_gb(task: str, engine: str, mode: str, size: str) -> float:
     else:
         trained = {"ddp": 16 * params, "zero2": 4 * params + 12 * params / n}.get(family, 16 * params / n)
     head = 4 * SIZES[size]["vocab_size"] * SIZES[size]["hidden_size"] if family in SHARDS_WEIGHTS else 0
-    extra = {"grpo": weights if mode == "full" else 0, "distill": weights + head}.get(task.split("-")[0], 0)
+    reference = weights if mode == "full" else 0  # grpo's beta > 0: a frozen copy under full fine-tuning
+    # the reward model: the same body and embeddings, a one-output head (hidden) in place of the tied one
+    reward = 4 * (params + SIZES[size]["hidden_size"]) / (n if family in SHARDS_WEIGHTS else 1)
+    extra = {"grpo": reference, "grpo-rm": reference + reward, "distill": weights + head}.get(
+        task if task == "grpo-rm" else task.split("-")[0], 0)
     return (trained + extra) / 1e9
+
+
+def gathered_gb(engine: str, mode: str, size: str) -> float:
+    """The ZeRO paper's "one layer gathered at a time" where the weights are sharded (ZeRO-3, FSDP2): the largest
+    unit gathered whole, the tied embeddings (vocabulary x hidden) or a decoder layer, 4 bytes an element, and its
+    whole gradient before the reduce-scatter under full fine-tuning (GB; 0 for DDP and ZeRO-2)."""
+    if engine.split("-")[0] not in SHARDS_WEIGHTS:
+        return 0.0
+    shape = SIZES[size]
+    layer = (parameters(shape)[0] - shape["vocab_size"] * shape["hidden_size"] * (
+        1 if shape.get("tie_word_embeddings") else 2) - shape["hidden_size"]) / shape["num_hidden_layers"]
+    unit = max(shape["vocab_size"] * shape["hidden_size"], layer)
+    return 4 * unit * (2 if mode == "full" else 1) / 1e9
 
 
 def mem_available_gb() -> float:
@@ -313,33 +336,37 @@ def sample_job(cmd: list[str], steps: int | None) -> dict:
 def build_model(size: str, folder: Path) -> None:
     """Random weights (normal with std 0.02, norms 1), saved with save_pretrained (safetensors, the only format of
     transformers 5) in 0.5 GB shards, with the char tokenizer. Built on the meta device, then allocated once and
-    filled in place: the process holds the fp32 weights (4 bytes a parameter) and one shard being serialized."""
+    filled in place: the process holds the fp32 weights (4 bytes a parameter) and one shard being serialized.
+    SIZE-reward: a reward model (LlamaForSequenceClassification, one output) of that size, as task reward saves it."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     from accel_train.config.schema import TINY_MODEL
 
+    size, reward = size.removesuffix(REWARD), size.endswith(REWARD)
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     config = LlamaConfig(max_position_embeddings=2048, initializer_range=0.02, use_cache=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SIZES[size])
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SIZES[size],
+                         **({"num_labels": 1, "pad_token_id": tokenizer.pad_token_id} if reward else {}))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (LlamaForSequenceClassification if reward else LlamaForCausalLM)(config)
     model.to_empty(device="cpu")  # one tensor per parameter, tied ones twice: tie_weights makes them one again
     model.tie_weights()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert reward or model.lm_head.weight is model.model.embed_tokens.weight
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=generator) if p.ndim == 2 else p.fill_(1.0)
     count = sum(p.numel() for p in model.parameters())
-    assert count == parameters(SIZES[size])[0], (count, parameters(SIZES[size]))
+    want = parameters(SIZES[size])[0] + (SIZES[size]["hidden_size"] if reward else 0)  # the score head
+    assert count == want, (count, want)
     model.save_pretrained(folder, max_shard_size="500MB")
     tokenizer.save_pretrained(folder)
 
 
 def ensure_model(size: str, cache: Path) -> Path:
-    """The size's model folder in `cache`, built first (in a child process, sampled like a job) if absent;
-    cache/SIZE/build.json keeps the build's peak anonymous memory."""
+    """The size's model folder in `cache` (SIZE-reward: its reward model's), built first (in a child process,
+    sampled like a job) if absent; cache/SIZE/build.json keeps the build's peak anonymous memory."""
     folder = cache / size
     if (folder / "build.json").is_file():
         return folder
@@ -351,7 +378,7 @@ def ensure_model(size: str, cache: Path) -> Path:
     if job["returncode"] != 0:
         raise SystemExit(f"building {size} failed:\n{''.join(job['lines'])[-3000:]}")
     (partial / "build.json").write_text(json.dumps(
-        {"parameters": parameters(SIZES[size])[0], "seconds": job["wall_s"],
+        {"parameters": parameters(SIZES[size.removesuffix(REWARD)])[0], "seconds": job["wall_s"],
          "peak_anon_gb": round(job["peaks"]["launcher"]["setup"] * 1024 / 1e9, 2)}))
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
@@ -369,9 +396,10 @@ def config_file(engine: str, tmp: Path) -> Path:
     return path
 
 
-def command(row: dict, model: Path, tmp: Path) -> list[str]:
+def command(row: dict, model: Path, tmp: Path, reward: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file(row["engine"], tmp)),
-            str(REPO / "accel_train" / "train.py"), *(a.format(model=model) for a in TASKS[row["task"]]),
+            str(REPO / "accel_train" / "train.py"),
+            *(a.format(model=model, reward=reward) for a in TASKS[row["task"]]),
             *MODES[row["mode"]], *COMMON, f"train.max_steps={row['steps']}", f"model.name_or_path={model}",
             f"output_dir={tmp / 'run'}"]
 
@@ -449,13 +477,15 @@ def measure(row: dict, done: dict, cache: Path) -> dict:
     if not figures["fits"]:
         return {**record, "status": "skipped", "why": refusal(figures)}
     model = ensure_model(row["size"], cache)
+    reward = ensure_model(row["size"] + REWARD, cache) if "{reward}" in " ".join(TASKS[row["task"]]) else None
     with tempfile.TemporaryDirectory(prefix="engine_memory_") as tmp:
-        cmd = command(row, model, Path(tmp))
+        cmd = command(row, model, Path(tmp), reward)
         job = sample_job(cmd, row["steps"])
         metrics = Path(tmp, "run", "metrics.jsonl")
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     counts = next((m for line in job["lines"] if (m := DESCRIBE.search(line))), None)
     shown = " ".join(cmd).replace(tmp, "$TMP").replace(str(model), "$MODEL").replace(sys.executable, "python")
+    shown = shown.replace(str(reward), "$REWARD") if reward else shown
     record.update(
         command=shown.replace(f"{REPO}/", ""), wall_s=job["wall_s"], phase_start_s=job["phase_start_s"],
         peak_gb={role: {phase: round(kb * 1024 / 1e9, 3) for phase, kb in phases.items()}
@@ -518,8 +548,8 @@ def table(rows: list[dict], done: dict) -> str:
     peak (where only rank 0 reads the weights) and the training peak of any rank."""
     header = ("| task | engine | mode | size | parameters (trained) | formula GB/process | load peak GB: rank 0 / "
               "others | setup peak GB: max (rank 0 / others) | training peak GB: max (rank 0 / others) | end peak GB: "
-              "max | (training - fixed row's training peak, max rank) / formula | x DDP's: load (others) / setup "
-              "(others) / training |")
+              "max | (training - fixed row's training peak, max rank) / formula, / (formula + one layer gathered) | "
+              "x DDP's: load (others) / setup (others) / training |")
     out = [header, "|---" * 12 + "|"]
     for row in rows:
         r = done.get(tuple(row[k] for k in KEY))
@@ -543,7 +573,9 @@ def table(rows: list[dict], done: dict) -> str:
             (ratio(s1, split(ddp, "setup")[2]), ratio(train, split(ddp, "training")[0]))
             if ddp and ddp["status"] == "measured" and r["size"] != "fixed" else ("–", "–"))))
         fixed = fixed_rank_gb(done, row["engine"])
-        over = f"{(train - fixed) / r['formula_gb']:.2f}" if r["size"] != "fixed" and fixed is not None else "–"
+        gathered = r["formula_gb"] + gathered_gb(row["engine"], row["mode"], row["size"])
+        over = (f"{(train - fixed) / r['formula_gb']:.2f}, {(train - fixed) / gathered:.2f}"
+                if r["size"] != "fixed" and fixed is not None else "–")
         out.append(head + f"{gb(l0)} / {gb(l1)} | {gb(setup)} ({gb(s0)} / {gb(s1)}) | {gb(train)} ({gb(t0)} / {gb(t1)}) | "
                    f"{gb(split(r, 'end')[0])} | {over} | {versus} |")
     return "\n".join(out)

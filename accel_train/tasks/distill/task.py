@@ -9,9 +9,9 @@ grpo's (components/prompts.py: a prompt column, text or chat turns, or conversat
 told by the split's first row), cut to data.max_length - distill.max_new_tokens tokens; with on_policy < 1 such
 data is refused in one line before any model loads.
 
-The teacher (distill.teacher) is frozen, in evaluation mode, placed as the student is (runtime.engine.Engine.
-prepare_frozen): under FSDP2 and DeepSpeed ZeRO-3 sharded over the ranks like it (built whole on each process, then
-sharded; every forward of it a collective: each rank runs one per micro-batch of the loop's padded window and one per
+The teacher (distill.teacher) is frozen, in evaluation mode, built and placed as the student is (runtime.engine.
+Engine.building, Engine.prepare_frozen): under FSDP2 and DeepSpeed ZeRO-3 sharded over the ranks like it (every
+forward of it a collective: each rank runs one per micro-batch of the loop's padded window and one per
 batch of the evaluation, whose batches accelerate evens out over the ranks), elsewhere whole on each process's device,
 not wrapped (no DDP). Its output head, called on the target rows outside the teacher's forward, is then a whole copy
 on each rank (Engine.whole_head). It must share the student's tokenizer and vocabulary: checked before the data is
@@ -68,7 +68,7 @@ from accel_train.components.prompts import (PromptBudget, PromptCollator, inspec
                                             tokenize_prompts)
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.engine import Engine, inner_module, whole_model
+from accel_train.runtime.engine import Engine, inner_module
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, run_cache,
                                            split_prompt, until_stop)
@@ -240,18 +240,20 @@ def check_vocabulary(cfg: Config) -> None:
 
 
 def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
-    """The teacher, frozen, in evaluation mode, in model.dtype (not quantized), placed by the engine
-    (Engine.prepare_frozen: sharded like the student under FSDP2 and ZeRO-3, whole on this process's device
-    elsewhere); built whole on every process first, whatever the launch's zero3_init_flag or
-    fsdp_cpu_ram_efficient_loading say. The embedded tiny model is random, drawn from seed + 1 (the student, when it
-    is the tiny model too, is drawn from seed). Under sharded weights a collective: every rank at once."""
+    """The teacher, frozen, in evaluation mode, in model.dtype (not quantized), built as the student is
+    (Engine.building: partitioned under zero3_init_flag, read by the main process alone under
+    fsdp_cpu_ram_efficient_loading) and placed by the engine (Engine.prepare_frozen: sharded like the student under
+    FSDP2 and ZeRO-3, whole on this process's device elsewhere). The embedded tiny model is random, drawn from
+    seed + 1 (the student, when it is the tiny model too, is drawn from seed). Under sharded weights a collective:
+    every rank at once."""
     teacher = cfg.distill.teacher
     as_model = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, name_or_path=teacher, revision=None, random_init=is_embedded_tiny_model(teacher),
         quantization=None, adapter_from=None))
-    with torch.random.fork_rng(devices=[]), whole_model():  # whole on every rank: the engine shards it next
+    with torch.random.fork_rng(devices=[]), engine.building() as empty:
         torch.manual_seed(cfg.seed + 1)
-        model = build_model(as_model, tokenizer)
+        model = build_model(as_model, tokenizer, empty=empty)
+    engine.check_built(model, "distill.teacher")
     model = engine.prepare_frozen(model)
     device = engine.accelerator.device
     logger.info(f"distill.teacher: {teacher} loaded, {loaded_line(model, device)}", main_process_only=True)
