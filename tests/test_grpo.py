@@ -1263,6 +1263,30 @@ def test_a_reward_model_sharded_scores_as_on_one_process(tmp_path):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (config, theirs["step"], key)
 
 
+@pytest.mark.long  # 2 processes, stopped at setup (about 15 s)
+def test_a_broken_reward_model_under_a_sharding_engine_is_one_line(tmp_path):
+    """A reward model whose weights file is broken (its config passes the checks before any model loads), under
+    FSDP2 with RAM-efficient loading: only the main process reads its weights (the others build it empty, waiting
+    for a broadcast), so the failure is the main process's alone: one line naming it, no traceback, and the job
+    ends (the others leave at the next setup gathering, not at a collective's timeout)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from accel_train.config.schema import TINY_MODEL
+
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(TINY_MODEL, num_labels=1)
+                                                   ).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(rm)
+    (rm / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = forked_launch("fsdp2.yaml", "task=grpo", "data.path=builtin:reverse", "data.builtin_size=8",
+                         "train.per_device_batch_size=2", f"grpo.rewards=[model:{rm}]", "train.max_steps=1", "track.log_with=[]",
+                         "train.dist_timeout_s=60", f"output_dir={tmp_path / 'run'}", timeout=120)
+    lines = said(proc.stdout + proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert lines[0].startswith(f"accel_train: error: grpo.rewards: model:{rm}: cannot load it: SafetensorError"), lines
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 class CountedRewardModel:
     """reward_model.RewardModel's `score`, each call's prompts kept and counted by its completions (a made-up call:
     0), raising `fail` from its second call on."""

@@ -369,5 +369,6 @@ def test_a_broken_reward_model_is_said_in_one_line_before_any_sampling(setup, tm
     proc = python_m(*args(root, model, tmp_path / "out"), f"sample.rewards=[model:{rm}]", tool="sample")
     lines = said(proc.stderr)  # the error alone: no "accel-train sample: 10 prompts ..." line before it
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"accel-train sample: error: grpo.rewards: model:{rm} raised SafetensorError: "), lines
+    assert lines[0].startswith(f"accel-train sample: error: grpo.rewards: model:{rm}: cannot load it: "
+                               "SafetensorError: "), lines
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -68,7 +68,8 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
     from transformers import AutoModelForSequenceClassification
 
     from accel_train.models.build import load_trained
-    from accel_train.models.sources import trained_folder
+    from accel_train.config.sections import ConfigError
+    from accel_train.models.sources import one_line, trained_folder
     from accel_train.runtime.engine import Engine, whole_model
     from accel_train.runtime.tracking import get_logger, loaded_line
 
@@ -77,9 +78,15 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
     # is read as the policy's weights are (transformers reads the launch's config: partitioned, or on the meta device
     # but on the main process)
     adapter = (trained_folder(path) / "adapter_config.json").is_file()
-    with whole_model() if engine is None or adapter else engine.building():
-        model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
-                                        dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    try:
+        with whole_model() if engine is None or adapter else engine.building():
+            model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
+                                            dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    except ConfigError:
+        raise
+    except Exception as e:  # a broken weights file, say: one line on every rank that read it (under FSDP2's
+        # RAM-efficient loading the main process alone: the others leave at check_built's gathering, quietly)
+        raise ConfigError(f"grpo.rewards: model:{path}: cannot load it: {type(e).__name__}: {one_line(e)}") from e
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it

@@ -258,8 +258,10 @@ class Rewards:
             try:
                 values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
             except Exception as e:  # a user's function: any error it raises
-                if isinstance(fn, ModelReward) and fn.collective:
-                    raise  # a sharded forward that failed (out of memory) leaves the ranks out of step: no make-up
+                if isinstance(fn, ModelReward) and (fn.collective or isinstance(e, ConfigError)):
+                    # a reward model that cannot be loaded, said as it is (reward_model.py); a sharded forward
+                    # that failed (out of memory) leaves the ranks out of step: no make-up
+                    raise
                 raise RewardError(f"grpo.rewards: {name} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
                                   ) from None
             values = list(values) if values is not None and not isinstance(values, (str, bytes)) else values
