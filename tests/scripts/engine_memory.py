@@ -396,9 +396,18 @@ def config_file(engine: str, tmp: Path) -> Path:
     return path
 
 
+def free_port() -> int:
+    """A port no process listens on now: the launch's rendezvous (accelerate's default, 29500, may be another job's)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def command(row: dict, model: Path, tmp: Path, reward: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file(row["engine"], tmp)),
-            str(REPO / "accel_train" / "train.py"),
+            "--main_process_port", str(free_port()), str(REPO / "accel_train" / "train.py"),
             *(a.format(model=model, reward=reward) for a in TASKS[row["task"]]),
             *MODES[row["mode"]], *COMMON, f"train.max_steps={row['steps']}", f"model.name_or_path={model}",
             f"output_dir={tmp / 'run'}"]
@@ -485,7 +494,7 @@ def measure(row: dict, done: dict, cache: Path) -> dict:
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     counts = next((m for line in job["lines"] if (m := DESCRIBE.search(line))), None)
     shown = " ".join(cmd).replace(tmp, "$TMP").replace(str(model), "$MODEL").replace(sys.executable, "python")
-    shown = shown.replace(str(reward), "$REWARD") if reward else shown
+    shown = re.sub(r"--main_process_port \d+ ", "", shown.replace(str(reward), "$REWARD") if reward else shown)
     record.update(
         command=shown.replace(f"{REPO}/", ""), wall_s=job["wall_s"], phase_start_s=job["phase_start_s"],
         peak_gb={role: {phase: round(kb * 1024 / 1e9, 3) for phase, kb in phases.items()}
