@@ -16,7 +16,9 @@ setup (from its start to recipe.describe's line, just before the first step: imp
 sharding the model, the engine's buffers and optimizer state where it makes them there (DeepSpeed), the MFU probe),
 training (to the last step's line) and the end (gathering and saving the weights, the final evaluation); a poll
 that sees several of these lines counts its reading for each phase entered. Load: setup's part up to the poll that
-sees recipe.setup_model's line (the model built, before accelerator.prepare: where the weights are read).
+sees recipe.setup_model's line (the model built, before accelerator.prepare: where the weights are read); frozen:
+up to the poll that sees a frozen model's line (distill's teacher, a grpo reward model: built and placed), where
+the task has one (else all of setup).
 
 Formula (GB per process, 1 GB = 1e9 bytes; P parameters, N = 2 processes), the trained model only: full
 fine-tuning with AdamW in fp32 holds 16 bytes a parameter (weights 4, gradients 4, two moments 8): DDP 16P,
@@ -134,8 +136,10 @@ SIZES = {  # LlamaConfig fields
 KEY = ("task", "engine", "mode", "size", "steps")
 DESCRIBE = re.compile(r"([\d,]+) of ([\d,]+) parameters trainable")  # recipe.describe: just before the first step
 BUILT = re.compile(r"\bmodel: built in ")  # recipe.setup_model: the model built (or partitioned), not yet prepared
+# a frozen model beside the policy built and placed (distill's teacher, a grpo reward model), before what follows it
+FROZEN = re.compile(r"\b(distill\.teacher|grpo\.rewards): \S+ loaded, ")
 STEP = re.compile(r"\bstep (\d+) \| ")  # a training record's console line (RunLog.log), one per step here
-PHASES = ("setup", "training", "end")  # and "load": setup's part before the model is built (BUILT)
+PHASES = ("setup", "training", "end")  # and "load", "frozen": setup's parts before the lines BUILT, FROZEN
 
 
 def parameters(shape: dict) -> tuple[int, int]:
@@ -309,10 +313,12 @@ def sample_job(cmd: list[str], steps: int | None) -> dict:
     try:
         while proc.poll() is None:
             loading = not any(BUILT.search(line) for line in lines[:seen])  # up to the poll that sees the line
+            framing = not any(FROZEN.search(line) for line in lines[:seen])
             seen, entered = advance(lines, seen, phase, steps)
             for now in entered:  # each phase passed since the last poll starts now, and gets this reading
                 phase, starts[now] = now, round(time.monotonic() - t0, 1)
-            sampler.sample((entered or [phase]) + (["load"] if loading and phase == "setup" else []))
+            sampler.sample((entered or [phase]) + (["load"] if loading and phase == "setup" else [])
+                           + (["frozen"] if framing and phase == "setup" else []))
             if (available := mem_available_gb()) < GUARD_GB:
                 stopped = f"stopped: the machine's available memory fell to {available:.2f} GB"
                 break
