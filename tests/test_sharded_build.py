@@ -1,8 +1,9 @@
 """Models built sharded (accel_train/runtime/engine.py): with FSDP2's fsdp_cpu_ram_efficient_loading (configs/accelerate/
 fsdp2.yaml) only the main process reads the weights and the others build an empty model that accelerator.prepare
 fills; with ZeRO-3's zero3_init_flag each rank builds its own partition. Either way the run trains as one process
-does, step for step, with the checks that run a forward of the model (model.check_packing, the loss head) after
-prepare, and a full fine-tuning's frozen reference sharded like the policy. The conformance suite
+does, step for step, with the checks that run a forward of the model (model.check_packing, the loss head) before
+prepare on the main process alone (cpu_ram_efficient_loading: its answer or refusal every rank's) or after it on every
+rank (zero3_init_flag), and a full fine-tuning's frozen reference sharded like the policy. The conformance suite
 (test_conformance.py) runs every task under fsdp2.yaml; here, pretrained weights (a saved model, read by
 from_pretrained) and the reference of full fine-tuning, under each way of building.
 """
@@ -193,3 +194,81 @@ def test_only_the_processes_that_are_not_the_main_one_build_empty_under_ram_effi
     for main, ram_efficient, empty in ((False, True, True), (True, True, False), (False, False, False)):
         with building(fsdp2(main, ram_efficient)) as built_empty:
             assert built_empty is empty, (main, ram_efficient)
+
+
+def save_tiny_opt(folder) -> str:
+    """A tiny OPT (2 layers, 64 wide) with the tiny Llama's tokenizer, saved as a pretrained model is: its attention
+    builds its mask from the attention mask alone, so packed sequences see each other (model.check_packing refuses)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, OPTConfig
+
+    from accel_train.config.schema import TINY_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=len(tokenizer), hidden_size=64, word_embed_proj_dim=64, num_hidden_layers=2,
+                       num_attention_heads=4, ffn_dim=128, max_position_embeddings=256,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.long
+def test_a_check_refused_where_only_the_main_process_holds_the_weights_stops_every_rank_in_one_line(tmp_path):
+    """Under fsdp_cpu_ram_efficient_loading the main process alone runs the checks' forwards, on the weights it read,
+    before prepare (dist.check_whole: the others' are empty); a refusal (data.packing on a model whose packed
+    sequences see each other) is given to every rank: the job stops with status 2 in one line, no traceback, before
+    accelerate shards anything, and no rank waits for the others."""
+    from conftest import said
+
+    out = tmp_path / "run"
+    proc = forked_launch("fsdp2.yaml", f"model.name_or_path={save_tiny_opt(tmp_path / 'opt')}", "data.packing=true",
+                         "data.path=builtin:reverse", *SMALL, f"output_dir={out}", timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.first == 2 and set(proc.codes) <= {2, -15}, (proc.codes, text[-3000:])  # the other: refused, or stopped
+    lines = said(proc.stderr)
+    assert len(lines) == 1 and re.fullmatch(r"accel_train: error: data\.packing: \w+ lets packed sequences attend to "
+                                            r"each other .*; set data\.packing=false", lines[0]), text[-3000:]
+    assert "Traceback" not in text and "process(es) on" not in text and not (out / "metrics.jsonl").exists()
+
+
+def test_the_checks_answer_where_only_the_main_process_holds_the_weights_is_every_ranks(pretrained, monkeypatch):
+    """dist.check_whole under fsdp_cpu_ram_efficient_loading, on a process that is not the main one: its model is
+    empty (meta), the check does not run there, and the main process's answer is its own: the chunked loss head is
+    chosen on its own head module as on the main process's whole model, and the main process's refusal is raised
+    with the same line."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from accel_train.config.sections import ConfigError
+    from accel_train.models.build import build_model, build_tokenizer
+    from accel_train.models.loss import LossHead
+    from accel_train.runtime import dist
+    from accel_train.tasks.causal_lm import choose_loss_head
+
+    def fsdp2(main: bool):  # 2 processes, cpu_ram_efficient_loading
+        plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
+        return SimpleNamespace(is_fsdp2=True, is_main_process=main, num_processes=2, distributed_type="FSDP",
+                               state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=plugin))
+
+    cfg = load_config(None, [f"model.name_or_path={pretrained}", "lora.enabled=false"])
+    whole, empty = build_model(cfg, build_tokenizer(cfg)), build_model(cfg, build_tokenizer(cfg), empty=True)
+    main, other = partial(dist.check_whole, fsdp2(True)), partial(dist.check_whole, fsdp2(False))
+    said = {}  # what each rank gives the others: the main process's (answer, refusal), the other's (None, None)
+    monkeypatch.setattr(dist, "gather_setup", lambda accelerator, obj: [said.setdefault("main", obj), (None, None)])
+    mine = choose_loss_head(whole, False, check_whole=main)
+    theirs = choose_loss_head(empty, False, check_whole=other)
+    assert said["main"] == (True, None) and isinstance(mine, LossHead) and isinstance(theirs, LossHead)
+    assert theirs.head is empty.get_output_embeddings() and (theirs.chunk, theirs.sharded) == (mine.chunk, False)
+
+    def refused():
+        raise ConfigError("data.packing: refused")
+
+    said["main"] = (None, "data.packing: refused")
+    with pytest.raises(ConfigError, match="^data.packing: refused$"):
+        other(lambda: pytest.fail("the check ran where the weights are empty"))
+    said.clear()
+    with pytest.raises(ConfigError, match="^data.packing: refused$"):
+        main(refused)
+    assert said["main"] == (None, "data.packing: refused")

@@ -177,18 +177,29 @@ def replaced_head(head: torch.nn.Module, compute):
             head.forward = own
 
 
-@torch.no_grad()
-def loss_head(model: torch.nn.Module, sharded: bool = False, low_precision: bool = False) -> LossHead | None:
+def loss_head(model: torch.nn.Module, sharded: bool = False, low_precision: bool = False,
+              check_whole=None) -> LossHead | None:
     """The model's output head as a LossHead (`sharded`: for ZeRO-3, the head frozen), or None (full logits) when
     the model's loss is not its head's cross-entropy alone: one forward of 8 tokens, chunked (3 targets per chunk)
-    against full logits (`low_precision`: a prepared model computing in bf16/fp16, compared to 2e-2)."""
+    against full logits (`low_precision`: a prepared model computing in bf16/fp16, compared to 2e-2). `check_whole`
+    (dist.check_whole, before prepare): runs the forwards where the weights are whole and gives every rank the
+    answer (under cpu_ram_efficient_loading the others' weights are empty); None: here."""
     head = model.get_output_embeddings()
     if head is None:
         return None
+    vocab = model.config.get_text_config().vocab_size
+    check = functools.partial(_chunks_match, model, head, vocab, sharded, low_precision)
+    same = check_whole(check) if check_whole else check()
+    return LossHead(head, vocab, sharded=sharded) if same else None
+
+
+@torch.no_grad()
+def _chunks_match(model: torch.nn.Module, head: torch.nn.Module, vocab: int, sharded: bool,
+                  low_precision: bool) -> bool:
+    """`loss_head`'s check: the chunked loss of one forward of 8 tokens equals the full logits' cross-entropy."""
     was_training = model.training
     model.eval()
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (2, 8), generator=g).to(model.device)
     labels = ids.clone()
     labels[:, :2] = IGNORE_INDEX
@@ -204,4 +215,4 @@ def loss_head(model: torch.nn.Module, sharded: bool = False, low_precision: bool
     except (RuntimeError, ValueError, TypeError, AttributeError):  # the model did more with the head's output
         same = False
     model.train(was_training)
-    return LossHead(head, vocab, sharded=sharded) if same else None
+    return same

@@ -13,8 +13,9 @@ Built whole or sharded, by the accelerate config:
     zero3_init_flag: true                each rank builds only its partition (deepspeed.zero.Init)
     fsdp_cpu_ram_efficient_loading: true the main process reads the weights, the others build an empty model (on the
                                          meta device) that `prepare` fills from the main process's (a broadcast)
-A model built sharded has no whole weights before `prepare`: the checks that run a forward of the model
-(models.build.check_packing, models.loss.loss_head) run after it (Task.start), on every rank at once.
+The checks that run a forward of the model (models.build.check_packing, models.loss.loss_head) run before `prepare`
+where a process holds it whole (dist.check_whole: under cpu_ram_efficient_loading the main process alone, its answer
+given to the others); built by zero3_init_flag no process does: they run after it (Task.start), on every rank at once.
 
 The frozen models beside the policy are built as it is (`building`: partitioned, or read by the main process
 alone) and placed as it is, by `prepare_frozen`: a full fine-tuning's reference (`frozen_copy`), distill's teacher
@@ -234,17 +235,6 @@ def share_zero3_master_weights(engine) -> int:
             master.data = weights.data
             freed += weights.numel()
     return freed
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """FSDP2: every shard group's gathered weights freed (FSDPModule.reshard, no collective). The root group keeps its
-    weights (the embeddings, a tied head) gathered from a forward to the next backward: a check's forwards before
-    training (models.build.check_packing) would hold them through setup into the first step. Else nothing."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def gather_whole(parameter: torch.Tensor) -> torch.Tensor:
@@ -504,9 +494,14 @@ class Engine:
 
     @property
     def builds_sharded(self) -> str | None:
-        """The accelerate config's key under which the model is built sharded (no whole weights before prepare: a
-        check that runs its forward waits for Task.start), or None."""
+        """The accelerate config's key under which the model is built sharded, or None."""
         return built_sharded(self.accelerator)
+
+    @property
+    def whole_before_prepare(self) -> bool:
+        """A process holds the model whole before prepare (every one, or cpu_ram_efficient_loading's main process):
+        the checks that run its forward run then (dist.check_whole); zero3_init_flag: they wait for Task.start."""
+        return self.builds_sharded != "zero3_init_flag"
 
     @property
     def head_whole_only_in_forward(self) -> bool:

@@ -11,6 +11,7 @@ token, eval.metrics on argmax tokens, and with eval.generate the generated answe
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from accel_train.data import pipeline as data_lib
 from accel_train.components import responses
 from accel_train.config.schema import Config
-from accel_train.runtime.dist import gather_setup
+from accel_train.runtime.dist import check_whole, gather_setup
 from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.loss import loss_head
@@ -40,16 +41,17 @@ def forward(model, batch: dict) -> torch.Tensor:
     return model(**data_lib.model_inputs(batch), use_cache=False).logits
 
 
-def choose_loss_head(model, sharded: bool, low_precision: bool = False):
-    """The causal-LM loss in chunks from the hidden states (loss.loss_head), or None: full logits. Under ZeRO-3
-    (`sharded`) the chunks are recomputed in the head's backward (loss.HeadLoss), which gives no gradient to the
-    head's own weights: a trained head (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits."""
+def choose_loss_head(model, sharded: bool, low_precision: bool = False, check_whole=None):
+    """The causal-LM loss in chunks from the hidden states (loss.loss_head; `check_whole`: its check before prepare,
+    dist.check_whole), or None: full logits. Under ZeRO-3 (`sharded`) the chunks are recomputed in the head's
+    backward (loss.HeadLoss), which gives no gradient to the head's own weights: a trained head
+    (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits."""
     head = model.get_output_embeddings()
     if sharded and head is not None and any(p.requires_grad for p in head.parameters()):
         main_logger().info("ZeRO-3 with a trained output head: the loss is computed from full logits (batch x "
                            "length x vocabulary); the chunked loss needs a frozen head under ZeRO-3")
         return None
-    return loss_head(model, sharded=sharded, low_precision=low_precision)
+    return loss_head(model, sharded=sharded, low_precision=low_precision, check_whole=check_whole)
 
 
 def batch_loss(model, batch: dict, head) -> torch.Tensor:
@@ -87,17 +89,19 @@ class SFT(Task):
     # ------------------------------------------------------------------------------------------------ model
 
     def setup(self, accelerator, model, tokenizer, train_ds, eval_ds) -> tuple:
-        # Found and checked before wrapping (one forward of 8 tokens); the wrappers keep the same head module.
+        # Found and checked before wrapping (forwards of 8 tokens, where the weights are whole); the wrappers keep the
+        # same head module.
         engine = Engine(accelerator)
-        if not engine.builds_sharded:
-            self.head = choose_loss_head(model, engine.head_whole_only_in_forward)
+        if engine.whole_before_prepare:
+            self.head = choose_loss_head(model, engine.head_whole_only_in_forward,
+                                         check_whole=functools.partial(check_whole, accelerator))
         return train_ds, eval_ds
 
     def start(self, job, tokenizer, eval_ds) -> None:
         from accel_train.models.generation import setup_generation
 
         engine = Engine(job.accelerator)
-        if engine.builds_sharded:  # whole only now: checked on every rank at once (a collective forward)
+        if not engine.whole_before_prepare:  # whole only now: checked on every rank at once (a collective forward)
             head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
                                     engine.head_whole_only_in_forward, job.accelerator.mixed_precision != "no")
             # one choice for all ranks (under ZeRO-3 the chunked loss gathers the head again in the backward)

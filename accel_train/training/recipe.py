@@ -34,14 +34,15 @@ from accel_train.runtime.checkpoint import (StopTogether, TrainState, checkpoint
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.load import save_config
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.dist import (Preemption, gather_setup, hardware, keep_until_exit, local_main_process_first,
-                                      make_accelerator, prepare_dataloaders, shard_stream, teardown, wait_for_main)
+from accel_train.runtime.dist import (Preemption, check_whole, gather_setup, hardware, keep_until_exit,
+                                      local_main_process_first, make_accelerator, prepare_dataloaders, shard_stream,
+                                      teardown, wait_for_main)
 from accel_train.models.merge import merge_adapter
 from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, matmul_parameters, model_width, quantization)
-from accel_train.runtime.engine import Engine, reshard, share_zero3_master_weights, tensor_sharded, whole_model
+from accel_train.runtime.engine import Engine, share_zero3_master_weights, tensor_sharded, whole_model
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
 from accel_train.training.preflight import BASE_MODEL, INITIAL_ADAPTER, make_output_dir, saved_random_base
@@ -75,9 +76,6 @@ def run(cfg: Config, resume: Path | None) -> dict:
         job = wrap(cfg, accelerator, task, model, optimizer, scheduler, train_dl, eval_dl, total_steps, resume,
                    eval_sources)
         task.start(job, tokenizer, eval_ds)
-        # the checks' forwards before training (packing, the loss head): FSDP2's root keeps its weights (embeddings,
-        # a tied head) gathered from a forward to the next backward; freed before the first step
-        reshard(job.model)
         describe(cfg, job, train_ds, eval_ds, data_report.get("mixture"))
 
         t0 = time.perf_counter()
@@ -191,8 +189,10 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if random_base else None
     model = apply_lora(cfg, model, task.frozen_reference_adapter(), tokenizer)
-    if cfg.data.packing and task.packs and not engine.builds_sharded:
-        check_packing(model)  # before any expensive work: one forward of 8 tokens (built sharded: after prepare)
+    if cfg.data.packing and task.packs and engine.whole_before_prepare:
+        # before any expensive work: forwards of 8 tokens (cpu_ram_efficient_loading: on the main process alone;
+        # zero3_init_flag: after prepare, wrap)
+        check_whole(accelerator, lambda: check_packing(model))
     if cfg.train.neftune_alpha is not None:  # a forward hook on the input embeddings, inert in eval mode
         activate_neftune(model, cfg.train.neftune_alpha)
     if cfg.train.gradient_checkpointing:
@@ -271,7 +271,7 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
     if type(model).__name__ == "DeepSpeedEngine":
         share_zero3_master_weights(model)
-    if cfg.data.packing and task.packs and Engine(accelerator).builds_sharded:  # its weights are whole only now
+    if cfg.data.packing and task.packs and not Engine(accelerator).whole_before_prepare:  # whole only now
         check_packing(accelerator.unwrap_model(model, keep_torch_compile=False),  # a collective: every rank
                       low_precision=accelerator.mixed_precision != "no")
     procs, accum = accelerator.num_processes, cfg.train.grad_accum_steps

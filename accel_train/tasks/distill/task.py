@@ -68,6 +68,7 @@ from accel_train.components.prompts import (PromptBudget, PromptCollator, inspec
                                             tokenize_prompts)
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.sections import ConfigError
+from accel_train.runtime.dist import check_whole
 from accel_train.runtime.engine import Engine, inner_module
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, run_cache,
@@ -260,10 +261,11 @@ def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
     return model
 
 
-def checked_head(model: torch.nn.Module, key: str, low_precision: bool = False) -> torch.nn.Module:
+def checked_head(model: torch.nn.Module, key: str, low_precision: bool = False,
+                 check_whole=None) -> torch.nn.Module:
     """The model's output head, where its logits are that head's output of the final hidden states (loss.loss_head's
-    check: one forward of 8 tokens); ConfigError otherwise."""
-    found = loss_head(model, low_precision=low_precision)
+    check: one forward of 8 tokens; `check_whole`: before prepare, dist.check_whole); ConfigError otherwise."""
+    found = loss_head(model, low_precision=low_precision, check_whole=check_whole)
     if found is None:
         raise ConfigError(f"task distill: the logits of {key} are more than its output head's output (soft-capping, "
                           "a logit scale): the divergence is computed from the heads, chunk by chunk; use another model")
@@ -444,12 +446,13 @@ class Distill(Task):
         self.teacher_head = engine.whole_head(self.teacher)
         # its module (a DeepSpeed engine's: the engine's own `training`, which loss_head puts back, is not the mode)
         checked_head(inner_module(self.teacher), f"distill.teacher={self.cfg.distill.teacher}")
-        if not Engine(accelerator).builds_sharded:  # checked before wrapping (one forward); the wrappers keep the head
-            self.start_distillation(model, accelerator)
+        # the student's head, checked before wrapping where its weights are whole (the wrappers keep the head)
+        if engine.whole_before_prepare:
+            self.start_distillation(model, accelerator, check_whole=functools.partial(check_whole, accelerator))
         return train_ds, eval_ds
 
-    def start_distillation(self, student, accelerator, low_precision: bool = False) -> None:
-        head = checked_head(student, f"model.name_or_path={self.cfg.model.name_or_path}", low_precision)
+    def start_distillation(self, student, accelerator, low_precision: bool = False, check_whole=None) -> None:
+        head = checked_head(student, f"model.name_or_path={self.cfg.model.name_or_path}", low_precision, check_whole)
         self.distillation = Distillation(self.cfg, head, self.teacher, accelerator.autocast,
                                          sharded=Engine(accelerator).head_whole_only_in_forward,
                                          teacher_head=self.teacher_head)
@@ -460,7 +463,7 @@ class Distill(Task):
 
     def start(self, job, tokenizer, eval_ds) -> None:
         self.job, self.tokenizer = job, tokenizer
-        if Engine(job.accelerator).builds_sharded:  # whole only now: checked on every rank at once (a collective forward)
+        if not Engine(job.accelerator).whole_before_prepare:  # whole only now: checked on every rank at once
             self.start_distillation(job.accelerator.unwrap_model(job.model, keep_torch_compile=False), job.accelerator,
                                     job.accelerator.mixed_precision != "no")
         if self.cfg.distill.on_policy > 0:  # a setting of the model's generation_config.json it cannot switch off:
