@@ -179,6 +179,27 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
         assert model.generation_config.to_dict() == whole.generation_config.to_dict(), path
 
 
+def test_a_reward_model_built_empty_has_the_read_ones_parameters(tmp_path):
+    """A grpo reward model on a process that does not read it (components/reward_model.py under
+    fsdp_cpu_ram_efficient_loading, but on the main process): build.from_config(empty=True) of its folder's config,
+    every parameter on the meta device, with the names, dtypes and shapes of the model the main process reads
+    (load_trained), which accelerate broadcasts into it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from accel_train.config.schema import TINY_MODEL
+    from accel_train.models.build import from_config, load_trained
+
+    rm = tmp_path / "rm" / "model"  # a full reward run's output
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(TINY_MODEL, num_labels=1)
+                                                   ).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(rm)
+    read, _ = load_trained(rm.parent, AutoModelForSequenceClassification, dtype="auto")
+    empty = from_config(AutoModelForSequenceClassification, AutoConfig.from_pretrained(rm), "auto", empty=True)
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    assert ([(n, p.shape, p.dtype) for n, p in empty.named_parameters()]
+            == [(n, p.shape, p.dtype) for n, p in read.named_parameters()])
+
+
 def test_only_the_processes_that_are_not_the_main_one_build_empty_under_ram_efficient_loading():
     """Engine.building under FSDP2: with fsdp_cpu_ram_efficient_loading every process but the main one builds the
     model empty (the main one reads the weights), without it every process builds it whole."""

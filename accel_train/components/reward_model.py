@@ -65,9 +65,10 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
     by the run's engine (`accelerator`: Engine.prepare_frozen, a collective under FSDP2 and ZeRO-3: every rank at
     once), or without one (a tool's single process) on this process's device."""
     from accelerate import PartialState
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from accel_train.models.build import load_trained
+    from accel_train.models.build import from_config, load_trained
+    from accel_train.runtime.dist import peer_gone
     from accel_train.config.sections import ConfigError
     from accel_train.models.sources import one_line, trained_folder
     from accel_train.runtime.engine import Engine, whole_model
@@ -75,17 +76,25 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
 
     engine = Engine(accelerator) if accelerator is not None else None
     # an adapter is merged into whole weights (on every rank: the engine shards the merged model next); a whole model
-    # is read as the policy's weights are (transformers reads the launch's config: partitioned, or on the meta device
-    # but on the main process)
-    adapter = (trained_folder(path) / "adapter_config.json").is_file()
+    # is built as the policy is: partitioned (zero3_init_flag), or read by the main process alone, the others
+    # building its shapes (fsdp_cpu_ram_efficient_loading: `empty`)
+    folder = trained_folder(path)
+    adapter = (folder / "adapter_config.json").is_file()
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
-        with whole_model() if engine is None or adapter else engine.building():
-            model, tokenizer = load_trained(path, AutoModelForSequenceClassification,
-                                            dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        with whole_model() if engine is None or adapter else engine.building() as empty:
+            if empty:
+                model = from_config(AutoModelForSequenceClassification, AutoConfig.from_pretrained(folder),
+                                    torch_dtype, empty=True)
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+            else:
+                model, tokenizer = load_trained(path, AutoModelForSequenceClassification, dtype=torch_dtype)
     except ConfigError:
         raise
     except Exception as e:  # a broken weights file, say: one line on every rank that read it (under FSDP2's
         # RAM-efficient loading the main process alone: the others leave at check_built's gathering, quietly)
+        if peer_gone(e):  # zero.Init's broadcasts, broken by another rank's end: that rank says why
+            raise
         raise ConfigError(f"grpo.rewards: model:{path}: cannot load it: {type(e).__name__}: {one_line(e)}") from e
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()

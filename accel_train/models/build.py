@@ -127,13 +127,8 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
     elif m.random_init or empty:
         config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
                                             **extra)
-        if dtype == "auto":  # as from_pretrained reads it: the config's, else fp32
-            saved = getattr(config.get_text_config(), "dtype", None) or torch.float32
-            dtype = getattr(torch, saved) if isinstance(saved, str) else saved
-        with init_empty_weights() if empty else nullcontext():  # parameters on meta, buffers computed
-            model = auto.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+        model = from_config(auto, config, dtype, empty, trust_remote_code=m.trust_remote_code)
         if empty:
-            model.tie_weights()  # on meta, transformers 5.24 leaves tie_word_embeddings' head untied
             try:  # generate()'s defaults and stop ids as from_pretrained reads them on the main process
                 model.generation_config = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
             except OSError:
@@ -162,6 +157,20 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
             model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
+    return model
+
+
+def from_config(auto, config, dtype, empty: bool = False, **kw) -> torch.nn.Module:
+    """`auto`'s model of `config` in `dtype` ("auto": the config's, else fp32, as from_pretrained reads it), its
+    weights random, or with `empty` its parameters' shapes alone, on the meta device (buffers computed, tied weights
+    tied): for a process whose weights the main process's broadcast fills (Engine.building)."""
+    if dtype == "auto":
+        saved = getattr(config.get_text_config(), "dtype", None) or torch.float32
+        dtype = getattr(torch, saved) if isinstance(saved, str) else saved
+    with init_empty_weights() if empty else nullcontext():  # parameters on meta, buffers computed
+        model = auto.from_config(config, dtype=dtype, **kw)
+    if empty:
+        model.tie_weights()  # on meta, transformers 5.24 leaves tie_word_embeddings' head untied
     return model
 
 

@@ -19,7 +19,7 @@ given to the others); built by zero3_init_flag no process does: they run after i
 
 The frozen models beside the policy are built as it is (`building`: partitioned, or read by the main process
 alone) and placed as it is, by `prepare_frozen`: a full fine-tuning's reference (`frozen_copy`), distill's teacher
-and a grpo reward model (but one trained as an adapter under zero3_init_flag: merged on whole weights first).
+and a grpo reward model (but one trained as an adapter: merged on whole weights on every process first).
 Sharded, each forward of theirs is a collective too: every rank runs as many, in the same order (the loop's padded
 window; components/rewards.py's Rewards.in_step for the reward models); a head called outside its model's forward is
 a whole copy (`whole_head`).

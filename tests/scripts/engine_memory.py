@@ -499,8 +499,10 @@ def measure(row: dict, done: dict, cache: Path) -> dict:
         metrics = Path(tmp, "run", "metrics.jsonl")
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     counts = next((m for line in job["lines"] if (m := DESCRIBE.search(line))), None)
-    shown = " ".join(cmd).replace(tmp, "$TMP").replace(str(model), "$MODEL").replace(sys.executable, "python")
-    shown = re.sub(r"--main_process_port \d+ ", "", shown.replace(str(reward), "$REWARD") if reward else shown)
+    shown = " ".join(cmd).replace(tmp, "$TMP")
+    if reward is not None:
+        shown = shown.replace(str(reward), "$REWARD")  # first: its path begins with the model's
+    shown = re.sub(r"--main_process_port \d+ ", "", shown.replace(str(model), "$MODEL").replace(sys.executable, "python"))
     record.update(
         command=shown.replace(f"{REPO}/", ""), wall_s=job["wall_s"], phase_start_s=job["phase_start_s"],
         peak_gb={role: {phase: round(kb * 1024 / 1e9, 3) for phase, kb in phases.items()}

@@ -242,8 +242,8 @@ def check_vocabulary(cfg: Config) -> None:
 
 def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
     """The teacher, frozen, in evaluation mode, in model.dtype (not quantized), built as the student is
-    (Engine.building: partitioned under zero3_init_flag, read by the main process alone under
-    fsdp_cpu_ram_efficient_loading) and placed by the engine (Engine.prepare_frozen: sharded like the student under
+    (Engine.building: partitioned under zero3_init_flag, but the random tiny model; read by the main process alone
+    under fsdp_cpu_ram_efficient_loading) and placed by the engine (Engine.prepare_frozen: sharded like the student under
     FSDP2 and ZeRO-3, whole on this process's device elsewhere). The embedded tiny model is random, drawn from
     seed + 1 (the student, when it is the tiny model too, is drawn from seed). Under sharded weights a collective:
     every rank at once."""
@@ -251,7 +251,11 @@ def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
     as_model = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, name_or_path=teacher, revision=None, random_init=is_embedded_tiny_model(teacher),
         quantization=None, adapter_from=None))
-    with torch.random.fork_rng(devices=[]), engine.building() as empty:
+    # the random tiny model is drawn whole (deepspeed.zero.Init would draw other weights: the run's numbers would
+    # depend on the engine), on the main process alone under RAM-efficient loading; the run's RNG left as it was
+    random = as_model.model.random_init
+    devices = [engine.accelerator.device] if engine.accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), engine.building(whole=random) as empty:
         torch.manual_seed(cfg.seed + 1)
         model = build_model(as_model, tokenizer, empty=empty)
     engine.check_built(model, "distill.teacher")
