@@ -68,7 +68,7 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from accel_train.models.build import from_config, load_trained
-    from accel_train.runtime.dist import peer_gone
+    from accel_train.runtime.dist import check_built, peer_gone
     from accel_train.config.sections import ConfigError
     from accel_train.models.sources import one_line, trained_folder
     from accel_train.runtime.engine import Engine, whole_model
@@ -100,7 +100,7 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
         model = model.merge_and_unload()
     model.config.pad_token_id = tokenizer.pad_token_id  # what `score` pads with: the pooling skips it
     if engine is not None:
-        engine.check_built(model, f"grpo.rewards: model:{path}")
+        check_built(accelerator, model, f"grpo.rewards: model:{path}")
         model = engine.prepare_frozen(model)
     else:
         model.requires_grad_(False).eval().to(PartialState().device)

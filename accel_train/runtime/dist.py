@@ -227,6 +227,19 @@ def gather_setup(accelerator: Accelerator, obj) -> list:
     return gathered
 
 
+def check_built(accelerator: Accelerator, model: torch.nn.Module, key: str) -> None:
+    """Under FSDP2's cpu_ram_efficient_loading: the model built empty on the other processes has the parameters
+    (names, dtypes, shapes) of the one the main process read, as the broadcast that fills it tensor by tensor needs;
+    a ConfigError naming `key` (the model's setting) on every rank otherwise. A collective on the setup group."""
+    if built_sharded(accelerator) != "fsdp_cpu_ram_efficient_loading":
+        return
+    built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
+    if any(b != built[0] for b in built):
+        raise ConfigError(f"{key}: fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has "
+                          "other parameters (names, dtypes or shapes) than the one the main process read; set "
+                          "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
+
+
 def check_whole(accelerator: Accelerator, check):
     """`check()`, a check that runs forwards of the model before prepare, where its weights are whole: its answer
     (picklable: None, a bool), or its refusal (ConfigError), alike on every rank. On each process where each built

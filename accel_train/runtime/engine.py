@@ -105,22 +105,6 @@ def whole_model():
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = loading
 
 
-def check_built(accelerator: Accelerator, model: torch.nn.Module, key: str) -> None:
-    """Under FSDP2's cpu_ram_efficient_loading: the model built empty on the other processes has the parameters
-    (names, dtypes, shapes) of the one the main process read, as the broadcast that fills it tensor by tensor needs;
-    a ConfigError naming `key` (the model's setting) on every rank otherwise. A collective on the setup group."""
-    if built_sharded(accelerator) != "fsdp_cpu_ram_efficient_loading":
-        return
-    from accel_train.config.sections import ConfigError
-    from accel_train.runtime.dist import gather_setup
-
-    built = gather_setup(accelerator, [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()])
-    if any(b != built[0] for b in built):
-        raise ConfigError(f"{key}: fsdp_cpu_ram_efficient_loading: the model built empty on the other processes has "
-                          "other parameters (names, dtypes or shapes) than the one the main process read; set "
-                          "fsdp_cpu_ram_efficient_loading: false in the accelerate config")
-
-
 def frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """A frozen copy of `model` (not yet prepared: its initial weights), placed as the policy is (`prepare_frozen`):
     sharded like it under FSDP2 and ZeRO-3, whole on each rank otherwise. A model ZeRO-3 built partitioned cannot be
@@ -525,10 +509,6 @@ class Engine:
     def building(self, whole: bool = False):
         """Around building a model before prepare (`building`)."""
         return building(self.accelerator, whole)
-
-    def check_built(self, model: torch.nn.Module, key: str = "model.name_or_path") -> None:
-        """A model built under `building` fits the main process's where the others built it empty (`check_built`)."""
-        check_built(self.accelerator, model, key)
 
     def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy of the not yet prepared `model`, placed as the policy will be (`frozen_copy`)."""

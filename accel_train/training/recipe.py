@@ -34,9 +34,9 @@ from accel_train.runtime.checkpoint import (StopTogether, TrainState, checkpoint
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.load import save_config
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.dist import (Preemption, check_whole, gather_setup, hardware, keep_until_exit,
-                                      local_main_process_first, make_accelerator, prepare_dataloaders, shard_stream,
-                                      teardown, wait_for_main)
+from accel_train.runtime.dist import (Preemption, check_built, check_whole, gather_setup, hardware,
+                                      keep_until_exit, local_main_process_first, make_accelerator,
+                                      prepare_dataloaders, shard_stream, teardown, wait_for_main)
 from accel_train.models.merge import merge_adapter
 from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
@@ -185,7 +185,7 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
         model = build_model(cfg, tokenizer, task.model_kwargs(), weights_from=base if reuse_base else None,
                             device=accelerator.device, empty=empty)
     seconds = time.perf_counter() - t0
-    engine.check_built(model)  # built empty on the other processes: the same tensors as the main one's
+    check_built(accelerator, model, "model.name_or_path")  # built empty on the others: the main one's tensors
     # peft changes the modules in place: keep the random base to save it once the adapter is known to fit
     random_base = copy.deepcopy(model) if random_base else None
     model = apply_lora(cfg, model, task.frozen_reference_adapter(), tokenizer)

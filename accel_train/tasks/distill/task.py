@@ -68,7 +68,7 @@ from accel_train.components.prompts import (PromptBudget, PromptCollator, inspec
                                             tokenize_prompts)
 from accel_train.config.schema import Config, is_embedded_tiny_model
 from accel_train.config.sections import ConfigError
-from accel_train.runtime.dist import check_whole
+from accel_train.runtime.dist import check_built, check_whole
 from accel_train.runtime.engine import Engine, inner_module
 from accel_train.data.formats import IGNORE_INDEX
 from accel_train.models.generation import (SeededSampler, generation_config, left_padded, row_seed, run_cache,
@@ -258,7 +258,7 @@ def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
     with torch.random.fork_rng(devices=devices), engine.building(whole=random) as empty:
         torch.manual_seed(cfg.seed + 1)
         model = build_model(as_model, tokenizer, empty=empty)
-    engine.check_built(model, "distill.teacher")
+    check_built(engine.accelerator, model, "distill.teacher")
     model = engine.prepare_frozen(model)
     device = engine.accelerator.device
     logger.info(f"distill.teacher: {teacher} loaded, {loaded_line(model, device)}", main_process_only=True)
