@@ -94,7 +94,7 @@ def _forked(target: str, head: list[str], args: list[str], timeout: float = 300,
     return proc
 
 
-sys.path.insert(0, str(REPO / "tests" / "scripts"))  # forked_cli, importable by the fork server too
+sys.path.insert(0, str(REPO / "tests" / "scripts"))  # forked_cli, importable by the forked children too
 import forked_cli  # noqa: E402
 
 _SERVER = []
@@ -109,21 +109,25 @@ def _forkserver():
         # (transformers' save_pretrained imports it wherever it is installed: 0.5 s a process) and its Muon optimizer
         # (every DeepSpeed engine imports it to check the optimizer it is given: 1.4 s a process, torch's dynamo).
         # Nothing that prints when imported: a child's output is what a real launch prints (DeepSpeed's accelerator
-        # probe is told what it would find, as dist.py does).
+        # probe is told what it would find, as dist.py does). Last, fork_warm: what every run builds on first use
+        # (transformers' conversion table, the loss plot's text layout), built once here.
         import torch
 
         ctx.set_forkserver_preload(["forked_cli", "accel_train.training.recipe", "evaluate", "sklearn.metrics",
                                     "torch.utils.tensorboard", "matplotlib.pyplot",
                                     "matplotlib.backends.backend_agg", "deepspeed",
-                                    "deepspeed.runtime.zero.muon.muon_optimizer"])
-        probe = not torch.accelerator.is_available() and "DS_ACCELERATOR" not in os.environ
-        if probe:  # the server's environment only: the children get their own (forked_cli.child)
-            os.environ["DS_ACCELERATOR"] = "cpu"
-        try:
+                                    "deepspeed.runtime.zero.muon.muon_optimizer", "fork_warm"])
+        # The server's environment only: the children get their own (forked_cli.child), and their sys.path from
+        # this process. The server imports its preloads on the path it starts with (Python's forkserver does not
+        # apply this process's sys.path to itself): tests/scripts on PYTHONPATH, for forked_cli and fork_warm.
+        from unittest import mock
+
+        scripts = str(REPO / "tests" / "scripts")
+        server = {"PYTHONPATH": os.pathsep.join(filter(None, (scripts, os.environ.get("PYTHONPATH"))))}
+        if not torch.accelerator.is_available() and "DS_ACCELERATOR" not in os.environ:
+            server["DS_ACCELERATOR"] = "cpu"
+        with mock.patch.dict(os.environ, server):
             forkserver.ensure_running()
-        finally:
-            if probe:
-                del os.environ["DS_ACCELERATOR"]
         _SERVER.append(ctx)
     return _SERVER[0]
 

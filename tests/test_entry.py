@@ -208,12 +208,13 @@ def test_module_entry_under_accelerate_launch_with_the_gpu_config_on_a_cpu_machi
     config = "cpu_2proc.yaml" if torch.cuda.is_available() else "2gpu.yaml"  # with GPUs, 2gpu.yaml runs on them
     proc = run([BIN / "accelerate", "launch", "--config_file", ACCEL_CONFIGS / config, "--main_process_port",
                 str(free_port()), "-m", "accel_train", f"output_dir={tmp_out}", "train.max_steps=3",
-                "train.log_every=1", "train.debug_collectives=true", "train.dist_timeout_s=60"])
+                "data.builtin_size=200", "train.log_every=1", "train.debug_collectives=true",
+                "train.dist_timeout_s=60"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
     train, evals = read_metrics(tmp_out)
-    assert [r["step"] for r in train] == [1, 2, 3] and evals[-1]["eval_samples"] == 300
+    assert [r["step"] for r in train] == [1, 2, 3] and evals[-1]["eval_samples"] == 20
     assert (tmp_out / "adapter" / "adapter_model.safetensors").is_file()
 
 

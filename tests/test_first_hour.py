@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, accel_train_launch, ctrl_c_launch, python_m, read_metrics, run, said
+from conftest import BIN, accel_train_launch, ctrl_c_launch, forked_launch, python_m, read_metrics, run, said
 
 pytestmark = pytest.mark.long
 
@@ -147,9 +147,11 @@ def test_two_processes_say_the_batch_they_changed_and_a_run_without_eval_data_sa
     and data.eval_fraction=0 without an eval file never evaluates: each is one line, said once (before: the start
     line's product alone, and nothing)."""
     train = write_jsonl(tmp_path / "train.jsonl", chat_rows(WORDS * 2))
-    proc = accel_train_launch("cpu_2proc.yaml", f"data.path={train}", "data.eval_fraction=0",
-                              "train.per_device_batch_size=4", "train.max_steps=2", "track.log_with=[]",
-                              f"output_dir={tmp_path / 'run'}")
+    # the ranks forked (conftest.forked_launch): rank 0 says these lines (preflight.say_unseen), not the launcher,
+    # whose own lines are test_a_newcomers_first_hour's
+    proc = forked_launch("cpu_2proc.yaml", f"data.path={train}", "data.eval_fraction=0",
+                         "train.per_device_batch_size=4", "train.max_steps=2", "track.log_with=[]",
+                         f"output_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).splitlines()
     for line in ("train: effective batch 8 on 2 processes, 4 on 1: train.per_device_batch_size=4 is per process; "

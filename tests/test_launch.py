@@ -4,7 +4,6 @@ says so in one line, once, under every launcher."""
 from __future__ import annotations
 
 import json
-import sys
 
 import matplotlib.image
 import pytest
@@ -94,8 +93,9 @@ def test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe(
     the same losses and the same final evaluation, to the topology suite's tolerance. 3 of the 10 epochs (507 steps);
     the full default trains in the notebook."""
     one, tmp_out = tmp_path / "one", tmp_path / "default"
-    # a fresh interpreter, as users start it (other single-process tests fork theirs: conftest.python_m)
-    proc = run([sys.executable, "-m", "accel_train", f"output_dir={one}", "train.epochs=3"], timeout=900)
+    # forked (conftest.python_m): the entry, not the interpreter's start, is what this compares (a fresh
+    # `python -m accel_train` run: test_streaming.py; its imports: test_entry.py)
+    proc = python_m(f"output_dir={one}", "train.epochs=3", timeout=900)
     train_one, final_one = check_default_run(proc, one, processes=1, min_accuracy=0.4)
     proc = accel_train_launch("cpu_2proc.yaml", "--config", "configs/train/default.yaml", f"output_dir={tmp_out}",
                               "train.epochs=3", timeout=900)
@@ -129,15 +129,15 @@ def test_default_recipe_same_model_on_one_and_two_processes_then_the_dpo_recipe(
 @pytest.mark.long
 def test_torchrun(tmp_out):
     """`torchrun -m accel_train` (the script, accel_train/train.py, is what every accelerate launch here runs)."""
-    # two epochs of a third of the builtin data: 900 train samples, 57 steps of 2 x 8 an epoch (the default's 16 a
+    # two epochs of a tenth of the builtin data: 270 train samples, 17 steps of 2 x 8 an epoch (the default's 16 a
     # step on any number of processes; the last short)
     proc = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "accel_train",
-                f"output_dir={tmp_out}", "train.epochs=2", "data.builtin_size=1000"])
+                f"output_dir={tmp_out}", "train.epochs=2", "data.builtin_size=300"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "2 process(es) on cpu" in log and "(MULTI_CPU)" in log
     train, evals = read_metrics(tmp_out)
-    assert train[-1]["step"] == 114 and evals[-1]["eval_samples"] == 100
+    assert train[-1]["step"] == 34 and evals[-1]["eval_samples"] == 30
 
 
 def test_missing_tracker_package_is_named(tmp_out):

@@ -102,9 +102,11 @@ def test_an_mfu_above_the_peak_is_said_once(tmp_path, caplog):
 
 # Every registered task, run as users run it (a forked `python -m accel_train`, 1 process, eager attention: CPU
 # sdpa's kernel has no FlopCounterMode formula), batch 1 (no padding: the credit counts real tokens, the counter
-# every computed one) with accumulation 2, 2 steps; grpo also with whole rows and with a reference (beta > 0). The
-# tiny model with 8 layers: under LoRA the first layer's frozen projections of the frozen embeddings need no input
-# gradient, which the credit does not subtract (tracking.step_flops): 8% of a 2-layer model's step, 2% of 8 layers'.
+# every computed one) with accumulation 2, 2 steps, on 20 rows of its built-in data (the 4 samples the steps take;
+# tokenizing and evaluating the default's 3,000 took longer than the steps); grpo also with whole rows and with a
+# reference (beta > 0). The tiny model with 8 layers: under LoRA the first layer's frozen projections of the frozen
+# embeddings need no input gradient, which the credit does not subtract (tracking.step_flops): 8% of a 2-layer
+# model's step, 2% of 8 layers'.
 RUNS = [(name, ()) for name in registry.NAMES] + [("grpo", ("--no-shared-prompts",)), ("grpo", ("grpo.beta=0.1",))]
 
 
@@ -124,8 +126,8 @@ def test_every_task_is_credited_the_flops_its_steps_compute(name, extra, eight_l
     proc = python_script("tests/scripts/flop_probe.py", counted, *extra, f"task={name}",
                          *registry.info(name).example, f"model.name_or_path={eight_layers}",
                          "model.attn_implementation=eager", "train.per_device_batch_size=1",
-                         "train.grad_accum_steps=2", "train.max_steps=2", "train.mixed_precision=no",
-                         "track.log_with=[]", f"output_dir={out}")
+                         "train.grad_accum_steps=2", "train.max_steps=2", "data.builtin_size=20",
+                         "train.mixed_precision=no", "track.log_with=[]", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected, got = json.loads(counted.read_text()), json.loads((out / "steps.json").read_text())["flops"]
     assert len(expected) == len(got) == 2 and min(expected) > 0
