@@ -2,8 +2,8 @@
 once per process, built as the policy is (runtime.engine.Engine.building: partitioned under zero3_init_flag, read by
 the main process alone under fsdp_cpu_ram_efficient_loading; but an adapter, merged on whole weights on every
 process), frozen and placed as the policy is (Engine.prepare_frozen: sharded like it under FSDP2 and DeepSpeed
-ZeRO-3, whole on each process's device elsewhere); it scores each completion after its prompt, rendered as the reward run's pairs were (the prompt a
-user turn, or the prompt's turns; the completion the assistant's answer; through the reward run's chat template),
+ZeRO-3, whole on each process's device elsewhere); it scores each completion after its prompt, rendered as the
+reward run's pairs were (the prompt a user turn, or the prompt's turns; the completion the assistant's answer; through the reward run's chat template),
 its last data.max_length tokens, a batch of train.eval_batch_size sequences a forward, without gradient.
 
 Sharded, every forward is a collective: each call of `score` first agrees with the other ranks on the number of

@@ -243,8 +243,8 @@ def check_vocabulary(cfg: Config) -> None:
 def load_teacher(cfg: Config, tokenizer, engine: Engine) -> torch.nn.Module:
     """The teacher, frozen, in evaluation mode, in model.dtype (not quantized), built as the student is
     (Engine.building: partitioned under zero3_init_flag, but the random tiny model; read by the main process alone
-    under fsdp_cpu_ram_efficient_loading) and placed by the engine (Engine.prepare_frozen: sharded like the student under
-    FSDP2 and ZeRO-3, whole on this process's device elsewhere). The embedded tiny model is random, drawn from
+    under fsdp_cpu_ram_efficient_loading) and placed by the engine (Engine.prepare_frozen: sharded like the student
+    under FSDP2 and ZeRO-3, whole on this process's device elsewhere). The embedded tiny model is random, drawn from
     seed + 1 (the student, when it is the tiny model too, is drawn from seed). Under sharded weights a collective:
     every rank at once."""
     teacher = cfg.distill.teacher
