@@ -511,3 +511,16 @@ def test_prompts_alone_1proc_accumulation_equals_2proc(tmp_path):
             assert set(got) == set(want), config
             for key in set(want) - timing:
                 assert got[key] == pytest.approx(want[key], rel=rel), (config, want["step"], key)
+
+
+@pytest.mark.long  # 2 processes, 2 steps (about 12 s)
+def test_fsdp2_mixed_precision_calls_the_teachers_whole_head_on_its_own_dtype(tmp_path):
+    """Under FSDP2 with bf16 (its MixedPrecisionPolicy, no autocast) the teacher's body computes in bf16 while its
+    head's whole copy (Engine.whole_head) is fp32: the rows it is called on are cast to its dtype (a bf16 x fp32
+    matmul failed). On a CPU without bf16 the run trains in fp32 and proves less."""
+    proc = forked_launch("fsdp2.yaml", "task=distill", "data.path=builtin:reverse", "data.builtin_size=16",
+                         "distill.teacher=configs/model/tiny-llama", "train.max_steps=2",
+                         "train.per_device_batch_size=2", "train.mixed_precision=bf16", "track.log_with=[]",
+                         f"output_dir={tmp_path / 'run'}", timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "run" / "adapter").is_dir()

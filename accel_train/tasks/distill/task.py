@@ -164,9 +164,12 @@ class Distillation:
 
     @torch.no_grad()
     def teacher_rows(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
-        """The teacher's final hidden states at the positions that predict a target (N, H)."""
+        """The teacher's final hidden states at the positions that predict a target (N, H), in its head's dtype: under
+        FSDP2's mixed precision (no autocast) the body computes in bf16 while the head's whole copy (whole_head) is
+        fp32, and the head is called on them outside the teacher's forward."""
         with replaced_head(self.own_teacher_head, lambda call_head, hidden: hidden[:, :-1][mask]), self.autocast():
-            return self.teacher(**data_lib.model_inputs(batch), use_cache=False).logits
+            rows = self.teacher(**data_lib.model_inputs(batch), use_cache=False).logits
+        return rows.to(self.teacher_head.weight.dtype)
 
     def __call__(self, model, batch: dict, evaluation: bool = False) -> torch.Tensor:
         """The batch's summed divergence (a scalar with its gradient), or with `evaluation` (B, 2): each sample's
