@@ -220,10 +220,10 @@ def test_nonfinite_stop_policy_saves_last_good_state(tmp_path):
     proc, seconds = timed(accel_train_launch, "cpu_2proc.yaml", *RUN, f"output_dir={out}", "train.on_nonfinite=stop",
                           env={"ACCEL_TRAIN_FAULT": "nan@step=5,rank=0"})
     assert proc.returncode == 3 and seconds < BOUND_S
-    assert said(proc.stderr) == [f"accel_train: non-finite loss or gradient at step 5 (1 step(s) in a row); stopped. "
-                                 f"Checkpoint of the last good state: {out}/checkpoints/step-4 (lower train.lr, or "
-                                 "check the data)"]
-    assert complete(out) == [3, 4]  # the last good state: after step 4
+    assert said(proc.stderr) == [f"accel_train: non-finite loss or gradient at step 5 (1 step(s) in a row, not applied); "
+                                 f"stopped. Checkpoint of the last good weights: {out}/checkpoints/step-5 (lower "
+                                 "train.lr, or check the data)"]
+    assert complete(out) == [3, 5]  # step 5 skipped: the weights of step 4
 
 
 def test_failed_final_evaluation_keeps_the_trained_weights(tmp_path):

@@ -64,11 +64,11 @@ def test_nonfinite_policy_under_fp16_loss_scaling():
     from accel_train.training.loop import nonfinite_step
 
     native = lambda scale: (scale, 0.0)  # noqa: E731 (loop.loss_scaling: torch's scaler has no floor)
-    assert not nonfinite_step(3.0, None) and not nonfinite_step(3.0, native(0.5))
-    assert nonfinite_step(float("nan"), None) and nonfinite_step(float("inf"), None)
+    assert not nonfinite_step(True, None) and not nonfinite_step(True, native(0.5))
+    assert nonfinite_step(False, None)
     # fp16: overflows while the scale calibrates down from 2^16 are expected; below 1 they are the gradient's own
-    assert not nonfinite_step(float("inf"), native(2.0**16))
-    assert nonfinite_step(float("inf"), native(0.5))
+    assert not nonfinite_step(False, native(2.0**16))
+    assert nonfinite_step(False, native(0.5))
 
 
 def test_nonfinite_policy_under_deepspeed_fp16_stops_before_the_engine_raises(monkeypatch):
@@ -96,29 +96,122 @@ def test_nonfinite_policy_under_deepspeed_fp16_stops_before_the_engine_raises(mo
     job = SimpleNamespace(accelerator=accelerator, optimizer=optimizer, state=TrainState(),
                           run_log=SimpleNamespace(warn=warned.append))
     cfg = load_config(None, ["train.on_nonfinite=skip", "train.max_nonfinite_steps=3"])
-    overflows = 0
+    verdicts, overflows = loop.Verdicts(cfg, job), 0
+    assert not verdicts.on_device  # DeepSpeed: read at once
     with pytest.raises(NonFiniteError):
         while True:
             engine_scaler.update_scale(True)  # the engine, in the window's last backward: an overflow
             overflows += 1
-            loop.step_or_skip(cfg, job, float("inf"))
+            verdicts.take(float("inf"))
             job.state.step += 1
+            verdicts.judge()
     # 16 -> 8 -> 4 -> 2 -> 1, hysteresis 2: the 5th overflow leaves the scale at its floor, where the 6th would raise
     assert overflows == 5 and engine_scaler.cur_scale == 1
     with pytest.raises(Exception, match="loss scale already at minimum"):
         engine_scaler.update_scale(True)
-    assert job.state.skipped_steps == 4 and "(fp16 loss scale 2)" in warned[-1]
-    assert loop.step_or_skip(cfg, job, 0.5) and job.state.nonfinite_in_a_row == 0  # a finite step: taken
+    assert job.state.skipped_steps == 5 and "(fp16 loss scale 2)" in warned[-1]  # the 5th, in its checkpoint too
+    assert verdicts.take(0.5) and stepped[-1] == 1  # a finite step: taken
+    verdicts.judge()
+    assert job.state.nonfinite_in_a_row == 0
 
 
 def test_a_loss_that_stays_broken_stops_with_the_last_good_state(tmp_out):
     proc = python_m(f"output_dir={tmp_out}", *QUICK, "train.max_steps=20", "checkpoint.save_every=2",
                     env={"ACCEL_TRAIN_FAULT": "nan_from@step=5"})
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "non-finite loss or gradient at step 7 (3 step(s) in a row); stopped" in proc.stderr
+    assert "non-finite loss or gradient at step 7 (3 step(s) in a row, not applied); stopped" in proc.stderr
     train, _ = read_metrics(tmp_out)
     lrs = [r["lr"] for r in train]
     assert lrs == sorted(lrs) and len(set(lrs)) == len(lrs)  # warmup: the schedule moves on with every step
+
+
+def test_a_fused_adamw_skips_a_nonfinite_step_on_the_device_and_the_policy_runs_when_the_host_reads_it():
+    """loop.Verdicts with torch's fused AdamW (the default on one process and DDP): a step whose norm is not finite
+    leaves the weights, both moments and the step count as they were, with no host read; the policy (warning,
+    counts) runs at `judge`, with the verdict the gather read; a finite step then updates."""
+    from types import SimpleNamespace
+
+    from conftest import fresh_accelerator
+
+    from accel_train.runtime.checkpoint import TrainState
+    from accel_train.training import loop
+
+    accelerator = fresh_accelerator()
+    model = torch.nn.Linear(4, 3)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    warned = []
+    job = SimpleNamespace(accelerator=accelerator, optimizer=optimizer, state=TrainState(),
+                          run_log=SimpleNamespace(warn=warned.append))
+    verdicts = loop.Verdicts(load_config(None, []), job)
+    assert verdicts.on_device
+
+    def step(value: float):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, value)
+        return verdicts.take(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
+
+    step(1.0)  # a first finite step: moments exist
+    verdicts.judge()
+    before = ({n: p.detach().clone() for n, p in model.named_parameters()},
+              [v.clone() for s in optimizer.state_dict()["state"].values() for v in s.values()])
+    reads = []
+    original = torch.Tensor.__bool__
+    torch.Tensor.__bool__ = lambda self: reads.append(1) or original(self)
+    try:
+        finite = step(math.nan)
+    finally:
+        torch.Tensor.__bool__ = original
+    assert isinstance(finite, torch.Tensor) and not reads  # unread: the host did not wait for the device
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    assert all(torch.equal(before[0][n], after[n]) for n in after)
+    state = [v for s in optimizer.state_dict()["state"].values() for v in s.values()]
+    assert len(state) == 6 and all(torch.equal(a, b) for a, b in zip(before[1], state))  # step, moments, 2 tensors
+    job.state.step = 2
+    verdicts.judge(bool(verdicts.flag(accelerator.device)))  # as the next gather reads it
+    assert warned == ["step 2: non-finite gradient norm, step skipped (1 in a row, 1 in all)"]
+    assert (job.state.skipped_steps, job.state.nonfinite_in_a_row) == (1, 1)
+    step(1.0)
+    verdicts.judge()
+    assert job.state.nonfinite_in_a_row == 0 and not torch.equal(before[0]["weight"], model.weight)
+
+
+def test_a_step_skipped_on_the_device_stops_with_the_weights_and_optimizer_state_of_the_step_before(tmp_out):
+    """train.on_nonfinite=stop with step 5's gradient broken and nothing to log, evaluate or save at step 5: the
+    verdict is read with step 6's gather (loop.Verdicts), the run stops in one line with the checkpoint of step 5,
+    whose weights and optimizer state are step 4's checkpoint's, and logs no NaN."""
+    from safetensors.torch import load_file
+
+    proc = python_m(f"output_dir={tmp_out}", "data.builtin_size=200", "train.max_steps=12", "train.log_every=4",
+                    "checkpoint.save_every=4", "train.on_nonfinite=stop", "track.log_with=[]",
+                    env={"ACCEL_TRAIN_FAULT": "nan@step=5"})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    checkpoints = tmp_out / "checkpoints"
+    assert [line for line in proc.stderr.splitlines() if line.startswith("accel_train: non-finite")] == [
+        f"accel_train: non-finite loss or gradient at step 5 (1 step(s) in a row, not applied); stopped. Checkpoint "
+        f"of the last good weights: {checkpoints}/step-5 (lower train.lr, or check the data)"]
+    four, five = (load_file(checkpoints / f"step-{s}" / "model.safetensors") for s in (4, 5))
+    assert four.keys() == five.keys() and all(torch.equal(four[k], five[k]) for k in four)
+    four, five = (torch.load(checkpoints / f"step-{s}" / "optimizer.bin", weights_only=False)["state"] for s in (4, 5))
+    assert four.keys() == five.keys() and all(torch.equal(four[i][k], five[i][k]) for i in four for k in four[i])
+    assert json.loads((checkpoints / "step-5" / "train_state.json").read_text())["skipped_steps"] == 1
+    train, _ = read_metrics(tmp_out)
+    assert [r["step"] for r in train] == [4] and math.isfinite(train[0]["loss"])
+
+
+def test_a_skipped_step_leaves_nothing_in_the_logged_loss_and_the_loop_reads_the_host_once_a_step(tmp_path):
+    """The loop's own host reads of a tensor's value (a device sync each on a GPU; tests/scripts/host_reads.py)
+    between two logs: one a step, the gather before its forwards, with accumulation, and a step skipped for its
+    non-finite gradient (its verdict read with the next gather): warned once, and its NaN loss kept out of the
+    logged mean."""
+    seen = tmp_path / "reads.json"
+    proc = python_script("tests/scripts/host_reads.py", seen, f"output_dir={tmp_path / 'out'}", "data.builtin_size=200",
+                         "train.max_steps=6", "train.log_every=100", "train.grad_accum_steps=2", "train.eval_every=null",
+                         "track.log_with=[]", env={"ACCEL_TRAIN_FAULT": "nan@step=3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(seen.read_text()) == [1] * 6  # the last step's log follows its count
+    assert proc.stderr.count("step 3: non-finite gradient norm, step skipped (1 in a row, 1 in all)") == 1
+    train, _ = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in train] == [6] and math.isfinite(train[0]["loss"])
 
 
 def test_accumulation_marks_only_the_last_micro_batch_as_the_boundary(tmp_path):

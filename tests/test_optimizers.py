@@ -223,7 +223,10 @@ def test_schedule_free_trains_at_y_and_evaluates_and_saves_at_x(tmp_path, monkey
     from accel_train.training import loop
 
     seen = []
-    for name in ("run_evaluation", "save_checkpoint", "step_or_skip"):
+    take = loop.Verdicts.take
+    monkeypatch.setattr(loop.Verdicts, "take", lambda self, norm: seen.append(
+        ("take", self.job.optimizer.param_groups[0]["train_mode"])) or take(self, norm))
+    for name in ("run_evaluation", "save_checkpoint"):
         original = getattr(loop, name)
 
         def spy(cfg, job, *args, _name=name, _original=original):
@@ -243,8 +246,8 @@ def test_schedule_free_trains_at_y_and_evaluates_and_saves_at_x(tmp_path, monkey
     main([f"output_dir={out}", "train.optimizer=schedule_free_adamw", "train.max_steps=4", "train.eval_every=2",
           "checkpoint.save_every=2", "data.builtin_size=60", "track.log_with=[]", "lora.enabled=false",
           "train.mixed_precision=no"])
-    assert seen == [("step_or_skip", True), ("step_or_skip", True), ("run_evaluation", False),
-                    ("save_checkpoint", False), ("step_or_skip", True), ("step_or_skip", True),
+    assert seen == [("take", True), ("take", True), ("run_evaluation", False),
+                    ("save_checkpoint", False), ("take", True), ("take", True),
                     ("save_checkpoint", False), ("run_evaluation", False)]
     optimizer = loop_job[0].optimizer
     x = {n: p.detach().clone() for n, p in loop_job[0].model.named_parameters()}

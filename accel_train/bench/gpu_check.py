@@ -43,7 +43,7 @@ ACCEL = REPO / "configs" / "accelerate"
 BF16_RTOL = 0.02  # bf16 autocast: a few ulps of 2^-8 per op, summed over a short run
 ORDER = ["quickstart_1gpu", "quickstart_cpu", "lora_bf16", "lora_fp16", "fp16_broken_loss", "deepspeed_zero2",
          "deepspeed_zero3", "deepspeed_fp16", "fsdp2", "qlora_4bit", "bench_0.5b"]
-# loop.step_or_skip's warning for a step skipped while the fp16 loss scale calibrates
+# loop.Verdicts's warning for a step skipped while the fp16 loss scale calibrates
 SKIPPED = re.compile(r"step (\d+): non-finite gradient norm, step skipped \(fp16 loss scale ([0-9.e+]+)\)")
 
 
@@ -193,7 +193,7 @@ def judge(check: Check, proc: subprocess.CompletedProcess, results: dict) -> dic
 
 def fp16_policy(check: Check, log: str, figures: dict) -> tuple[bool, dict]:
     """fp16 under DeepSpeed, every step logged: the steps whose loss is not finite are exactly those skipped with
-    loop.step_or_skip's warning, each naming the engine's loss scale (never rising: it halves on overflows while it
+    loop.Verdicts's warning, each naming the engine's loss scale (never rising: it halves on overflows while it
     calibrates), most steps trained, and the last loss below the first."""
     records = [json.loads(line) for line in (check.out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["loss"] for r in records if "loss" in r}

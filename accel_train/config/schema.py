@@ -278,7 +278,8 @@ class TrainConfig:
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A step whose global gradient norm is inf/NaN: skip it (no update, counted) or stop with a checkpoint."""
     max_nonfinite_steps: int = 3
-    """With skip: stop (checkpoint of the last good state, message naming the step) after this many in a row."""
+    """With skip: stop after this many in a row (message naming the step; the checkpoint of that step, not applied: the
+    last good weights)."""
     dist_timeout_s: int = 600
     """Timeout of the process group's collectives, in seconds (torchrun's default is ten minutes)."""
     gather_for_generation: Optional[bool] = None

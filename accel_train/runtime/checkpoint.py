@@ -79,13 +79,15 @@ class StopTogether(Exception):
 
 
 class NonFiniteError(StoppedWithCheckpoint):
-    """Training stopped on non-finite gradients, after saving the last good state."""
+    """Training stopped on non-finite gradients, after saving a checkpoint of the last good weights (at the step
+    that stopped it, not applied: loop.Verdicts)."""
 
     exit_status = 3
 
     def __init__(self, step: int, in_a_row: int, checkpoint):
-        super().__init__(f"non-finite loss or gradient at step {step} ({in_a_row} step(s) in a row); stopped. "
-                         f"Checkpoint of the last good state: {checkpoint} (lower train.lr, or check the data)")
+        super().__init__(f"non-finite loss or gradient at step {step} ({in_a_row} step(s) in a row, not applied); "
+                         f"stopped. Checkpoint of the last good weights: {checkpoint} (lower train.lr, or check the "
+                         "data)")
 
 
 class CheckpointError(RuntimeError):

@@ -106,37 +106,79 @@ def loss_scaling(accelerator, optimizer) -> tuple[float, float] | None:
     return None
 
 
-def nonfinite_step(grad_norm: float, scaling: tuple[float, float] | None) -> bool:
-    """Whether this step's gradient is broken (counted towards train.max_nonfinite_steps): a non-finite global norm,
+def nonfinite_step(finite: bool, scaling: tuple[float, float] | None) -> bool:
+    """Whether a step's gradient is broken (counted towards train.max_nonfinite_steps): a non-finite global norm,
     except under fp16 loss scaling while the scale is still high enough to be the cause (and above its floor)."""
-    if math.isfinite(grad_norm):
+    if finite:
         return False
     return scaling is None or scaling[0] < MIN_LOSS_SCALE or scaling[0] <= scaling[1]
 
 
-def step_or_skip(cfg: Config, job: TrainingJob, grad_norm: float) -> bool:
-    """The non-finite policy, then the optimizer step: a broken gradient stops the run with a checkpoint (at once
-    with train.on_nonfinite=stop, else after train.max_nonfinite_steps in a row, or when DeepSpeed's loss scale is
-    at its floor: the engine would raise at its next overflow); a non-finite one is skipped with a warning.
-    Returns whether the gradient was finite (the window's loss is logged only then)."""
-    state, scaling = job.state, loss_scaling(job.accelerator, job.optimizer)
-    finite, bad = math.isfinite(grad_norm), nonfinite_step(grad_norm, scaling)
-    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
-    floored = bad and scaling is not None and scaling[0] <= scaling[1]
-    if bad and (cfg.train.on_nonfinite == "stop" or floored
-                or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
-        job.optimizer.eval()  # saved as between steps (fit: schedule-free's average)
-        raise NonFiniteError(state.step + 1, state.nonfinite_in_a_row, save_checkpoint(job.accelerator, cfg, state))
-    if not finite:
-        state.skipped_steps += 1
-        job.run_log.warn(f"step {state.step + 1}: non-finite gradient norm, step skipped "
-                         + (f"(fp16 loss scale {scaling[0]:g}) " if scaling is not None else "")
-                         + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
-    if finite or scaling is not None:
-        # fp16: the scaler skips a non-finite step itself, and lowers its scale. Under DeepSpeed this does nothing:
-        # the engine stepped (or skipped) in the window's last backward.
-        job.optimizer.step()
-    return finite
+class Verdicts:
+    """Each step's gradient taken or skipped, and the non-finite policy on it (train.on_nonfinite: a non-finite step
+    skipped with a warning, or the run stopped with a checkpoint, at once or after train.max_nonfinite_steps in a
+    row, or when DeepSpeed's fp16 loss scale is at its floor: the engine would raise at its next overflow).
+
+    The step is taken or skipped at once, the policy runs when the host reads whether the norm was finite. With a
+    fused AdamW (torch's, the default on DDP and one process) a non-finite step is skipped on the device (its
+    found_inf, as GradScaler drives it: weights, moments and step count untouched), and the host reads the verdict
+    with the next read the loop makes anyway: the next step's gather (`flag`), or this step's log, evaluation or
+    checkpoint (`judge`): one host sync a step, not two. Elsewhere (fp16 loss scaling, DeepSpeed, FSDP2's unfused
+    optimizer, the other optimizers) it is read at once. Either way a step is judged after it is counted: a stop's
+    checkpoint is that of the skipped step (the weights of the step before it), and a resume goes on after it."""
+
+    def __init__(self, cfg: Config, job: TrainingJob):
+        self.cfg, self.job = cfg, job
+        accelerator, inner = job.accelerator, getattr(job.optimizer, "optimizer", job.optimizer)
+        self.on_device = (accelerator.scaler is None and accelerator.distributed_type != DistributedType.DEEPSPEED
+                          and isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused")))
+        self.inner = inner
+        self.pending: tuple | None = None
+        """(finite: a device tensor or a bool, the fp16 loss scaling) of the last step, not judged yet."""
+
+    def take(self, grad_norm) -> bool | torch.Tensor:
+        """The optimizer step, or its skip where the norm is not finite; returns whether it is (a device tensor,
+        unread, where the device skips)."""
+        scaling = loss_scaling(self.job.accelerator, self.job.optimizer)  # read before the step updates it
+        if self.on_device:
+            finite = torch.isfinite(grad_norm)
+            self.inner.found_inf = (~finite).float()
+            self.job.optimizer.step()
+        else:
+            finite = math.isfinite(grad_norm)
+            if finite or scaling is not None:
+                # fp16: the scaler skips a non-finite step itself, and lowers its scale. Under DeepSpeed this does
+                # nothing: the engine stepped (or skipped) in the window's last backward.
+                self.job.optimizer.step()
+        self.pending = (finite, scaling)
+        return finite
+
+    def flag(self, device) -> torch.Tensor:
+        """The pending verdict as the gather carries it (1: finite, or none pending), unread."""
+        finite = self.pending[0] if self.pending is not None else True
+        return torch.as_tensor(finite, device=device).long().reshape(1)
+
+    def judge(self, finite: bool | None = None) -> None:
+        """The policy on the pending step (the last counted: state.step), its verdict `finite` as the gather read
+        it, else read now."""
+        if self.pending is None:
+            return
+        (flag, scaling), self.pending = self.pending, None
+        finite = bool(flag) if finite is None else finite
+        cfg, state = self.cfg, self.job.state
+        bad = nonfinite_step(finite, scaling)
+        state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if bad else 0
+        floored = bad and scaling is not None and scaling[0] <= scaling[1]
+        if not finite:
+            state.skipped_steps += 1
+        if bad and (cfg.train.on_nonfinite == "stop" or floored
+                    or state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps):
+            raise NonFiniteError(state.step, state.nonfinite_in_a_row,
+                                 save_checkpoint(self.job.accelerator, cfg, state))
+        if not finite:
+            self.job.run_log.warn(f"step {state.step}: non-finite gradient norm, step skipped "
+                                  + (f"(fp16 loss scale {scaling[0]:g}) " if scaling is not None else "")
+                                  + f"({state.nonfinite_in_a_row} in a row, {state.skipped_steps} in all)")
 
 
 def judge(cfg: Config, job: TrainingJob, results: dict) -> bool:
@@ -181,14 +223,22 @@ class LossSums:
     def start(cls, task: Task, device, step: int) -> "LossSums":
         return cls(task.logged, torch.zeros(len(task.logged), device=device), task.finish_means, step)
 
-    def add(self, window_sums: torch.Tensor, targets: int) -> None:
-        self.sums += window_sums
-        self.targets += targets
+    def add(self, window_sums: torch.Tensor, targets: int, finite: bool | torch.Tensor) -> None:
+        """A step's sums, counted where its gradient was finite (`finite`: Verdicts.take's, a device tensor unread
+        where the device skips)."""
+        if isinstance(finite, torch.Tensor):
+            self.sums += torch.where(finite, window_sums, 0.0)
+            self.targets = self.targets + targets * finite.long()
+        elif finite:
+            self.sums += window_sums
+            self.targets += targets
 
     def means(self, accelerator) -> dict:
         """The means since the last log over every rank (one collective, on every rank); the sums start again."""
-        sums = accelerator.reduce(self.sums, reduction="sum").tolist()
-        means = {k: s / self.targets if self.targets else math.nan  # nan: only skipped steps
+        sums = accelerator.reduce(self.sums, reduction="sum")
+        *sums, targets = torch.cat([sums.double(), torch.as_tensor(self.targets, device=sums.device).double()[None]]
+                                   ).tolist()  # one host read
+        means = {k: s / targets if targets else math.nan  # nan: only skipped steps
                  for k, s in zip(self.names, sums)}
         self.sums.zero_()
         self.targets = 0
@@ -254,6 +304,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     # Loader items a step takes on each rank: its micro-batches, or with data.max_tokens_per_batch one, the step's
     # samples in micro-batches cut by tokens (data_lib.TokenBudget, Task.window). A resume skips those consumed.
     per_step = 1 if cfg.data.max_tokens_per_batch else accum
+    verdicts = Verdicts(cfg, job)  # each step's gradient taken or skipped, then judged (train.on_nonfinite)
     model.train()
     while state.step < job.total_steps:
         batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch // reuse * per_step)
@@ -263,11 +314,14 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             window = task.window(batches, state.step, accum)  # no collective that depends on its length (Task.window)
             # One collective and one host sync before the forwards: every rank learns how many micro-batches each
             # rank has, whether a signal came and, where the task counts the data as loaded (no rollouts:
-            # Task.counts_data_as_loaded), the window's counts, which normalise the loss.
+            # Task.counts_data_as_loaded), the window's counts, which normalise the loss; the host reads the last
+            # step's verdict with them where the device skipped it (Verdicts).
             counted_now = task.counts_data_as_loaded
             shared = torch.tensor([len(window), job.preemption.signum], device=accelerator.device)
             stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(shared[:0])
-            rows = accelerator.gather(torch.cat([shared, stats])[None]).tolist()
+            rows = accelerator.gather(torch.cat([verdicts.flag(accelerator.device), shared, stats])[None]).tolist()
+            verdicts.judge(bool(rows[0][0]))  # the global norm's: the same on every rank
+            rows = [r[1:] for r in rows]
             micro = [r[0] for r in rows]  # per rank
             n_micro, signal = max(micro), max(r[1] for r in rows)
             if signal and state.step % reuse == 0:  # a signal reached some rank: all stop after the same step
@@ -312,10 +366,9 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
             lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
-            finite = step_or_skip(cfg, job, grad_norm)
+            finite = verdicts.take(grad_norm)
             lr = optimizer.param_groups[0].get("scheduled_lr", lr)  # schedule-free: its own warmup's rate
-            if finite:
-                since_log.add(window_sums, targets)
+            since_log.add(window_sums, targets, finite)
             # once per optimizer step, skipped or not: the rate follows state.step. Under DeepSpeed too: accelerate
             # gives the engine only DeepSpeed's own schedule types, so it neither steps nor skips this one.
             job.scheduler.step()
@@ -325,12 +378,17 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             state.step_in_epoch += 1
             run_log.step(real_tokens, computed_tokens, n_rows, *flop_tokens, micro_batches=sum(micro))
 
-            if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
+            log = state.step % cfg.train.log_every == 0 or state.step == job.total_steps
+            evaluate = (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
+                        and state.step < job.total_steps)  # the final evaluation follows the loop
+            save = cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0
+            if log or evaluate or save or not verdicts.on_device:
+                verdicts.judge()  # read now: what follows reads the host anyway (else with the next gather)
+            if log:
                 last = log_training(cfg, job, since_log, lr, grad_norm)  # a collective, on every rank
-            if (job.eval_dl is not None and cfg.train.eval_every and state.step % cfg.train.eval_every == 0
-                    and state.step < job.total_steps):  # the final evaluation follows the loop
+            if evaluate:
                 evaluation, stopped = evaluate_and_judge(cfg, job)
-            if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
+            if save:
                 save_checkpoint(accelerator, cfg, state)
         else:
             break  # total_steps reached inside the epoch
