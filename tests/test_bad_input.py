@@ -292,23 +292,27 @@ def test_fp16_on_cpu_falls_back_and_says_so(tmp_path):
 
 
 def _model_of(tmp_path, params: float) -> tuple:
-    """A model folder (the tiny model's config resized: random weights, never built here) of about `params`
-    parameters by the count the memory check uses: vocab x hidden + layers x (2 hidden² + 2 hidden x intermediate)."""
+    """A model folder (the tiny Llama's config resized: random weights, never built here) of about `params`
+    parameters in its body, counted as Llama's are laid out: the embeddings, and per layer the four attention
+    projections (as many key/value heads as query heads), the gated MLP's three matrices and two norms; the final
+    norm (its untied head is not counted: the check's bound leaves it out)."""
     hidden, inner, vocab = 2048, 8192, 52
-    layers = max(1, round((params - vocab * hidden) / (2 * hidden * hidden + 2 * hidden * inner)))
+    per_layer = 4 * hidden * hidden + 3 * hidden * inner + 2 * hidden
+    layers = max(1, round((params - vocab * hidden - hidden) / per_layer))
     folder = tmp_path / "model"
     shutil.copytree(TINY_MODEL, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers, head_dim=128,
                   num_attention_heads=16, num_key_value_heads=16)
     (folder / "config.json").write_text(json.dumps(config))
-    return folder, vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * inner)
+    return folder, vocab * hidden + layers * per_layer + hidden
 
 
 def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_naming_what_fits(tmp_path):
-    """2 processes under DDP, full fine-tuning in fp32: 16 bytes a parameter each (weight, gradient, AdamW's two
-    moments), sized here to 1.5x this machine's available memory for both; ZeRO-3/FSDP2 hold 8 a process (0.75x)
-    and LoRA 4: the run stops in one line before any weight is built or anything written, naming those."""
+    """2 processes under DDP, full fine-tuning in fp32: 20 bytes a parameter each (weight, gradient, its copy in
+    DDP's buckets, AdamW's two moments), sized here to 1.875x this machine's available memory for both; ZeRO-3/FSDP2
+    hold 8 a process (0.75x) and LoRA 4: the run stops in one line before any weight is built or anything written,
+    naming those."""
     import psutil
     from conftest import forked_launch
 
@@ -323,20 +327,20 @@ def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_na
     line = lines[0]
     assert line.startswith("accel_train: error: memory: full fine-tuning of this model"), line
     assert f"at least {params / 1e9:.2f}B parameters, 4-byte weights" in line, line
-    assert f"{16 * params / 1e9:.1f} GB a process under DDP, {32 * params / 1e9:.1f} GB for its 2 processes" in line
+    assert f"{20 * params / 1e9:.1f} GB a process under DDP, {40 * params / 1e9:.1f} GB for its 2 processes" in line
     assert f"ZeRO-3 or FSDP2 (cpu_deepspeed_zero3.yaml, fsdp2.yaml) {8 * params / 1e9:.1f} GB a process" in line
     assert f"LoRA (lora.enabled=true) {4 * params / 1e9:.1f} GB a process" in line
     assert "Traceback" not in proc.stderr
 
 
 def test_the_memory_estimate_shards_what_each_engine_shards():
-    """The ZeRO paper's arithmetic, per process of N=4, for P parameters of 4-byte weights: DDP 16P; ZeRO-1 the
-    moments (8P) over N; ZeRO-2 the gradients too; ZeRO-3 and FSDP all; LoRA the frozen weights (over N only where
-    the weights are sharded)."""
+    """The ZeRO paper's arithmetic, per process of N=4, for P parameters of 4-byte weights: one process 16P, DDP
+    20P (its buckets: a second copy of the gradients); ZeRO-1 the moments (8P) over N; ZeRO-2 the gradients too;
+    ZeRO-3 and FSDP all; LoRA the frozen weights (over N only where the weights are sharded)."""
     from accel_train.training.memory import bytes_a_process
 
     p, n = 1000, 4
-    assert bytes_a_process(p, 4, True, n, 0) == 16 * p
+    assert bytes_a_process(p, 4, True, n, 0) == 20 * p and bytes_a_process(p, 4, True, 1, 0) == 16 * p
     assert bytes_a_process(p, 4, True, n, 1) == 4 * p + 4 * p + 8 * p / n
     assert bytes_a_process(p, 4, True, n, 2) == 4 * p + 12 * p / n
     assert bytes_a_process(p, 4, True, n, 3) == 16 * p / n

@@ -2,15 +2,16 @@
 config.json before any weight is read: a job that cannot fit stops in one line, naming what would, instead of being
 killed by the kernel (or running out of device memory) minutes later.
 
-The estimate is a lower bound, so that a refusal is certain: the parameters are counted from config.json's sizes
-(embeddings, and per layer the query and output projections and two MLP matrices: key/value projections, norms,
-biases, a gated MLP's third matrix, an untied head and experts beyond the first are left out; a quantized checkpoint
-is not measured), at the weights' dtype (`model.dtype`; "auto" as 2 bytes; under DeepSpeed's fp16/bf16 2 bytes, with
-fp32 master weights and moments, 12 bytes, as its optimizer state). Full fine-tuning holds per parameter the
-weight, its gradient and AdamW's two moments (4 of the weight's bytes; activations and each process's fixed cost
-are on top); LoRA holds the frozen
-weights. Sharded where the engine shards them (the ZeRO paper's arithmetic, N processes): ZeRO-1 the moments, ZeRO-2
-the gradients too, ZeRO-3 and FSDP all of it. Every rank reports its own need and what its machine (host memory and
+The estimate is a lower bound, so that a refusal is certain: the parameters are those of the model's body (transformers'
+AutoModel built from config.json on the meta device: no memory, no weights read; an untied head is left out), or
+where that cannot be built, counted from config.json's sizes (embeddings, per layer the query and output projections
+and two MLP matrices); a quantized checkpoint is not measured. At the weights' dtype (`model.dtype`; "auto" as 2
+bytes; under DeepSpeed's fp16/bf16 2 bytes, with fp32 master weights and moments, 12 bytes, as its optimizer state).
+Full fine-tuning holds per parameter the weight, its gradient and AdamW's two moments (4 of the weight's bytes), and
+under DDP its gradient buckets (a second copy of the gradients: accelerate's DDP keeps gradient_as_bucket_view off);
+activations and each process's fixed cost are on top. LoRA holds the frozen weights. Sharded where the engine shards
+them (the ZeRO paper's arithmetic, N processes): ZeRO-1 the moments, ZeRO-2 the gradients too, ZeRO-3 and FSDP all
+of it. Every rank reports its own need and what its machine (host memory and
 free swap, for a CPU run) or its GPU (free device memory) has; the ranks decide together from the gathered reports
 (the same refusal on every rank, or none).
 """
@@ -34,9 +35,11 @@ GB = 1e9
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
-def parameters_at_least(config) -> int:
-    """A lower bound on the model's parameters from its config: vocab x hidden + layers x (2 hidden² + 2 hidden x
-    intermediate); 0 (not measured) where the config does not give these sizes as integers, or is quantized."""
+def parameters_at_least(config, trust_remote_code: bool = False) -> int:
+    """A lower bound on the model's parameters from its config: its body's, built on the meta device
+    (AutoModel.from_config under accelerate's init_empty_weights), else vocab x hidden + layers x (2 hidden² +
+    2 hidden x intermediate); 0 (not measured) where the config does not give these sizes as integers, or is
+    quantized."""
     try:
         text = config.get_text_config()
         if getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None):
@@ -45,6 +48,15 @@ def parameters_at_least(config) -> int:
                                                      "intermediate_size")]
     except Exception:  # an unusual config: build_model reads it and says what is wrong
         return 0
+    try:
+        from accelerate import init_empty_weights
+        from transformers import AutoModel
+
+        with init_empty_weights():
+            body = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+        return sum(p.numel() for p in body.parameters())
+    except Exception:  # an architecture transformers does not build from its config alone: counted from its sizes
+        pass
     if not all(isinstance(v, int) for v in sizes) or not sizes[0] or not sizes[1]:
         return 0
     hidden, layers, vocab, inner = sizes
@@ -54,12 +66,13 @@ def parameters_at_least(config) -> int:
 def bytes_a_process(params: int, weight_bytes: int, full: bool, processes: int, stage: int,
                     state_bytes: int | None = None) -> float:
     """What one process holds at least: `stage` 0 (DDP), 1-3 (ZeRO), 3 also for FSDP; `state_bytes` the optimizer's
-    a parameter (AdamW's two moments at the weight's dtype; DeepSpeed in mixed precision: fp32 master and moments, 12)."""
+    a parameter (AdamW's two moments at the weight's dtype; DeepSpeed in mixed precision: fp32 master and moments, 12).
+    DDP's gradient buckets, on more than one process, are a second copy of the gradients."""
     n = max(processes, 1)
     weights = weight_bytes * params / (n if stage >= 3 else 1)
     if not full:
         return weights
-    gradients = weight_bytes * params / (n if stage >= 2 else 1)
+    gradients = weight_bytes * params * (1 / n if stage >= 2 else 2 if stage == 0 and n > 1 else 1)
     moments = (2 * weight_bytes if state_bytes is None else state_bytes) * params / (n if stage >= 1 else 1)
     return weights + gradients + moments
 
@@ -109,7 +122,7 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
                                             trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError):
         config = None  # build_tokenizer and build_model say what is wrong with the model in one line
-    params = parameters_at_least(config) if config is not None else 0
+    params = parameters_at_least(config, cfg.model.trust_remote_code) if config is not None else 0
     device = accelerator.device
     measured = device.type in ("cpu", "cuda") and params and cfg.model.quantization is None and not (
         device.type == "cuda" and _offloads(accelerator))
