@@ -143,7 +143,7 @@ def test_lora_plus_checkpoints_b_at_the_ratio_of_the_learning_rate(made):
 @pytest.mark.parametrize("other, rel", [("ddp", 1e-5), ("zero3", 1e-5), ("fsdp2", 1e-4)])
 def test_variants_train_the_same_on_2_processes_and_sharded(made, other, rel):
     """1 process with accumulation 2 == 2 processes: DDP, DeepSpeed ZeRO-3 and FSDP2 (DoRA reads each base weight
-    whole in its forward; FSDP2 sums the gradients in another order: test_conformance.SHARDED_REL): every step's loss
+    whole in its forward; FSDP2 sums the gradients in another order, and steps on shards): every step's loss
     and learning rate, and the saved adapter."""
     want, got = made("dora"), made(other)
     ref, oth = read_metrics(want)[0], read_metrics(got)[0]

@@ -112,10 +112,11 @@ def weights(out) -> dict:
                                         ("dpo_full", "zero3_init"), ("dpo_full", "zero3_whole"),
                                         ("sft_packed", "zero3_init"), ("distill_full", "zero3_init")])
 def test_a_model_built_sharded_trains_as_one_process(tmp_path, pretrained, teacher, engines, one_process, job, engine):
-    """2 processes log 1 process's numbers at every step and evaluation (to 1e-4: test_conformance.SHARDED_REL) and
-    save its weights, consolidated on the main process: to 0.5% of each tensor's largest entry, as Adam turns a
-    gradient entry at the level of fp32 noise (LoRA's A while B is near 0) into a step of about lr in either
-    direction; a step more or less (about lr, 2.5e-3 at step 4, on every entry) or a missing shard differ more."""
+    """2 processes log 1 process's numbers at every step and evaluation (to 1e-4: the engines sum the gradients in
+    another order and step on shards) and save its weights, consolidated on the main process: to 0.5% of each
+    tensor's largest entry, as Adam turns a gradient entry at the level of fp32 noise (LoRA's A while B is near 0)
+    into a step of about lr in either direction; a step more or less (about lr, 2.5e-3 at step 4, on every entry) or
+    a missing shard differ more."""
     out = tmp_path / "run"
     # a full model saved in files of 100 KB (the tiny model: 356 KB), gathered a file at a time (save_whole_weights)
     files = ["save.max_shard_size=100KB"] if "lora.enabled=false" in JOBS[job] else []
