@@ -312,7 +312,8 @@ def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_na
     """2 processes under DDP, full fine-tuning in fp32: 20 bytes a parameter each (weight, gradient, its copy in
     DDP's buckets, AdamW's two moments), sized here to 1.875x this machine's available memory for both; ZeRO-3/FSDP2
     hold 8 a process (0.75x) and LoRA 4: the run stops in one line before any weight is built or anything written,
-    naming those."""
+    naming those, and not ZeRO-2 (12 a process: the gradients and moments sharded, DeepSpeed's fp32 copy of its
+    partition too, the weights whole)."""
     import psutil
     from conftest import forked_launch
 
@@ -330,6 +331,7 @@ def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_na
     assert f"{20 * params / 1e9:.1f} GB a process under DDP, {40 * params / 1e9:.1f} GB for its 2 processes" in line
     assert f"ZeRO-3 or FSDP2 (cpu_deepspeed_zero3.yaml, fsdp2.yaml) {8 * params / 1e9:.1f} GB a process" in line
     assert f"LoRA (lora.enabled=true) {4 * params / 1e9:.1f} GB a process" in line
+    assert "ZeRO-2" not in line  # 12 a process (DeepSpeed's fp32 copy of its partition): 1.125x
     assert "Traceback" not in proc.stderr
 
 
@@ -337,7 +339,7 @@ def test_the_memory_estimate_shards_what_each_engine_shards():
     """The ZeRO paper's arithmetic, per process of N=4, for P parameters of 4-byte weights: one process 16P, DDP
     20P (its buckets: a second copy of the gradients); ZeRO-1 the moments (8P) over N; ZeRO-2 the gradients too;
     ZeRO-3 and FSDP all; LoRA the frozen weights (over N only where the weights are sharded)."""
-    from accel_train.training.memory import bytes_a_process
+    from accel_train.training.memory import bytes_a_process, zero2_states
 
     p, n = 1000, 4
     assert bytes_a_process(p, 4, True, n, 0) == 20 * p and bytes_a_process(p, 4, True, 1, 0) == 16 * p
@@ -345,3 +347,5 @@ def test_the_memory_estimate_shards_what_each_engine_shards():
     assert bytes_a_process(p, 4, True, n, 2) == 4 * p + 12 * p / n
     assert bytes_a_process(p, 4, True, n, 3) == 16 * p / n
     assert bytes_a_process(p, 2, False, n, 2) == 2 * p and bytes_a_process(p, 2, False, n, 3) == 2 * p / n
+    # DeepSpeed's ZeRO-2 on fp32 weights: an fp32 copy of its partition beside the moments
+    assert bytes_a_process(p, 4, True, n, 2, zero2_states(4, None)) == 4 * p + 16 * p / n

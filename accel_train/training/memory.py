@@ -6,7 +6,8 @@ The estimate is a lower bound, so that a refusal is certain: the parameters are 
 AutoModel built from config.json on the meta device: no memory, no weights read; an untied head is left out), or
 where that cannot be built, counted from config.json's sizes (embeddings, per layer the query and output projections
 and two MLP matrices); a quantized checkpoint is not measured. At the weights' dtype (`model.dtype`; "auto" as 2
-bytes; under DeepSpeed's fp16/bf16 2 bytes, with fp32 master weights and moments, 12 bytes, as its optimizer state).
+bytes; under DeepSpeed's fp16/bf16 2 bytes, with fp32 master weights and moments, 12 bytes, as its optimizer state;
+DeepSpeed's ZeRO-1/2 keep that fp32 copy of their partition of fp32 weights too, cloned).
 Full fine-tuning holds per parameter the weight, its gradient and AdamW's two moments (4 of the weight's bytes), and
 under DDP its gradient buckets (a second copy of the gradients: accelerate's DDP keeps gradient_as_bucket_view off);
 activations and each process's fixed cost are on top. LoRA holds the frozen weights. Sharded where the engine shards
@@ -131,9 +132,12 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     # train.optimizer's state a parameter where it is not two moments at the weight's dtype: bitsandbytes' 8-bit
     # moments (2 bytes), Adafactor's factored ones (a row and a column a matrix: about none)
     states = {"adamw_8bit": 2, "paged_adamw_8bit": 2, "adafactor": 0}.get(cfg.train.optimizer)
-    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("fp16", "bf16"):
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    own = zero2_states(w, states) if deepspeed and stage in (1, 2) else states  # ZeRO-1/2's fp32 copy
+    if deepspeed and accelerator.mixed_precision in ("fp16", "bf16"):
         w, states = 2, 12  # DeepSpeed casts the weights to 16 bits and keeps fp32 master weights and moments
-    need = bytes_a_process(params, w, full, n, stage, states) if measured else 0.0
+        own = states
+    need = bytes_a_process(params, w, full, n, stage, own) if measured else 0.0
     place, free = _available(device) if measured else ("", 0.0)
     reports = gather_setup(accelerator, (place, free, need))
     by_place: dict[str, list] = {}
@@ -147,19 +151,29 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
                                        where.split(":")[0], device))
 
 
+def zero2_states(weight_bytes: int, states: int | None) -> int:
+    """The optimizer state a parameter under DeepSpeed's ZeRO-1/2 with weights of `weight_bytes` and an optimizer
+    of `states` (None: two moments at the weight's dtype): its own plus the fp32 copy of the partition those stages
+    keep (stage_1_and_2.py clones it even from fp32 weights; under ZeRO-3 accel_train shares the weights' own:
+    engine.share_zero3_master_weights)."""
+    return (2 * weight_bytes if states is None else states) + 4
+
+
 def _refusal(params: int, sizes: tuple, full: bool, n: int, engine: str, each: float, here: int, have: float,
              where: str, device: torch.device) -> str:
     """The one line: what the job needs a process and in all, what the place has, and what needs less and is
     within it. `sizes`: (the weight's bytes, the optimizer state's a parameter or None)."""
     (w, states), what = sizes, "full fine-tuning" if full else "LoRA"
+    # ZeRO-2's own state, where this run's does not count it already (DeepSpeed's mixed precision, ZeRO-1/2)
+    zero2 = states if states is not None and states >= 12 else zero2_states(w, states)
     gpu = device.type == "cuda"
     kind = "of GPU memory free" if gpu else "available (RAM and free swap)"
     configs = ("deepspeed_zero2.yaml", "deepspeed_zero3.yaml") if gpu else ("cpu_deepspeed_zero2.yaml",
                                                                             "cpu_deepspeed_zero3.yaml")
-    options = [(name, bytes_a_process(params, w, f, n, s, states)) for name, f, s in (
-        (f"ZeRO-2 (configs/accelerate/{configs[0]})", True, 2),
-        (f"ZeRO-3 or FSDP2 ({configs[1]}, fsdp2.yaml)", True, 3), ("LoRA (lora.enabled=true)", False, 0),
-        ("LoRA under ZeRO-3 or FSDP2", False, 3))]
+    options = [(name, bytes_a_process(params, w, f, n, s, state)) for name, f, s, state in (
+        (f"ZeRO-2 (configs/accelerate/{configs[0]})", True, 2, zero2),
+        (f"ZeRO-3 or FSDP2 ({configs[1]}, fsdp2.yaml)", True, 3, states), ("LoRA (lora.enabled=true)", False, 0, states),
+        ("LoRA under ZeRO-3 or FSDP2", False, 3, states))]
     fits = [f"{name} {b / GB:.1f} GB a process" for name, b in (options if n > 1 else options[2:3])
             if b * here <= have and (full or name.startswith("LoRA under"))]
     needs = (f"{each / GB:.1f} GB a process under {engine}, {each * here / GB:.1f} GB for its {here} processes on "
