@@ -271,3 +271,26 @@ def test_a_new_classifier_head_is_one_line_not_a_load_report(tmp_path, caplog):
     text = caplog.text
     assert "LOAD REPORT" not in text and "\x1b[" not in text
     assert f"model: a new classification head (score.weight) on {tmp_path / 'lm'}, trained from scratch" in text
+
+
+def test_the_setup_checks_run_a_gpu_only_attention_under_sdpa_on_the_host():
+    """model.attn_implementation=auto picks flash-attention on a GPU, whose kernels run on GPUs only; the setup
+    checks' forwards (check_packing, the loss head's) run on the host copy of the model, before prepare places it:
+    there under sdpa (a kernel of that kind registered here through transformers' AttentionInterface, refusing
+    the CPU), and the model's own attention again after."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from accel_train.models.build import check_packing
+    from accel_train.models.loss import loss_head
+
+    def gpu_only(module, query, *args, **kwargs):
+        raise RuntimeError(f"this attention runs on GPUs only, not on {query.device.type}")
+
+    AttentionInterface.register("gpu_only_attention_for_test", gpu_only)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL),
+                                             attn_implementation="gpu_only_attention_for_test")
+    check_packing(model)
+    assert loss_head(model) is not None
+    assert model.config._attn_implementation == "gpu_only_attention_for_test"
+    with pytest.raises(RuntimeError, match="GPUs only, not on cpu"):  # its own kernel, as training runs it
+        model(input_ids=torch.tensor([[1, 2, 3]]))

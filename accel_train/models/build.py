@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import peft
@@ -109,6 +109,26 @@ def attn_implementation(cfg: Config) -> dict:
     if choice == "flash_attention_2" and not torch.cuda.is_available():
         raise ConfigError("model.attn_implementation=flash_attention_2 needs a GPU; use sdpa on this machine")
     return {"attn_implementation": choice}
+
+
+HOST_ATTENTION = ("eager", "sdpa", "flex_attention")  # transformers' attention kernels that run on a CPU
+
+
+@contextmanager
+def host_attention(model: torch.nn.Module):
+    """The setup checks' forwards (check_packing, loss.loss_head) where they run on the host copy of the model, before
+    prepare places it: under its own attention where that runs on a CPU, else (flash-attention, which
+    model.attn_implementation=auto picks on a GPU) under sdpa, its own again after (transformers'
+    set_attn_implementation)."""
+    own = model.config._attn_implementation
+    if own in HOST_ATTENTION or next(model.parameters()).device.type != "cpu":
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
 
 
 def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights_from=None,
@@ -371,7 +391,7 @@ def check_packing(model: torch.nn.Module, low_precision: bool = False) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = whole_shape(model.get_input_embeddings().weight)[0]
     a, b = (torch.randint(vocab, (1, n), generator=g).to(model.device) for n in (5, 3))
-    with torch.no_grad():
+    with torch.no_grad(), host_attention(model):
         alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1).float()
         positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device)
         packed = model(input_ids=torch.cat([a, b], dim=1), position_ids=positions, use_cache=False).logits.float()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from accel_train.data.formats import IGNORE_INDEX
+from accel_train.models.build import host_attention
 
 CHUNK_BYTES = 2**28  # fp32 logits of one chunk: at most 256 MiB (1,733 tokens of Llama 3's 128k vocabulary)
 
@@ -203,10 +204,11 @@ def _chunks_match(model: torch.nn.Module, head: torch.nn.Module, vocab: int, sha
     ids = torch.randint(vocab, (2, 8), generator=g).to(model.device)
     labels = ids.clone()
     labels[:, :2] = IGNORE_INDEX
-    logits = model(input_ids=ids, use_cache=False).logits
+    with host_attention(model):
+        logits = model(input_ids=ids, use_cache=False).logits
     full = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
     try:
-        with LossHead(head, vocab, chunk=3, sharded=sharded).computing(labels):
+        with LossHead(head, vocab, chunk=3, sharded=sharded).computing(labels), host_attention(model):
             chunked = model(input_ids=ids, use_cache=False).logits
         tolerance = 2e-2 if low_precision else 1e-4
         same = chunked.shape == () and torch.allclose(chunked.float(), full, rtol=tolerance, atol=tolerance)
