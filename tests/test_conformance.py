@@ -68,7 +68,8 @@ ONE_TARGET = {"ACCEL_TRAIN_CHUNK_BYTES": "1"}
 # 1e-2 moves every logged number by at most 3e-6 relative (tests/scripts/conformance_deviation.py) but for the
 # differences of nearly equal numbers a task logs near 0 (dpo's rewards/margin and eval_rewards/chosen, -0.0115 from
 # log-probabilities of -30: 3.3e-5 relative under FSDP2, 5.0e-5 under ZeRO-3; reward's eval_margin, -0.108: 1.4e-5
-# under ZeRO-3), off by at most 1.6e-6 absolute: those to SHARDED_ABS, the fp32 resolution of what they are taken of.
+# under ZeRO-3), off by at most 1.6e-6 absolute: those to SHARDED_ABS, the fp32 resolution of what they are taken of
+# (pytest.approx takes the larger bound: it loosens only what is below 0.5 in size).
 SHARDED_REL = {"fsdp2": 1e-5, "zero2": 1e-5, "zero3": 1e-5}
 SHARDED_ABS = 5e-6
 # The saved trained weights under an engine against the reference's, each tensor's difference over its norm

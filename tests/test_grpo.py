@@ -1203,7 +1203,7 @@ def test_a_reward_model_sharded_scores_as_on_one_process(tmp_path):
     """grpo.rewards=[model:RM] (a LoRA reward run on the tiny random model: its adapter merged) beside a user's
     function: 2 processes x 2 prompts under ZeRO-3 and FSDP2, the reward model sharded like the policy (the main
     process holds half its parameters' elements), log what 1 process x 1 prompt x 4 micro-batches logs (to
-    test_conformance's 1e-4 for the engines that shard the weights): the same completions, each scored alike, the
+    1e-4 for the engines that shard the weights: another order of the sums): the same completions, each scored alike, the
     same losses and evaluation. Every forward of the reward model is then a collective, and the ranks' counts
     differ unless made equal (Rewards.in_step, RewardModel.score): 9 training prompts, so at step 3 rank 1 has only
     a replayed micro-batch (not scored), rank 0 one prompt of 2 completions, 1 per forward (train.eval_batch_size=1);

@@ -316,7 +316,7 @@ def test_gpu_check_verdicts(tmp_path):
     table = report(results, tmp_path, 12.0)
     assert "| fsdp2 | pass |" in table and json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
 
-    # DeepSpeed fp16: steps skipped while the engine's loss scale calibrates, each with loop.step_or_skip's warning
+    # DeepSpeed fp16: steps skipped while the engine's loss scale calibrates, each with loop.Verdicts' warning
     fp16 = checks["deepspeed_fp16"]
     losses = [math.nan, math.nan, *(3.0 - 0.1 * i for i in range(18))]
     fake_run("deepspeed_fp16", losses)

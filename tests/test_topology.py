@@ -261,7 +261,7 @@ def test_token_budget_on_2_processes_resumes_exactly(runs, tmp_path):
 @pytest.mark.parametrize("config, rel", [("cpu_deepspeed_zero2.yaml", 1e-5), ("fsdp2.yaml", 1e-4)])
 def test_token_budget_under_the_engines_trains_as_one_process(runs, tmp_path, config, rel):
     """T2's budget under DeepSpeed ZeRO-2 (the accumulation boundary marked by the loop, whatever the number of
-    micro-batches a step) and FSDP2 (reduce-scatter: test_conformance's 1e-4): every step's loss and gradient norm
+    micro-batches a step) and FSDP2 (reduce-scatter: another order of the sums, 1e-4): every step's loss and gradient norm
     are A's, with steps whose ranks ran different numbers of micro-batches."""
     out = tmp_path / "T3"
     args = overrides(runs["A"]["data"], out) + ["train.per_device_batch_size=1", "train.grad_accum_steps=2",

@@ -130,7 +130,8 @@ class Verdicts:
     def __init__(self, cfg: Config, job: TrainingJob):
         self.cfg, self.job = cfg, job
         accelerator, inner = job.accelerator, getattr(job.optimizer, "optimizer", job.optimizer)
-        self.on_device = (accelerator.scaler is None and accelerator.distributed_type != DistributedType.DEEPSPEED
+        self.on_device = (accelerator.scaler is None  # one process or DDP: the norm on the parameters' device
+                          and accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
                           and isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused")))
         self.inner = inner
         self.pending: tuple | None = None
@@ -144,6 +145,7 @@ class Verdicts:
             finite = torch.isfinite(grad_norm)
             self.inner.found_inf = (~finite).float()
             self.job.optimizer.step()
+            del self.inner.found_inf  # as GradScaler: a later step of other code reads none
         else:
             finite = math.isfinite(grad_norm)
             if finite or scaling is not None:

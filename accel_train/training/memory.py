@@ -2,10 +2,11 @@
 config.json before any weight is read: a job that cannot fit stops in one line, naming what would, instead of being
 killed by the kernel (or running out of device memory) minutes later.
 
-The estimate is a lower bound, so that a refusal is certain: the parameters are those of the model's body (transformers'
-AutoModel built from config.json on the meta device: no memory, no weights read; an untied head is left out), or
-where that cannot be built, counted from config.json's sizes (embeddings, per layer the query and output projections
-and two MLP matrices); a quantized checkpoint is not measured. At the weights' dtype (`model.dtype`; "auto" as 2
+The estimate is a lower bound, so that a refusal is certain: the parameters are those of the model the task trains
+(its auto class built from config.json on the meta device: no memory, no weights read; tokens added to the vocabulary
+later are not counted), or where that cannot be built (remote code is not run before the model is), counted from
+config.json's sizes (embeddings, per layer the query and output projections and two MLP matrices); a quantized
+checkpoint is not measured. At the weights' dtype (`model.dtype`; "auto" as 2
 bytes; under DeepSpeed's fp16/bf16 2 bytes, with fp32 master weights and moments, 12 bytes, as its optimizer state;
 DeepSpeed's ZeRO-1/2 keep that fp32 copy of their partition of fp32 weights too, cloned).
 Full fine-tuning holds per parameter the weight, its gradient and AdamW's two moments (4 of the weight's bytes), and
@@ -36,11 +37,10 @@ GB = 1e9
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
-def parameters_at_least(config, trust_remote_code: bool = False) -> int:
-    """A lower bound on the model's parameters from its config: its body's, built on the meta device
-    (AutoModel.from_config under accelerate's init_empty_weights), else vocab x hidden + layers x (2 hidden² +
-    2 hidden x intermediate); 0 (not measured) where the config does not give these sizes as integers, or is
-    quantized."""
+def parameters_at_least(config, auto_class=None) -> int:
+    """A lower bound on the model's parameters from its config: the model `auto_class` (the task's, as
+    models.build.AUTO_CLASS) builds, on the meta device (from_config; not a model of remote code), else vocab x hidden + layers x (2 hidden² + 2 hidden x intermediate); 0 (not measured)
+    where the config does not give these sizes as integers, or is quantized."""
     try:
         text = config.get_text_config()
         if getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None):
@@ -50,12 +50,10 @@ def parameters_at_least(config, trust_remote_code: bool = False) -> int:
     except Exception:  # an unusual config: build_model reads it and says what is wrong
         return 0
     try:
-        from accelerate import init_empty_weights
-        from transformers import AutoModel
-
-        with init_empty_weights():
-            body = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
-        return sum(p.numel() for p in body.parameters())
+        if auto_class is not None and not getattr(config, "auto_map", None):
+            with torch.device("meta"):  # (accelerate's init_empty_weights would untie a tied head)
+                model = auto_class.from_config(config)
+            return sum(p.numel() for p in model.parameters())
     except Exception:  # an architecture transformers does not build from its config alone: counted from its sizes
         pass
     if not all(isinstance(v, int) for v in sizes) or not sizes[0] or not sizes[1]:
@@ -65,15 +63,15 @@ def parameters_at_least(config, trust_remote_code: bool = False) -> int:
 
 
 def bytes_a_process(params: int, weight_bytes: int, full: bool, processes: int, stage: int,
-                    state_bytes: int | None = None) -> float:
+                    state_bytes: int | None = None, buckets: bool = False) -> float:
     """What one process holds at least: `stage` 0 (DDP), 1-3 (ZeRO), 3 also for FSDP; `state_bytes` the optimizer's
-    a parameter (AdamW's two moments at the weight's dtype; DeepSpeed in mixed precision: fp32 master and moments, 12).
-    DDP's gradient buckets, on more than one process, are a second copy of the gradients."""
+    a parameter (AdamW's two moments at the weight's dtype; DeepSpeed in mixed precision: fp32 master and moments, 12);
+    `buckets`: DDP's gradient buckets, a second copy of the gradients."""
     n = max(processes, 1)
     weights = weight_bytes * params / (n if stage >= 3 else 1)
     if not full:
         return weights
-    gradients = weight_bytes * params * (1 / n if stage >= 2 else 2 if stage == 0 and n > 1 else 1)
+    gradients = weight_bytes * params * (1 / n if stage >= 2 else 2 if buckets else 1)
     moments = (2 * weight_bytes if state_bytes is None else state_bytes) * params / (n if stage >= 1 else 1)
     return weights + gradients + moments
 
@@ -123,7 +121,9 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
                                             trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError):
         config = None  # build_tokenizer and build_model say what is wrong with the model in one line
-    params = parameters_at_least(config, cfg.model.trust_remote_code) if config is not None else 0
+    from accel_train.models.build import AUTO_CLASS, head_of
+
+    params = parameters_at_least(config, AUTO_CLASS[head_of(cfg)]) if config is not None else 0
     device = accelerator.device
     measured = device.type in ("cpu", "cuda") and params and cfg.model.quantization is None and not (
         device.type == "cuda" and _offloads(accelerator))
@@ -133,11 +133,11 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     # moments (2 bytes), Adafactor's factored ones (a row and a column a matrix: about none)
     states = {"adamw_8bit": 2, "paged_adamw_8bit": 2, "adafactor": 0}.get(cfg.train.optimizer)
     deepspeed = accelerator.state.deepspeed_plugin is not None
-    own = zero2_states(w, states) if deepspeed and stage in (1, 2) else states  # ZeRO-1/2's fp32 copy
+    own = zero2_states(states) if deepspeed and stage in (1, 2) else states  # ZeRO-1/2's fp32 copy
     if deepspeed and accelerator.mixed_precision in ("fp16", "bf16"):
         w, states = 2, 12  # DeepSpeed casts the weights to 16 bits and keeps fp32 master weights and moments
         own = states
-    need = bytes_a_process(params, w, full, n, stage, own) if measured else 0.0
+    need = bytes_a_process(params, w, full, n, stage, own, buckets=engine == "DDP") if measured else 0.0
     place, free = _available(device) if measured else ("", 0.0)
     reports = gather_setup(accelerator, (place, free, need))
     by_place: dict[str, list] = {}
@@ -151,12 +151,12 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
                                        where.split(":")[0], device))
 
 
-def zero2_states(weight_bytes: int, states: int | None) -> int:
-    """The optimizer state a parameter under DeepSpeed's ZeRO-1/2 with weights of `weight_bytes` and an optimizer
-    of `states` (None: two moments at the weight's dtype): its own plus the fp32 copy of the partition those stages
-    keep (stage_1_and_2.py clones it even from fp32 weights; under ZeRO-3 accel_train shares the weights' own:
-    engine.share_zero3_master_weights)."""
-    return (2 * weight_bytes if states is None else states) + 4
+def zero2_states(states: int | None) -> int:
+    """The optimizer state a parameter under DeepSpeed's ZeRO-1/2 with an optimizer of `states` (None: AdamW's two
+    moments, fp32 on the fp32 partition whatever the weights' dtype): its own plus the fp32 copy of the partition
+    those stages keep (stage_1_and_2.py clones it even from fp32 weights; under ZeRO-3 accel_train shares the
+    weights' own: engine.share_zero3_master_weights)."""
+    return (8 if states is None else states) + 4
 
 
 def _refusal(params: int, sizes: tuple, full: bool, n: int, engine: str, each: float, here: int, have: float,
@@ -165,7 +165,7 @@ def _refusal(params: int, sizes: tuple, full: bool, n: int, engine: str, each: f
     within it. `sizes`: (the weight's bytes, the optimizer state's a parameter or None)."""
     (w, states), what = sizes, "full fine-tuning" if full else "LoRA"
     # ZeRO-2's own state, where this run's does not count it already (DeepSpeed's mixed precision, ZeRO-1/2)
-    zero2 = states if states is not None and states >= 12 else zero2_states(w, states)
+    zero2 = states if states is not None and states >= 12 else zero2_states(states)
     gpu = device.type == "cuda"
     kind = "of GPU memory free" if gpu else "available (RAM and free swap)"
     configs = ("deepspeed_zero2.yaml", "deepspeed_zero3.yaml") if gpu else ("cpu_deepspeed_zero2.yaml",

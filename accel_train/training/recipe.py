@@ -388,7 +388,7 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
         if cfg.lora.enabled and task.info.head == "seq_cls":
             # The base config with this run's head (num_labels, id2label, label2id), which the adapter needs to be
             # loaded on a base whose own config says otherwise: model.load_trained reads it. Its class named as
-            # save_pretrained names it (a sharded save names it already: checkpoint.save_whole_weights).
+            # save_pretrained names it (and as the saved base model's config.json, when it wrote one, names it).
             base = unwrapped.get_base_model()
             base.config.architectures = [type(base).__name__.removeprefix("FSDP")]
             base.config.save_pretrained(target)
