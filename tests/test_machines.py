@@ -12,7 +12,8 @@ import sys
 
 import pytest
 import torch
-from conftest import forked_launch, launch_environment, python_m, python_script, read_metrics, run
+from conftest import (ACCEL_CONFIGS, forked_launch, launch_environment, python_m, python_script, read_metrics,
+                      run)
 
 from accel_train.config.load import load_config
 
@@ -251,6 +252,33 @@ def test_compiled_model_saves_its_adapter_under_the_names_peft_loads(tmp_path):
     for name, p in loaded.named_parameters():
         if "lora_B" in name:
             assert torch.equal(p, dict(model.named_parameters())[name]), name
+
+
+@pytest.mark.long
+def test_regional_compilation_asked_by_the_accelerate_config_trains_on_2_processes(ddp_reference, tmp_path):
+    """An accelerate config may ask for regional compilation (dynamo_use_regional_compilation: accelerate's
+    compile_regions, which train.compile follows). It compiles a shallow copy of the DDP wrapper, whose unwrapping
+    with the compile kept (unwrap_model's default) gives back that DDP copy: before, setup stopped on
+    `'DistributedDataParallel' object has no attribute 'config'`. Run C (2 processes) compiled so gives run C's losses
+    and adapter. Dynamo traces and compiles each graph as a run does, then runs it on its eager backend
+    (TORCH_COMPILE_OVERRIDE_BACKENDS): inductor's C++ build would take minutes here."""
+    from safetensors.torch import load_file
+    from test_topology import TOPOLOGIES, overrides
+
+    config = tmp_path / "regional.yaml"
+    config.write_text((ACCEL_CONFIGS / "cpu_2proc.yaml").read_text()
+                      + "dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_use_regional_compilation: true\n")
+    out = tmp_path / "out"
+    proc = forked_launch(str(config), *overrides(ddp_reference["data"], out), *TOPOLOGIES["C"][1],
+                         "train.compile=true", env={"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train, evals = read_metrics(out)
+    assert [r["loss"] for r in train] == pytest.approx([r["loss"] for r in ddp_reference["train"]], rel=1e-5)
+    assert evals[-1]["eval_loss"] == pytest.approx(ddp_reference["eval"]["eval_loss"], rel=1e-5)
+    weights = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert weights.keys() == ddp_reference["weights"].keys()  # peft's names
+    for key, ref in ddp_reference["weights"].items():
+        assert (weights[key] - ref).norm() <= 1e-5 * ref.norm(), key
 
 
 def test_qlora_off_a_gpu_is_one_line_before_any_work(tmp_out):

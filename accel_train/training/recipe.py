@@ -288,7 +288,7 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
                 truncate_log(out / log, state.step)
             set_aside_later(out, state.step)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     model_flops = (*matmul_parameters(unwrapped), attention_size(unwrapped))  # tracking.flops_per_token
     # MFU's denominator: every rank measures at once (on a CPU each its share of the cores, as they train; on GPUs
     # each its device), with the model's matmul shapes (ZeRO-3 keeps a shard's real shape in ds_shape); the peak
@@ -354,7 +354,11 @@ def save_model(cfg: Config, accelerator, task, model, tokenizer) -> Path:
     elif shards:
         state = trainable_state(unwrapped)
     else:  # a collective under DeepSpeed ZeRO-2 and FSDP1: every rank must call it
-        state = {plain_name(k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
+        # Regional compilation (compile_regions) compiles a copy of the model and keeps the model it copied in its
+        # __dict__: given the copy of a DDP wrapper, accelerate unwraps it to that copy, whose names ("module.…")
+        # peft's save_pretrained matches to nothing (an empty adapter). The whole-model wrapper's are plain_name's.
+        uncompiled = model.__dict__.get("_orig_mod", model)
+        state = {plain_name(k): v for k, v in (accelerator.get_state_dict(uncompiled) or {}).items()}
     if accelerator.is_main_process:
         if cfg.lora.enabled:
             # The base the adapter loads on: the copy saved before training for a random base (it cannot be

@@ -474,7 +474,8 @@ class Distill(Task):
             self.start_distillation(job.accelerator.unwrap_model(job.model, keep_torch_compile=False), job.accelerator,
                                     job.accelerator.mixed_precision != "no")
         if self.cfg.distill.on_policy > 0:  # a setting of the model's generation_config.json it cannot switch off:
-            generation_config(job.accelerator.unwrap_model(job.model), tokenizer, 1)  # refused now, on every rank
+            # refused now, on every rank
+            generation_config(job.accelerator.unwrap_model(job.model, keep_torch_compile=False), tokenizer, 1)
 
     def step_batches(self, window: list[dict], real: int, step: int) -> list[dict]:
         """On an on-policy step (every step of prompt-only data: distill.on_policy=1), each micro-batch's responses

@@ -86,8 +86,8 @@ class Rollouts:
         # under sharded weights: gathered whole for the rollouts, or in lock-step (train.gather_for_generation)
         self.engine = Engine(accelerator, cfg)
         self.synced = self.engine.generates_in_lockstep
-        self.sampler = CompletionSampler(cfg, accelerator.unwrap_model(model), tokenizer, accelerator.device,
-                                         self.synced)
+        self.sampler = CompletionSampler(cfg, accelerator.unwrap_model(model, keep_torch_compile=False), tokenizer,
+                                         accelerator.device, self.synced)
         # a LoRA adapter merged into weights that FSDP or ZeRO-3 shard is not built: in lock-step, rollouts run it
         # beside them (gathered, it is merged into the gathered weights)
         self.merge = self.g.merge_adapter and not self.synced
