@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import TRAIN_CONFIGS, forked_launch, python_m, read_metrics, run
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from accel_train.config.schema import TINY_MODEL
 
@@ -294,3 +294,78 @@ def test_the_setup_checks_run_a_gpu_only_attention_under_sdpa_on_the_host():
     assert model.config._attn_implementation == "gpu_only_attention_for_test"
     with pytest.raises(RuntimeError, match="GPUs only, not on cpu"):  # its own kernel, as training runs it
         model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+@pytest.fixture
+def flash_reference(monkeypatch):
+    """transformers' flash-attention path as a GPU runs it (its attention integration, masks, and its choice between
+    the plain, the varlen and the position_ids-inferred kernels), with flash-attn's two kernels replaced by exact torch
+    equivalents (sdpa over each row, or over each sequence of the flattened rows), under a name with "flash" in it, as
+    transformers tells flash-attention apart. Yields the max_seqlen values the varlen kernel was given."""
+    import torch.nn.functional as F
+    import transformers.modeling_flash_attention_utils as flash_utils
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    def attend(q, k, v, causal, scale):  # one sequence, (T, heads, head_dim)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def flash_fn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):  # (B, T, heads, head_dim): a row each
+        return torch.stack([attend(q[b], k[b], v[b], causal, softmax_scale) for b in range(len(q))])
+
+    def flash_varlen_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                        softmax_scale=None, causal=False):  # (total, heads, head_dim): a sequence each
+        given.append(max_seqlen_q)
+        b = cu_seqlens_q.tolist()
+        return torch.cat([attend(q[i:j], k[i:j], v[i:j], causal, softmax_scale) for i, j in zip(b, b[1:])])
+
+    given, name = [], "flash_reference_for_test"
+    AttentionInterface.register(name, flash_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", name)  # lazy_import_flash_attention imports nothing
+    monkeypatch.setattr(flash_utils, "_flash_fn", flash_fn)
+    monkeypatch.setattr(flash_utils, "_flash_varlen_fn", flash_varlen_fn)
+    monkeypatch.setattr(flash_utils, "_process_flash_kwargs_fn",
+                        flash_utils._lazy_define_process_function(flash_varlen_fn))
+    yield name, given
+
+
+def test_packed_rows_under_flash_attention_attend_each_sample_alone(flash_reference):
+    """Packing under flash-attention (model.attn_implementation=auto's pick on a GPU with flash-attn): the kernel sees
+    no mask, and transformers finds packed sequences in the position_ids of a single row only. Packed in several rows
+    (the packer's layout for long samples), each row was attended whole, its samples seeing each other: another
+    loss, silently (check_packing runs under sdpa on the host). The collator now gives flash-attention the
+    sequences' boundaries (cu_seq_lens, max_length as ints, counted on the host: no layer reads the device): each
+    sample's loss is its loss alone, as under sdpa."""
+    from accel_train import tasks
+    from accel_train.config.load import load_config
+    from accel_train.models.build import attention_cost
+    from accel_train.tasks.causal_lm import batch_loss
+    from accel_train.training.recipe import packing
+
+    name, given = flash_reference
+    cfg = load_config(None, [])
+    task = tasks.make(cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    g = torch.Generator().manual_seed(0)
+    features = [{"input_ids": ids, "labels": ids} for ids in
+                (torch.randint(3, 52, (n,), generator=g).tolist() for n in (40, 9, 31, 22, 17, 5, 12, 26))]
+    alone = sum(float(batch_loss(model, task.collator(tokenizer)([f]), None)) for f in features)
+
+    model.set_attn_implementation(name)
+    pack = packing(cfg, task, model)
+    batch = task.collator(tokenizer, pack, attention_cost(model))(features)
+    with torch.no_grad():
+        packed = float(batch_loss(model, batch, None))
+        rows = task.collator(tokenizer, True, attention_cost(model))(features)  # the layout sdpa gets: rows
+        assert rows["input_ids"].shape[0] > 1 and (rows["position_ids"] == 0).sum() > rows["input_ids"].shape[0]
+        unmarked = float(batch_loss(model, rows, None))  # what a flash-attention run trained on before
+    assert pack == "varlen"
+    assert packed == pytest.approx(alone, rel=1e-5)
+    assert unmarked != pytest.approx(alone, rel=1e-3)  # the rows' samples attend to each other without the boundaries
+    assert given and all(type(n) is int for n in given)  # the lengths as the host counted them, every layer

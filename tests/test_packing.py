@@ -58,6 +58,31 @@ def test_packing_keeps_every_sample_once_with_its_positions(lengths, cost):
     assert sorted(found) == sorted(f["input_ids"] for f in features)
 
 
+@pytest.mark.parametrize("multiple", [1, 32])
+def test_varlen_packing_gives_each_sequence_its_bounds_and_credits_its_own_attention(multiple):
+    """Under flash-attention (varlen): the sequences' boundaries in the flattened rows, the pad tail one more
+    sequence, the longest as an int; MFU credits each token the keys of its own sequence (loop.window_stats), not
+    the row's width (what sdpa computes for a packed row)."""
+    from accel_train.tasks.causal_lm import SFT
+    from accel_train.config.load import load_config
+    from accel_train.training.loop import window_stats
+
+    rng = random.Random(1)
+    lengths = [40, 3, 17, 5, 9, 2, 30]
+    packer = PackingCollator(0, attention_cost=0.002, multiple=multiple, varlen=True)
+    batch = packer([sample(n, rng) for n in lengths])
+    pos = batch["position_ids"].flatten().tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == starts
+    assert batch["cu_seq_lens_q"].dtype == torch.int32
+    segments = [b - a for a, b in zip(starts, starts[1:])]
+    assert sorted(segments[:len(lengths)]) == sorted(lengths) and sum(segments) == batch["input_ids"].numel()
+    assert batch["max_length_q"] == batch["max_length_k"] == max(segments) and type(batch["max_length_q"]) is int
+    stats = window_stats([batch], SFT(load_config(None, [])), torch.device("cpu"))
+    assert int(stats[5]) == sum(n * n for n in lengths)
+    assert int(stats[4]) == sum(lengths)
+
+
 def test_equal_lengths_are_not_packed_and_skewed_ones_are():
     rng = random.Random(0)
     fixed = PackingCollator(0, attention_cost=0.002)([sample(64, rng) for _ in range(8)])

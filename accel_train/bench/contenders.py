@@ -204,6 +204,7 @@ def child_bare(spec: dict) -> dict:
     from torch.utils.data import DataLoader, RandomSampler
     from accel_train.data import pipeline as data_lib
     from accel_train.models.build import attention_cost
+    from accel_train.training import recipe
     from accel_train.training.optimizers import build_optimizer, build_scheduler
     from accel_train.runtime.tracking import reset_peak_memory
 
@@ -211,7 +212,7 @@ def child_bare(spec: dict) -> dict:
     t = cfg.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()
-    pack = cfg.data.packing and task.packs  # as ours (recipe)
+    pack = recipe.packing(cfg, task, model)  # as ours
     collate = task.collator(tokenizer, pack, attention_cost(model),
                             data_lib.width_multiple(cfg, t.mixed_precision, pack))
     dl = DataLoader(ds, batch_size=t.per_device_batch_size, collate_fn=collate,
@@ -229,7 +230,7 @@ def child_bare(spec: dict) -> dict:
     for _ in range(t.max_steps):
         # the step's grad_accum_steps micro-batches, consecutive as ours takes them, fetched first: the loss is
         # normalised by the targets of the whole step, as ours'
-        window = [{k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        window = [{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                   for batch in itertools.islice(micro_batches, t.grad_accum_steps)]
         if not window:
             break

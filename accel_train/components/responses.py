@@ -80,11 +80,13 @@ def tokenize(ds, tokenizer, cfg: Config, report: dict | None = None, split: str 
     return ds
 
 
-def collator(tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
-    """Packing, or dynamic padding: each batch padded to its own longest sequence (rounded up to `multiple`),
-    labels with IGNORE_INDEX; with each batch's target positions (data_lib.TargetPositions)."""
+def collator(tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
+    """Packing (pack="varlen": with flash-attention's sequence boundaries, recipe.packing), or dynamic padding: each
+    batch padded to its own longest sequence (rounded up to `multiple`), labels with IGNORE_INDEX; with each batch's
+    target positions (data_lib.TargetPositions)."""
     if pack:
-        return data_lib.TargetPositions(data_lib.PackingCollator(tokenizer.pad_token_id, attention_cost, multiple))
+        return data_lib.TargetPositions(data_lib.PackingCollator(tokenizer.pad_token_id, attention_cost, multiple,
+                                                                 varlen=pack == "varlen"))
     return data_lib.TargetPositions(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX,
                                                            return_tensors="pt", pad_to_multiple_of=multiple))
 

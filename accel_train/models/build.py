@@ -114,6 +114,14 @@ def attn_implementation(cfg: Config) -> dict:
 HOST_ATTENTION = ("eager", "sdpa", "flex_attention")  # transformers' attention kernels that run on a CPU
 
 
+def varlen_attention(model: torch.nn.Module) -> bool:
+    """Whether the model attends through flash-attention (transformers' test of its attention's name), whose packed
+    rows need the sequences' boundaries (data.pipeline.PackingCollator's varlen): its kernel sees no mask."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    return is_flash_attention_requested(model.config)
+
+
 @contextmanager
 def host_attention(model: torch.nn.Module):
     """The setup checks' forwards (check_packing, loss.loss_head) where they run on the host copy of the model, before

@@ -92,7 +92,10 @@ class Task:
         finally:
             self.cfg = run
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
+        """The batches' collator: `pack` (recipe.packing, where the task packs) True for packed rows, "varlen" for
+        packed rows with flash-attention's sequence boundaries; `attention_cost` and `multiple` the packer's row
+        cost and width rounding (data.pipeline.PackingCollator), or the padding's multiple."""
         raise NotImplementedError
 
     def count_targets(self, batch: dict):

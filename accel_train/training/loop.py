@@ -72,7 +72,8 @@ def window_stats(window: list[dict], task: Task, device) -> torch.Tensor:
     """This rank's [targets, real tokens, computed tokens, rows, trained tokens, attention pairs] for one step (on
     the device: summing there costs no host sync). The last two are what the trained model's forwards compute
     (tracking.step_flops): a batch's "flop_tokens" where the task sets them (grpo: each group's prompt once),
-    else its real tokens, each attending to the row's whole width."""
+    else its real tokens, each attending to the row's whole width (as sdpa computes a packed row's masked blocks
+    too), or under flash-attention's varlen packing to its own sequence's (the batch's "attention_pairs")."""
     stats = torch.zeros(6, dtype=torch.long, device=device)
     for batch in window:
         real, computed = data_lib.token_counts(batch)
@@ -84,7 +85,7 @@ def window_stats(window: list[dict], task: Task, device) -> torch.Tensor:
             stats[4:] += batch["flop_tokens"]
         else:
             stats[4] += real
-            stats[5] += real * batch["input_ids"].shape[1]
+            stats[5] += batch["attention_pairs"] if "attention_pairs" in batch else real * batch["input_ids"].shape[1]
     return stats
 
 

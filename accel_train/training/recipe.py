@@ -41,7 +41,8 @@ from accel_train.models.merge import merge_adapter
 from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
-                                      check_packing, count_parameters, matmul_parameters, model_width, quantization)
+                                      check_packing, count_parameters, matmul_parameters, model_width, quantization,
+                                      varlen_attention)
 from accel_train.runtime.engine import Engine, share_zero3_master_weights, tensor_sharded, whole_model
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
@@ -218,13 +219,22 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
     return model
 
 
+def packing(cfg: Config, task, model) -> bool | str:
+    """The training collator's packing (Task.collator's `pack`): False, True (packed rows: the attention finds each
+    sequence from the restarting position_ids), or "varlen" under flash-attention, which needs the sequences'
+    boundaries beside the rows (data.pipeline.PackingCollator)."""
+    if not (cfg.data.packing and task.packs):
+        return False
+    return "varlen" if varlen_attention(model) else True
+
+
 def setup_loaders(cfg: Config, accelerator, task, tokenizer, model, train_ds, eval_ds, eval_parts: dict) -> tuple:
     """(train, eval, {source tag: eval}) dataloaders, not yet sharded, through the task's collator (packed where it
     packs); the last, of each source's part of the evaluation set (`eval_parts`: their sizes, in order), for a
     mixture. The task sets up what needs the bare model first (dpo.precompute_ref adds the reference log-probs to
     the data)."""
     train_ds, eval_ds = task.setup(accelerator, model, tokenizer, train_ds, eval_ds)
-    pack = cfg.data.packing and task.packs
+    pack = packing(cfg, task, model)
     batch, accum, procs = cfg.train.per_device_batch_size, cfg.train.grad_accum_steps, accelerator.num_processes
     step_samples = batch * accum * procs  # the effective batch
     collate = task.collator(tokenizer, pack, attention_cost(model),
