@@ -308,6 +308,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
     # samples in micro-batches cut by tokens (data_lib.TokenBudget, Task.window). A resume skips those consumed.
     per_step = 1 if cfg.data.max_tokens_per_batch else accum
     verdicts = Verdicts(cfg, job)  # each step's gradient taken or skipped, then judged (train.on_nonfinite)
+    parameters = list(model.parameters())  # listed once: clipping walks this list, not the module tree, every step
     model.train()
     while state.step < job.total_steps:
         batches = epoch_batches(accelerator, job.train_dl, state.epoch, skip=state.step_in_epoch // reuse * per_step)
@@ -367,7 +368,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
                 window_sums += sums * factor
             # Gradients are synchronized here, so this is the global norm, the same number on every rank:
             # a decision taken on it (stop on a non-finite norm) is the same on every rank without a collective.
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
+            grad_norm = accelerator.clip_grad_norm_(parameters, cfg.train.max_grad_norm or math.inf)
             lr = job.scheduler.get_last_lr()[0]  # the rate this step uses
             finite = verdicts.take(grad_norm)
             lr = optimizer.param_groups[0].get("scheduled_lr", lr)  # schedule-free: its own warmup's rate
