@@ -137,3 +137,24 @@ def test_training_starts_by_saying_what_the_model_cannot_see(tmp_path):
     assert "data: format messages from column(s) messages" in proc.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["data"]["train"]["unk"], summary["data"]["train"]["tokens"]) == (16, 544)
+
+
+def test_packing_view_lays_batches_out_as_the_attention_training_runs_under():
+    """Under flash-attention training packs each micro-batch into one row (data.pipeline.PackingCollator's varlen);
+    under sdpa into rows whose width is chosen by attention's cost: the view reports the layout the run will use."""
+    from transformers import AutoTokenizer
+
+    from accel_train.components.views import batch_efficiency
+    from accel_train.config.load import load_config
+    from accel_train.config.schema import TINY_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    lengths = [17, 23, 40, 9, 31, 12, 28, 19] * 4  # 2 batches of 16, 656 tokens each
+    rows = {}
+    for attention in ("sdpa", "flash_attention_2"):
+        cfg = load_config(None, [f"model.attn_implementation={attention}", "data.group_by_length=false"])
+        line = batch_efficiency(cfg, lengths, tokenizer, packs=True)
+        rows[attention] = float(re.search(r"packing \(batch 16\): ([\d.]+) rows per batch", line).group(1))
+        if attention != "sdpa":  # one row of 656 tokens a batch: no padding
+            assert "padding efficiency 1.000 packed" in line
+    assert rows["flash_attention_2"] == 1.0 and rows["sdpa"] > 1

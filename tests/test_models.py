@@ -299,8 +299,9 @@ def test_the_setup_checks_run_a_gpu_only_attention_under_sdpa_on_the_host():
 @pytest.fixture
 def flash_reference(monkeypatch):
     """transformers' flash-attention path as a GPU runs it (its attention integration, masks, and its choice between
-    the plain, the varlen and the position_ids-inferred kernels), with flash-attn's two kernels replaced by exact torch
-    equivalents (sdpa over each row, or over each sequence of the flattened rows), under a name with "flash" in it, as
+    the plain, the varlen and the position_ids-inferred kernels), with flash-attn's two kernels replaced by torch
+    equivalents, exact for models without sliding windows or softcapping (sdpa over each row, or over each sequence
+    of the flattened rows), under a name with "flash" in it, as
     transformers tells flash-attention apart. Yields the max_seqlen values the varlen kernel was given."""
     import torch.nn.functional as F
     import transformers.modeling_flash_attention_utils as flash_utils

@@ -341,11 +341,12 @@ class PackingCollator:
     fixed-length data). Unfilled ends of rows are pad tokens with label IGNORE_INDEX.
 
     `varlen` (a flash-attention model, models.build.varlen_attention): flash-attention sees no mask, and transformers
-    finds packed sequences in the position_ids of a single row only; on several rows each row would be attended
-    whole, its sequences seeing each other. The batch then also carries the sequences' boundaries in the flattened
-    rows (each row's pad tail one more sequence), as transformers' `DataCollatorWithFlattening` gives them
-    (cu_seq_lens_q/k, max_length_q/k: ints, counted here on the host, so no layer reads them from the device), and
-    the layout costs no attention by width: the varlen kernel computes each sequence's own blocks.
+    finds packed sequences in the position_ids of a single row only. Attention then costs nothing by width (the
+    varlen kernel computes each sequence's own blocks), so the layout is always one row, and the batch also carries
+    the sequences' boundaries in it (the pad tail one more sequence), as transformers' `DataCollatorWithFlattening`
+    gives them: cu_seq_lens_q/k, and max_length_q/k as ints counted here on the host, so that a model passing them
+    on reads nothing from the device; a model that drops them (Falcon, StableLM) has transformers find the same
+    bounds in the one row's position_ids.
     """
 
     def __init__(self, pad_token_id: int, attention_cost: float = 0.0, multiple: int = 1, varlen: bool = False):
@@ -388,7 +389,8 @@ class PackingCollator:
         batch = {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels),
                  "position_ids": torch.tensor(position_ids),
                  "real_tokens": torch.tensor(sum(len(f["input_ids"]) for f in features))}
-        if self.varlen:  # and the keys its tokens attend to, for MFU (loop.window_stats): each its sequence's
+        if self.varlen:  # and, for MFU (loop.window_stats), the keys its tokens attend to: each its sequence's, L²
+            # a sequence by the project's full-square convention (the causal kernel computes about half of it)
             bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
             batch.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(lengths),
                          max_length_k=max(lengths),
@@ -433,7 +435,7 @@ class TokenBudget:
         return [self.collate(group) for group in groups]
 
 
-def width_multiple(cfg: Config, precision: str, pack: bool = False) -> int:
+def width_multiple(cfg: Config, precision: str, pack: bool | str = False) -> int:
     """data.pad_to_multiple_of, resolved. In fp32: 1. In bf16/fp16: packed rows rounded up to a multiple of 32,
     padded batches (classification, data.packing=false, dpo's pairs) to a multiple of 8, the tensor-core size
     of GPUs. Measured with the 25M bench model under CPU bf16 (oneDNN builds a kernel per new shape): packing

@@ -80,7 +80,7 @@ class SFT(Task):
         """Samples of input_ids, attention_mask and labels (IGNORE_INDEX off the trained tokens): responses.py."""
         return responses.tokenize(ds, tokenizer, self.cfg, report, split)
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return responses.collator(tokenizer, pack, attention_cost, multiple)
 
     def count_targets(self, batch: dict):

@@ -106,7 +106,7 @@ class Classification(Task):
             report.update(found)
         return ds
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return DataCollatorWithPadding(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
 
     def count_targets(self, batch: dict):

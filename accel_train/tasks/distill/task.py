@@ -441,7 +441,7 @@ class Distill(Task):
                                       "data trains on every token); set distill.on_policy=0")
         return ds
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return Collator(self.cfg, tokenizer, attention_cost, multiple)
 
     def count_targets(self, batch: dict):

@@ -247,7 +247,7 @@ class DPO(Task):
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize_pairs(ds, tokenizer, self.cfg, data_columns(ds), "dpo")
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return PairCollator(tokenizer.pad_token_id, multiple)
 
     def count_targets(self, batch: dict):

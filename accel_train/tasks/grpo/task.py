@@ -262,7 +262,7 @@ class GRPO(Task):
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize(ds, tokenizer, self.cfg, report, split)
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return PromptCollator(self.cfg)
 
     def count_targets(self, batch: dict):

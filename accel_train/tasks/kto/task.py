@@ -302,7 +302,7 @@ class KTO(Task):
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize(ds, tokenizer, self.cfg, report, split)
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return RowCollator(tokenizer.pad_token_id, multiple)
 
     def count_targets(self, batch: dict):

@@ -130,7 +130,7 @@ class Reward(Task):
     def tokenize(self, ds, tokenizer, report: dict | None = None, split: str = "train"):
         return tokenize_pairs(ds, tokenizer, self.cfg, data_columns(ds), SECTION, tokenize_scored_pair)
 
-    def collator(self, tokenizer, pack: bool = False, attention_cost: float = 0.0, multiple: int = 1):
+    def collator(self, tokenizer, pack: bool | str = False, attention_cost: float = 0.0, multiple: int = 1):
         return PairCollator(tokenizer.pad_token_id, multiple)
 
     def count_targets(self, batch: dict):
