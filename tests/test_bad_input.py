@@ -308,12 +308,14 @@ def _model_of(tmp_path, params: float) -> tuple:
     return folder, 2 * vocab * hidden + layers * per_layer + hidden
 
 
-def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_naming_what_fits(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_naming_what_fits(tmp_path, dtype):
     """2 processes under DDP, full fine-tuning in fp32: 20 bytes a parameter each (weight, gradient, its copy in
     DDP's buckets, AdamW's two moments), sized here to 1.875x this machine's available memory for both; ZeRO-3/FSDP2
     hold 8 a process (0.75x) and LoRA 4: the run stops in one line before any weight is built or anything written,
     naming those, and not ZeRO-2 (12 a process: the gradients and moments sharded, DeepSpeed's fp32 copy of its
-    partition too, the weights whole)."""
+    partition too, the weights whole). model.dtype=auto on a config that names no dtype loads fp32 weights too
+    (models.build): counted at 2 bytes, the job looked half its size and DDP was let through to the kernel's kill."""
     import psutil
     from conftest import forked_launch
 
@@ -321,7 +323,7 @@ def test_full_fine_tuning_that_cannot_fit_under_ddp_is_refused_before_loading_na
     model, params = _model_of(tmp_path, 0.75 * available / 16)
     out = tmp_path / "run"
     proc = forked_launch("cpu_2proc.yaml", f"model.name_or_path={model}", "model.random_init=true",
-                         "lora.enabled=false", f"output_dir={out}", timeout=120)
+                         f"model.dtype={dtype}", "lora.enabled=false", f"output_dir={out}", timeout=120)
     assert proc.returncode != 0 and not out.exists(), proc.stderr[-2000:]
     lines = [line for line in said(proc.stdout + proc.stderr) if "error" in line]
     assert len(lines) == 1, proc.stderr[-2000:]

@@ -34,7 +34,16 @@ from accel_train.config.sections import ConfigError
 from accel_train.runtime.dist import gather_setup
 
 GB = 1e9
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_bytes(dtype: str, config) -> int:
+    """Bytes a weight in model.dtype; "auto" as models.build reads it: the config's dtype, else fp32 (a checkpoint
+    saved in fp32 whose config names no dtype loads in fp32, 4 bytes, not 2)."""
+    if dtype == "auto":
+        saved = getattr(config.get_text_config(), "dtype", None) if config is not None else None
+        dtype = str(saved).removeprefix("torch.") if saved is not None else "float32"
+    return _BYTES.get(dtype, 4)
 
 
 def parameters_at_least(config, auto_class=None) -> int:
@@ -128,7 +137,7 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     measured = device.type in ("cpu", "cuda") and params and cfg.model.quantization is None and not (
         device.type == "cuda" and _offloads(accelerator))
     stage, engine = sharding_stage(accelerator)
-    w, full, n = _BYTES[cfg.model.dtype], not cfg.lora.enabled, accelerator.num_processes
+    w, full, n = weight_bytes(cfg.model.dtype, config), not cfg.lora.enabled, accelerator.num_processes
     # train.optimizer's state a parameter where it is not two moments at the weight's dtype: bitsandbytes' 8-bit
     # moments (2 bytes), Adafactor's factored ones (a row and a column a matrix: about none)
     states = {"adamw_8bit": 2, "paged_adamw_8bit": 2, "adafactor": 0}.get(cfg.train.optimizer)
