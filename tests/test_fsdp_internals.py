@@ -91,6 +91,12 @@ def test_fsdp2_generation_uses_only_the_internals_the_check_checks():
     internal = {n for n in read - public if not re.fullmatch(r"__\w+__", n)}
     checked = {name for _, name, *_ in FSDP2_INTERNALS}
     assert internal == checked, f"read, not checked: {internal - checked}; checked, not read: {checked - internal}"
+    # and what it changes (assigns, or deletes items of) is what the check asks to keep what is done to it
+    tree = ast.parse(textwrap.dedent(inspect.getsource(engine._fsdp2_generating)))
+    targets = [t for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.Delete)) for t in node.targets]
+    edited = {(t.value if isinstance(t, ast.Subscript) else t).attr for t in targets
+              if isinstance(t.value if isinstance(t, ast.Subscript) else t, ast.Attribute)}
+    assert edited == engine.FSDP2_EDITED
 
 
 def test_a_torch_that_builds_fsdp2s_state_otherwise_is_judged_by_what_its_classes_set(monkeypatch):
@@ -104,3 +110,37 @@ def test_a_torch_that_builds_fsdp2s_state_otherwise_is_judged_by_what_its_classe
     monkeypatch.setattr(engine, "_sets", lambda cls, name: name != "_post_forward_indices")
     line = refusal(gather=False)
     assert line is not None and "lacks FSDPParamGroup._post_forward_indices" in line, line
+
+
+class _Stored:
+    """A class attribute standing in for an instance's own: reads go through `read`, writes are ignored."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __get__(self, instance, owner):
+        return self if instance is None else self.read(instance)
+
+    def __set__(self, instance, value):
+        pass
+
+
+@pytest.mark.parametrize("row", [r for r in FSDP2_INTERNALS if r[1] in engine.FSDP2_EDITED], ids=lambda r: r[1])
+def test_a_torch_whose_internal_does_not_keep_what_generation_sets_is_refused(row):
+    """Found by a reviewer: names and types alone passed a torch where the block's cleanup would do nothing (a list
+    handed out fresh at every read, a setting that ignores writes): ranks then prefetch different groups in the next
+    backward and hang until the timeout. Such a torch is refused like one that lacks the internal."""
+    owner, name, kind, lockstep = row  # the lists generation edits, the setting it puts back
+    cls = engine.fsdp2_classes()[owner]
+    assert name not in vars(cls)  # an instance attribute: the stand-in shadows it
+    value = [] if kind is list else None  # of the right class: only what it keeps differs
+    cls_attr = _Stored((lambda self: list(value)) if kind is list else (lambda self: value))
+    setattr(cls, name, cls_attr)
+    try:
+        line = refusal(gather=True)
+        assert line is not None and "\n" not in line, line
+        assert f"its FSDP2 changed {owner}.{name} (it does not keep what is set on it)" in line, line
+        assert (refusal(gather=False) is not None) is lockstep
+    finally:
+        delattr(cls, name)
+    assert refusal(gather=True) is None

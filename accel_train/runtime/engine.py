@@ -309,6 +309,10 @@ FSDP2_INTERNALS = (
     ("FSDPParamGroup", "post_forward_mesh_info", object, False),
 )
 
+# The internals `_fsdp2_generating` changes, not only reads (the forwards' records it cuts back, the setting it puts
+# back): the check also asks each to keep what is done to it (`_keeps`)
+FSDP2_EDITED = frozenset({"post_forward_order", "_post_forward_indices", "post_forward_mesh_info"})
+
 
 @contextmanager
 def _fsdp2_generating(root, gather: bool):
@@ -369,12 +373,32 @@ def _fsdp2_instances(classes: dict) -> dict:
     return {"FSDPState": classes["FSDPState"](), "FSDPCommContext": context, "FSDPParamGroup": group}
 
 
+def _keeps(instance, name: str) -> bool:
+    """Whether an attribute keeps what `_fsdp2_generating` does to it: a list the same object at every read, edited
+    in place (the block's forwards taken out of the record again); another value read back as set (a group's
+    reshard setting put back). Where it does not, that cleanup would do nothing and ranks drift apart: a hang."""
+    marker, value = object(), getattr(instance, name)
+    try:
+        if isinstance(value, list):
+            value.append(marker)
+            seen = getattr(instance, name)
+            kept = seen is value and bool(seen) and seen[-1] is marker
+            del seen[len(seen) - 1:]
+            return kept and not any(v is marker for v in getattr(instance, name))
+        setattr(instance, name, marker)
+        kept = getattr(instance, name) is marker
+        setattr(instance, name, value)
+        return kept and getattr(instance, name) is value
+    except Exception:  # noqa: BLE001 (cannot be set or read back: not what generation needs)
+        return False
+
+
 def check_fsdp2_generation(key: str, gather: bool) -> None:
     """Refuse in one line (ConfigError) a torch whose FSDP2 lacks, or changed, an internal of FSDP2_INTERNALS that
     this run's generation needs (`gather`: on weights gathered for it, else in lock-step; `key`: the setting that
     generates), before any rank loads, rather than fail at the first generation or hang in it. Checked on the
     classes (methods, and that they take no argument) and on instances built without a process group or a model
-    (attributes, and the class of their values)."""
+    (attributes, the class of their values, and that they keep what generation does to them: `_keeps`)."""
     from accel_train.config.sections import ConfigError
 
     wrong, lockstep_too = [], False  # what is missing or changed; whether lock-step generation needs it too
@@ -407,8 +431,10 @@ def check_fsdp2_generation(key: str, gather: bool) -> None:
             problem = None if taken == ["self"] else f"changed {owner}.{name} (not a method taking no argument)"
         else:
             expected = classes.get(kind, kind)
-            problem = None if isinstance(value, expected) else (
-                f"changed {owner}.{name} (a {type(value).__name__}, not a {expected.__name__})")
+            problem = (f"changed {owner}.{name} (a {type(value).__name__}, not a {expected.__name__})"
+                       if not isinstance(value, expected) else None
+                       if name not in FSDP2_EDITED or _keeps(instances[owner], name) else
+                       f"changed {owner}.{name} (it does not keep what is set on it)")
         if problem:
             wrong.append(problem)
             lockstep_too = lockstep_too or lockstep
