@@ -355,6 +355,23 @@ def test_saved_adapter_reloads_to_the_same_evaluation(name, root, reference):
     assert_same({**got, **position}, want, "final evaluation")
 
 
+@pytest.mark.long
+def test_each_engines_saved_adapter_reloads_to_its_final_evaluation(name, root, reference, sharded):
+    """What each engine saved after its crash and resume (FSDP2 and ZeRO-3 a tensor at a time from the shards), loaded
+    as users load it, on one process, evaluates to what that run evaluated at its end (and so to the reference's)."""
+    for engine, (crashed, resumed, out) in sharded.items():
+        if resumed is None:  # refused under it (test_sharded_engines_train_as_one_process holds the line)
+            continue
+        reloaded = root / f"{engine}-reloaded"
+        proc = python_m(*args(name, reloaded, *ONE, f"model.adapter_from={out / 'adapter'}",
+                              f"model.name_or_path={reference / 'base_model'}", "train.lr=1e-12", "train.max_steps=1",
+                              "checkpoint.save_every=null"))
+        assert proc.returncode == 0, f"{engine}: {proc.stderr[-3000:]}"
+        got, want = read_metrics(reloaded)[1][-1], read_metrics(out)[1][-1]
+        position = {k: want[k] for k in ("step", "epoch") if k in want}
+        assert_same({**got, **position}, want, f"{engine}: final evaluation", abs=SHARDED_ABS)
+
+
 def test_inspect_runs_on_the_example(name, tmp_out):
     proc = python_m(*args(name, tmp_out), tool="inspect")
     assert proc.returncode == 0, proc.stderr[-3000:]

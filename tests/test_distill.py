@@ -478,9 +478,9 @@ def test_prompts_alone_1proc_accumulation_equals_2proc_under_every_engine_throug
     student): each prompt's response is sampled alike whatever rank, batch and row of it holds the prompt (the
     micro-batches differ: alone, or in pairs). 9 training rows: step 3 has one sample, and rank 1 samples for a replayed
     micro-batch with weight 0. So do, each with rank 1 crashed in step 3 (os._exit) and the run resumed from step 2's
-    checkpoint under the same engine, ZeRO-2 (whole weights, each rank sampling alone; 1e-5), ZeRO-3 (the student's
-    weights gathered for sampling) and FSDP2 (in lock-step on the shards), to 1e-4 (sampled rows: more sums) for the
-    engines that shard the weights, with the teacher sharded like the student (the main process holds half its
+    checkpoint under the same engine, ZeRO-2 (whole weights, each rank sampling alone), ZeRO-3 (the student's
+    weights gathered for sampling) and FSDP2 (in lock-step on the shards), to 1e-5 (measured: at most 6.4e-7), each
+    engine's saved adapter reloaded on 1 process to its final evaluation, with the teacher sharded like the student (the main process holds half its
     parameters' elements, give or take a shard's padding), a forward of it on every rank for each micro-batch (the
     replayed one too) and each evaluation batch (3 eval prompts: accelerate repeats one on rank 1): a rank running one
     less would hang (forked_launch's timeout)."""
@@ -493,9 +493,8 @@ def test_prompts_alone_1proc_accumulation_equals_2proc_under_every_engine_throug
     assert proc.returncode == 0, proc.stderr[-3000:]
     timing = {"tokens_per_sec", "mfu", "memory_mb"}
     want_records = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
-    for config, extra, rel in (("cpu_2proc.yaml", [], 1e-5), ("cpu_deepspeed_zero2.yaml", [], 1e-5),
-                               ("cpu_deepspeed_zero3.yaml", [], 1e-4),
-                               ("fsdp2.yaml", ["train.gather_for_generation=false"], 1e-4)):
+    for config, extra in (("cpu_2proc.yaml", []), ("cpu_deepspeed_zero2.yaml", []), ("cpu_deepspeed_zero3.yaml", []),
+                          ("fsdp2.yaml", ["train.gather_for_generation=false"])):
         out = two / config.removesuffix(".yaml")
         run = [config, *common, *extra, "train.per_device_batch_size=2", "train.grad_accum_steps=1", f"output_dir={out}"]
         if config != "cpu_2proc.yaml":
@@ -517,7 +516,18 @@ def test_prompts_alone_1proc_accumulation_equals_2proc_under_every_engine_throug
         for want, got in zip(want_records, records):
             assert set(got) == set(want), config
             for key in set(want) - timing:
-                assert got[key] == pytest.approx(want[key], rel=rel), (config, want["step"], key)
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (config, want["step"], key)
+        if config != "cpu_2proc.yaml":  # what it saved (a tensor at a time from the shards), reloaded on 1 process
+            reloaded = tmp_path / f"{out.name}-reloaded"
+            proc = python_m(*common, "train.per_device_batch_size=1", "train.grad_accum_steps=4",
+                            f"model.name_or_path={one / 'base_model'}", f"model.adapter_from={out / 'adapter'}",
+                            "train.lr=1e-12", "train.max_steps=1", "checkpoint.save_every=null", f"output_dir={reloaded}")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            got = [json.loads(line) for line in (reloaded / "metrics.jsonl").read_text().splitlines()][-1]
+            want = records[-1]  # its final evaluation
+            assert {k for k in got if k.startswith("eval_")} == {k for k in want if k.startswith("eval_")} != set()
+            for key in (k for k in want if k.startswith("eval_")):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (config, "reloaded", key)
 
 
 @pytest.mark.long  # 2 processes, 2 steps (about 12 s)
