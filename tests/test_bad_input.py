@@ -351,3 +351,35 @@ def test_the_memory_estimate_shards_what_each_engine_shards():
     assert bytes_a_process(p, 2, False, n, 2) == 2 * p and bytes_a_process(p, 2, False, n, 3) == 2 * p / n
     # DeepSpeed's ZeRO-2 on fp32 weights: an fp32 copy of its partition beside the moments
     assert bytes_a_process(p, 4, True, n, 2, zero2_states(None)) == 4 * p + 16 * p / n
+
+
+def test_model_dtype_auto_is_counted_as_the_weights_will_load(tmp_path):
+    """model.dtype=auto, as from_pretrained resolves it: the config's dtype (a composite config's own, where its text
+    model names none), else the checkpoint's first floating tensor's, found in the safetensors header (a bf16
+    checkpoint whose config names no dtype loads in bf16: 2 bytes, not fp32's 4); random weights from a config that
+    names none: fp32; a hub model not in the local cache: 2, the least it can be (nothing fetched)."""
+    from transformers import AutoConfig, LlamaForCausalLM, LlavaConfig
+
+    from accel_train.config.load import load_config
+    from accel_train.models.build import auto_dtype
+    from accel_train.training.memory import weight_bytes
+
+    tiny = AutoConfig.from_pretrained(TINY_MODEL)
+    folder = tmp_path / "bf16"
+    LlamaForCausalLM(AutoConfig.from_pretrained(TINY_MODEL)).to(torch.bfloat16).save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.pop("dtype", None), saved.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(saved))
+    config = AutoConfig.from_pretrained(folder)
+    assert getattr(config, "dtype", None) is None
+    assert LlamaForCausalLM.from_pretrained(folder, dtype="auto").dtype == torch.bfloat16  # what it is counted as
+
+    def counted(config, *overrides):
+        return weight_bytes(load_config(None, ["model.dtype=auto", *overrides]), config)
+
+    assert counted(config, f"model.name_or_path={folder}") == 2
+    assert counted(tiny, "model.random_init=true") == 4
+    assert counted(tiny, "model.name_or_path=nobody/not-in-the-cache") == 2
+    composite = LlavaConfig(text_config=tiny.to_dict(), dtype="float32")
+    assert composite.get_text_config().dtype is None and auto_dtype(composite) == torch.float32
+    assert counted(composite, "model.random_init=true") == 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -160,7 +161,7 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
     fsdp_cpu_ram_efficient_loading): every parameter on the meta device, no storage; the buffers computed (rotary
     frequencies: accelerate re-registers the non-persistent ones from this process's model); the same parameters,
     dtypes and shapes as the main process's model (accelerate broadcasts into them), tied embeddings included."""
-    from transformers import GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from accel_train.models.build import build_model, build_tokenizer
 
@@ -168,8 +169,15 @@ def test_a_process_that_does_not_read_the_weights_builds_no_tensor_of_them(pretr
     # sets its own sampling and a second stop id (as Qwen2.5-Instruct's): every rank's generate() must read it
     tied = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
     GenerationConfig(eos_token_id=[2, 5], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(tied)
-    for path, dtype in ((pretrained, "float32"), (pretrained, "auto"), (tied, "float32")):
-        # auto: the dtype from_pretrained reads from the config, as the main process does
+    # bf16 weights whose config names no dtype: from_pretrained's auto reads the checkpoint's (built fp32 before)
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(pretrained, bf16)
+    AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.bfloat16).save_pretrained(bf16)
+    saved = json.loads((bf16 / "config.json").read_text())
+    saved.pop("dtype", None), saved.pop("torch_dtype", None)
+    (bf16 / "config.json").write_text(json.dumps(saved))
+    for path, dtype in ((pretrained, "float32"), (pretrained, "auto"), (tied, "float32"), (bf16, "auto")):
+        # auto: the dtype from_pretrained reads from the config or the checkpoint, as the main process does
         cfg = load_config(None, [f"model.name_or_path={path}", "lora.enabled=false", f"model.dtype={dtype}"])
         model = build_model(cfg, build_tokenizer(cfg), empty=True)
         assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -85,7 +85,7 @@ def reward_model(path: str, dtype: str, accelerator=None) -> RewardModel:
         with whole_model() if engine is None or adapter else engine.building() as empty:
             if empty:
                 model = from_config(AutoModelForSequenceClassification, AutoConfig.from_pretrained(folder),
-                                    torch_dtype, empty=True)
+                                    torch_dtype, empty=True, weights=str(folder))
                 tokenizer = AutoTokenizer.from_pretrained(folder)
             else:
                 model, tokenizer = load_trained(path, AutoModelForSequenceClassification, dtype=torch_dtype)

@@ -155,7 +155,8 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
     elif m.random_init or empty:
         config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
                                             **extra)
-        model = from_config(auto, config, dtype, empty, trust_remote_code=m.trust_remote_code)
+        model = from_config(auto, config, dtype, empty, weights=None if m.random_init else m.name_or_path,
+                            revision=m.revision, trust_remote_code=m.trust_remote_code)
         if empty:
             try:  # generate()'s defaults and stop ids as from_pretrained reads them on the main process
                 model.generation_config = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
@@ -188,13 +189,49 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
     return model
 
 
-def from_config(auto, config, dtype, empty: bool = False, **kw) -> torch.nn.Module:
-    """`auto`'s model of `config` in `dtype` ("auto": the config's, else fp32, as from_pretrained reads it), its
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def auto_dtype(config, weights: str | None = None, revision: str | None = None) -> torch.dtype | None:
+    """model.dtype=auto as from_pretrained resolves it: the config's dtype, else, for pretrained `weights` (a folder,
+    or a hub model already in the local cache: nothing is fetched), the first floating tensor's in its checkpoint
+    (safetensors); for random weights (`weights` None) the text model's config's; None where none of them says."""
+    def named(where):
+        saved = getattr(where, "dtype", None)
+        return getattr(torch, saved) if isinstance(saved, str) else saved
+
+    if named(config) is not None or weights is None:
+        return named(config) or named(config.get_text_config())
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    def local(filename):
+        return cached_file(weights, filename, revision=revision, local_files_only=True,
+                           _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+
+    try:
+        path = local("model.safetensors")
+        if path is None and (index := local("model.safetensors.index.json")) is not None:
+            first = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))[0]
+            path = local(first)
+        if path is None:
+            return None
+        with safe_open(path, framework="pt") as f:
+            return next((_SAFETENSORS_DTYPES[d] for k in f.keys() if (d := f.get_slice(k).get_dtype())
+                         in _SAFETENSORS_DTYPES), None)
+    except (OSError, ValueError, KeyError):  # not readable here: from_pretrained says what is wrong with it
+        return None
+
+
+def from_config(auto, config, dtype, empty: bool = False, weights: str | None = None, revision: str | None = None,
+                **kw) -> torch.nn.Module:
+    """`auto`'s model of `config` in `dtype` ("auto": as from_pretrained reads `weights` (auto_dtype), else fp32), its
     weights random, or with `empty` its parameters' shapes alone, on the meta device (buffers computed, tied weights
     tied): for a process whose weights the main process's broadcast fills (Engine.building)."""
     if dtype == "auto":
-        saved = getattr(config.get_text_config(), "dtype", None) or torch.float32
-        dtype = getattr(torch, saved) if isinstance(saved, str) else saved
+        dtype = auto_dtype(config, weights, revision) or torch.float32
     with init_empty_weights() if empty else nullcontext():  # parameters on meta, buffers computed
         model = auto.from_config(config, dtype=dtype, **kw)
     if empty:

@@ -398,7 +398,8 @@ def check_fsdp2_generation(key: str, gather: bool) -> None:
     this run's generation needs (`gather`: on weights gathered for it, else in lock-step; `key`: the setting that
     generates), before any rank loads, rather than fail at the first generation or hang in it. Checked on the
     classes (methods, and that they take no argument) and on instances built without a process group or a model
-    (attributes, the class of their values, and that they keep what generation does to them: `_keeps`)."""
+    (attributes, the class of their values, and that they keep what generation does to them: `_keeps`); where
+    those cannot be built, that the classes set the attributes at all."""
     from accel_train.config.sections import ConfigError
 
     wrong, lockstep_too = [], False  # what is missing or changed; whether lock-step generation needs it too

@@ -37,13 +37,19 @@ GB = 1e9
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def weight_bytes(dtype: str, config) -> int:
-    """Bytes a weight in model.dtype; "auto" as models.build reads it: the config's dtype, else fp32 (a checkpoint
-    saved in fp32 whose config names no dtype loads in fp32, 4 bytes, not 2)."""
+def weight_bytes(cfg: Config, config) -> int:
+    """Bytes a weight in model.dtype; "auto" as the model will be loaded (models.build.auto_dtype: the config's, else
+    the checkpoint's; random weights: fp32), else 2, the least it can be: the estimate is a lower bound."""
+    dtype = cfg.model.dtype
     if dtype == "auto":
-        saved = getattr(config.get_text_config(), "dtype", None) if config is not None else None
-        dtype = str(saved).removeprefix("torch.") if saved is not None else "float32"
-    return _BYTES.get(dtype, 4)
+        from accel_train.models.build import auto_dtype
+
+        m = cfg.model
+        saved = auto_dtype(config, None if m.random_init else m.name_or_path, m.revision) if config is not None else None
+        if saved is None:
+            return 4 if m.random_init and config is not None else 2
+        return saved.itemsize
+    return _BYTES[dtype]
 
 
 def parameters_at_least(config, auto_class=None) -> int:
@@ -137,7 +143,7 @@ def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     measured = device.type in ("cpu", "cuda") and params and cfg.model.quantization is None and not (
         device.type == "cuda" and _offloads(accelerator))
     stage, engine = sharding_stage(accelerator)
-    w, full, n = weight_bytes(cfg.model.dtype, config), not cfg.lora.enabled, accelerator.num_processes
+    w, full, n = weight_bytes(cfg, config), not cfg.lora.enabled, accelerator.num_processes
     # train.optimizer's state a parameter where it is not two moments at the weight's dtype: bitsandbytes' 8-bit
     # moments (2 bytes), Adafactor's factored ones (a row and a column a matrix: about none)
     states = {"adamw_8bit": 2, "paged_adamw_8bit": 2, "adafactor": 0}.get(cfg.train.optimizer)
