@@ -476,14 +476,14 @@ def test_prompts_alone_1proc_accumulation_equals_2proc_under_every_engine_throug
     """builtin:addition (prompts and answers, no responses) at distill.on_policy=1: 2 processes x batch 2 log what 1
     process x batch 1 x accumulation 4 logs, to 1e-5, at every step and evaluation (eval prompts answered by the
     student): each prompt's response is sampled alike whatever rank, batch and row of it holds the prompt (the
-    micro-batches differ: alone, or in pairs). 9 training rows: step 3 has one sample, and rank 1 samples for a replayed
-    micro-batch with weight 0. So do, each with rank 1 crashed in step 3 (os._exit) and the run resumed from step 2's
-    checkpoint under the same engine, ZeRO-2 (whole weights, each rank sampling alone), ZeRO-3 (the student's
-    weights gathered for sampling) and FSDP2 (in lock-step on the shards), to 1e-5 (measured: at most 6.4e-7), each
-    engine's saved adapter reloaded on 1 process to its final evaluation, with the teacher sharded like the student (the main process holds half its
-    parameters' elements, give or take a shard's padding), a forward of it on every rank for each micro-batch (the
-    replayed one too) and each evaluation batch (3 eval prompts: accelerate repeats one on rank 1): a rank running one
-    less would hang (forked_launch's timeout)."""
+    micro-batches differ: alone, or in pairs). 9 training rows: step 3 has one sample, and rank 1 samples for a
+    replayed micro-batch with weight 0. So do, each with rank 1 crashed in step 3 (os._exit) and the run resumed
+    from step 2's checkpoint under the same engine, ZeRO-2 (whole weights, each rank sampling alone), ZeRO-3 (the
+    student's weights gathered for sampling) and FSDP2 (in lock-step on the shards), to 1e-5 (measured: at most
+    6.4e-7), each engine's saved adapter reloaded on 1 process to its final evaluation, with the teacher sharded
+    like the student (the main process holds half its parameters' elements, give or take a shard's padding), a
+    forward of it on every rank for each micro-batch (the replayed one too) and each evaluation batch (3 eval
+    prompts: accelerate repeats one on rank 1): a rank running one less would hang (forked_launch's timeout)."""
     common = ["task=distill", "data.path=builtin:addition", "data.builtin_size=12", "data.eval_fraction=0.25",
               "distill.teacher=configs/model/tiny-llama", "distill.on_policy=1", "distill.max_new_tokens=6",
               "train.max_steps=3", "train.log_every=1", "train.eval_every=2", "train.warmup_steps=0", "train.lr=1e-2",
@@ -521,7 +521,8 @@ def test_prompts_alone_1proc_accumulation_equals_2proc_under_every_engine_throug
             reloaded = tmp_path / f"{out.name}-reloaded"
             proc = python_m(*common, "train.per_device_batch_size=1", "train.grad_accum_steps=4",
                             f"model.name_or_path={one / 'base_model'}", f"model.adapter_from={out / 'adapter'}",
-                            "train.lr=1e-12", "train.max_steps=1", "checkpoint.save_every=null", f"output_dir={reloaded}")
+                            "train.lr=1e-12", "train.max_steps=1", "checkpoint.save_every=null",
+                            f"output_dir={reloaded}")
             assert proc.returncode == 0, proc.stderr[-3000:]
             got = [json.loads(line) for line in (reloaded / "metrics.jsonl").read_text().splitlines()][-1]
             want = records[-1]  # its final evaluation

@@ -45,7 +45,8 @@ def weight_bytes(cfg: Config, config) -> int:
         from accel_train.models.build import auto_dtype
 
         m = cfg.model
-        saved = auto_dtype(config, None if m.random_init else m.name_or_path, m.revision) if config is not None else None
+        weights = None if m.random_init else m.name_or_path
+        saved = auto_dtype(config, weights, m.revision) if config is not None else None
         if saved is None:
             return 4 if m.random_init and config is not None else 2
         return saved.itemsize
