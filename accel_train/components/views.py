@@ -42,6 +42,7 @@ def batch_efficiency(cfg: Config, lengths: list[int], tokenizer, packs: bool) ->
     causal_lm packed into rows."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils.generic import is_flash_attention_requested
 
     from accel_train.data.pipeline import LengthGroupedSampler, PackingCollator
     from accel_train.models.build import attention_cost, attn_implementation
@@ -61,10 +62,12 @@ def batch_efficiency(cfg: Config, lengths: list[int], tokenizer, packs: bool) ->
         config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
                                             trust_remote_code=cfg.model.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-    # the attention training would run here (model.attn_implementation): flash-attention packs every batch into one row
+    # the attention training would run here (model.attn_implementation), by transformers' test as training's
+    # (models.build.varlen_attention): flash-attention packs every batch into one row
     chosen = cfg.model.attn_implementation
-    varlen = "flash" in (attn_implementation(cfg).get("attn_implementation", "") if chosen == "auto" else chosen)
-    packer = PackingCollator(tokenizer.pad_token_id, attention_cost(model), varlen=varlen)
+    chosen = attn_implementation(cfg).get("attn_implementation") if chosen == "auto" else chosen
+    packer = PackingCollator(tokenizer.pad_token_id, attention_cost(model),
+                             varlen=is_flash_attention_requested(requested_attention_implementation=chosen))
     layouts = [packer.layout(b) for b in batches]
     packed, rows = sum(width * len(rows) for width, rows in layouts), sum(len(rows) for _, rows in layouts)
     return (f"packing (batch {batch}): {rows / len(batches):.1f} rows per batch; padding efficiency "

@@ -432,10 +432,12 @@ def check_fsdp2_generation(key: str, gather: bool) -> None:
             problem = None if taken == ["self"] else f"changed {owner}.{name} (not a method taking no argument)"
         else:
             expected = classes.get(kind, kind)
-            problem = (f"changed {owner}.{name} (a {type(value).__name__}, not a {expected.__name__})"
-                       if not isinstance(value, expected) else None
-                       if name not in FSDP2_EDITED or _keeps(instances[owner], name) else
-                       f"changed {owner}.{name} (it does not keep what is set on it)")
+            if not isinstance(value, expected):
+                problem = f"changed {owner}.{name} (a {type(value).__name__}, not a {expected.__name__})"
+            elif name in FSDP2_EDITED and not _keeps(instances[owner], name):
+                problem = f"changed {owner}.{name} (it does not keep what is set on it)"
+            else:
+                problem = None
         if problem:
             wrong.append(problem)
             lockstep_too = lockstep_too or lockstep
