@@ -149,12 +149,38 @@ def test_packing_view_lays_batches_out_as_the_attention_training_runs_under():
     from accel_train.config.schema import TINY_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    lengths = [17, 23, 40, 9, 31, 12, 28, 19] * 4  # 2 batches of 16, 656 tokens each
+    lengths = [17, 23, 40, 9, 31, 12, 28, 19] * 4  # 2 batches of 16
     rows = {}
     for attention in ("sdpa", "flash_attention_2"):
         cfg = load_config(None, [f"model.attn_implementation={attention}", "data.group_by_length=false"])
         line = batch_efficiency(cfg, lengths, tokenizer, packs=True)
         rows[attention] = float(re.search(r"packing \(batch 16\): ([\d.]+) rows per batch", line).group(1))
-        if attention != "sdpa":  # one row of 656 tokens a batch: no padding
+        if attention != "sdpa":  # one row a batch, as long as its samples: no padding
             assert "padding efficiency 1.000 packed" in line
     assert rows["flash_attention_2"] == 1.0 and rows["sdpa"] > 1
+
+
+def test_the_batch_views_round_widths_up_as_training_does():
+    """data.pad_to_multiple_of (and in bf16/fp16 its defaults, data.pipeline.width_multiple): the padded batches
+    and the packed rows the view reports are as wide as training makes them, not their longest sample."""
+    from transformers import AutoTokenizer
+
+    from accel_train.components.views import batch_efficiency
+    from accel_train.config.load import load_config
+    from accel_train.config.schema import TINY_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    lengths = [17, 23, 40, 9, 31, 12, 28, 19] * 4  # one batch of 32
+    real, longest = sum(lengths), max(lengths)  # 716, 40
+    for multiple in (1, 48):
+        cfg = load_config(None, [f"data.pad_to_multiple_of={multiple}", "train.per_device_batch_size=32",
+                                 "model.attn_implementation=flash_attention_2"])
+        line = batch_efficiency(cfg, lengths, tokenizer, packs=True)
+        # one row (flash-attention): 716 wide, 720 at a multiple of 48 (15 x 48)
+        assert f"padding efficiency {real / (-(-real // multiple) * multiple):.3f} packed" in line, line
+        # padded: 32 rows as wide as the longest, 40, or 48
+        wide = -(-longest // multiple) * multiple
+        assert line.endswith(f"vs {real / (32 * wide):.3f} padded"), line
+        padded = batch_efficiency(cfg, lengths, tokenizer, packs=False)
+        assert f"efficiency {real / (32 * wide):.3f}" in padded, padded
+        assert ("rounded up to a multiple of 48" in padded) is (multiple == 48), padded

@@ -39,25 +39,33 @@ def distribution(lengths: list[int]) -> str:
 def batch_efficiency(cfg: Config, lengths: list[int], tokenizer, packs: bool) -> str:
     """Padding efficiency (real tokens / computed tokens) of the training batches in the order the first epoch of
     one process sees them (length-grouped with data.group_by_length): padded to their longest sample, and for
-    causal_lm packed into rows."""
+    causal_lm packed into rows, each rounded up as training rounds it (data.pipeline.width_multiple, at the
+    precision training will choose here: runtime.dist.choose_precision)."""
+    import os
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils.generic import is_flash_attention_requested
 
-    from accel_train.data.pipeline import LengthGroupedSampler, PackingCollator
-    from accel_train.models.build import attention_cost, attn_implementation
+    from accel_train.data.pipeline import LengthGroupedSampler, PackingCollator, width_multiple
+    from accel_train.models.build import attention_cost, attn_implementation, model_width
+    from accel_train.runtime.dist import choose_precision
 
+    precision, _ = choose_precision(cfg.train.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
+                                    model_width(cfg))
     batch = cfg.train.per_device_batch_size
     if cfg.data.group_by_length:
         order = list(LengthGroupedSampler(lengths, batch * cfg.train.grad_accum_steps, cfg.seed))
     else:
         order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     batches = [[lengths[i] for i in order[start: start + batch]] for start in range(0, len(order), batch)]
-    real, padded = sum(lengths), sum(max(b) * len(b) for b in batches)
+    multiple = width_multiple(cfg, precision)
+    real, padded = sum(lengths), sum(-(-max(b) // multiple) * multiple * len(b) for b in batches)
     if not packs:
         grouped = "length-grouped batches" if cfg.data.group_by_length else "shuffled batches"
+        rounded = f", rounded up to a multiple of {multiple}" if multiple > 1 else ""
         return (f"padding (batch {batch}): efficiency {real / padded:.3f} ({grouped}, each padded to its longest "
-                f"sample; data.group_by_length={str(cfg.data.group_by_length).lower()})")
+                f"sample{rounded}; data.group_by_length={str(cfg.data.group_by_length).lower()})")
     with torch.device("meta"):  # the shapes only: no memory, no weights
         config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
                                             trust_remote_code=cfg.model.trust_remote_code)
@@ -66,8 +74,9 @@ def batch_efficiency(cfg: Config, lengths: list[int], tokenizer, packs: bool) ->
     # (models.build.varlen_attention): flash-attention packs every batch into one row
     chosen = cfg.model.attn_implementation
     chosen = attn_implementation(cfg).get("attn_implementation") if chosen == "auto" else chosen
+    varlen = is_flash_attention_requested(requested_attention_implementation=chosen)
     packer = PackingCollator(tokenizer.pad_token_id, attention_cost(model),
-                             varlen=is_flash_attention_requested(requested_attention_implementation=chosen))
+                             width_multiple(cfg, precision, "varlen" if varlen else True), varlen=varlen)
     layouts = [packer.layout(b) for b in batches]
     packed, rows = sum(width * len(rows) for width, rows in layouts), sum(len(rows) for _, rows in layouts)
     return (f"packing (batch {batch}): {rows / len(batches):.1f} rows per batch; padding efficiency "
