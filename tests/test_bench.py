@@ -275,6 +275,28 @@ def test_bench_trl_contender_needs_trl(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().endswith("the trl contender needs TRL: pip install trl")
 
 
+def test_bench_liger_variant_runs_ours_with_liger_where_it_can_run(tmp_path, monkeypatch, capsys):
+    """--liger: a row of ours with model.liger_kernel=true ("ours+liger_kernel"), on the workloads that train SFT;
+    where Liger's kernels cannot run (no liger-kernel, or no GPU) refused in one line, and a suite lists its row as
+    not run here where liger-kernel is not installed."""
+    monkeypatch.setattr(bench, "has_liger", lambda: True)
+    args = bench.parse_args(["--workloads", "fixed", "--contenders", "ours,bare", "--liger"])
+    jobs = dict(contenders.contender_jobs(args, tmp_path, "fixed", "no", False))
+    assert list(jobs) == ["ours", "bare", "ours+liger_kernel"]
+    assert jobs["ours+liger_kernel"].args[-1] == ["model.liger_kernel=true"]
+    monkeypatch.setattr(bench, "has_liger", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--liger"])
+    assert capsys.readouterr().err.strip().endswith(
+        "--liger runs Liger's Triton kernels: it needs liger-kernel (pip install liger-kernel) and a GPU")
+    monkeypatch.setattr(bench, "liger_installed", lambda: False)
+    assert bench.main(["--gpu-full", "--dry-run"]) is None
+    listed = [line for line in capsys.readouterr().out.splitlines() if "ours+liger_kernel" in line]
+    assert len(listed) == 1 and listed[0].endswith("(not run here: liger-kernel is not installed)")
+    assert "--liger" not in suite.group_argv("gpu-full", "lora_0.5b_32k", True, False)
+    assert "--liger" in suite.group_argv("gpu-full", "lora_0.5b_32k", True, True)
+
+
 @pytest.mark.xdist_group("topology")  # runs A and C of the session's topology runs (conftest.runs)
 def test_mfu_on_1_and_2_processes_divides_by_the_peak_of_every_process(runs):
     """The same job on 1 process (run A, batch 4) and on 2 (run C, batch 2 each): each logged MFU times the peak

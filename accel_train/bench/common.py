@@ -106,9 +106,13 @@ def has_trl() -> bool:
 
 def has_liger() -> bool:
     """liger-kernel installed, and a GPU to run its Triton kernels."""
+    return liger_installed() and on_cuda()
+
+
+def liger_installed() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("liger_kernel") is not None and on_cuda()
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def on_cuda() -> bool:

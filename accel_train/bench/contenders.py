@@ -267,8 +267,8 @@ def child_result(steps: list[tuple], mean_loss: float) -> dict:
 
 def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list[tuple[str, Callable]]:
     """One round of `workload`: each contender's run (a function returning its record, given its process's time
-    limit as `timeout`, None for none), named, in --contenders' order, then ours' gradient-checkpointing and compile
-    variants ("ours+compile"; on grpo its static KV cache, "ours+static_cache"), then (`scale`) ours on 2 processes
+    limit as `timeout`, None for none), named, in --contenders' order, then ours' gradient-checkpointing, compile and
+    Liger variants ("ours+compile", "ours+liger_kernel"; on grpo its static KV cache, "ours+static_cache"), then (`scale`) ours on 2 processes
     ("ours x2"). A name is the contender's whatever its options (TRL's depend on the machine)."""
     jobs, run_on = [], (args, wd, workload, precision)
     for contender in args.contenders:
@@ -286,7 +286,8 @@ def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -
         elif workload != "cls":  # the bare loop and TRL's SFTTrainer: causal LM
             options = trl_options(workload) if contender == "trl" else []
             jobs.append((contender, partial(run_child, contender, *run_on, options)))
-    for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true")):
+    for flag, option in ((args.grad_ckpt, "train.gradient_checkpointing=true"), (args.compile, "train.compile=true"),
+                         (args.liger, "model.liger_kernel=true")):
         if flag and "ours" in args.contenders and workload != "grpo":
             name = "ours+" + option.split("=")[0].split(".")[-1]
             jobs.append((name, partial(run_ours, *run_on, 1, [option])))

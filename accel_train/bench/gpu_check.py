@@ -15,6 +15,8 @@ rewritten after every check (a run cut short keeps the checks it finished):
     deepspeed_fp16       the same ZeRO-2 run in fp16: the engine's loss scale calibrates (steps skipped with a
                          warning naming the scale, which never rises), every other step's loss is finite, it learns
     fsdp2                1 process: the same comparison
+    liger                the 1-GPU run with Liger's kernels (model.liger_kernel: its RMSNorm, RoPE, SwiGLU and fused
+                         linear cross-entropy): the same comparison (liger-kernel carried: wheels.sh's extra argument)
     qlora_4bit           LoRA on a 4-bit base trains; its adapter loads on the bf16 base
     bench_0.5b           python -m accel_train.bench --size 0.5b: ours vs transformers.Trainer vs a bare loop
 
@@ -37,12 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel_train.bench.report import write_report
+from accel_train.config.schema import CONFIGS_DIR, PACKAGE_DIR
 
-REPO = Path(__file__).resolve().parent.parent
-ACCEL = REPO / "configs" / "accelerate"
+ACCEL = CONFIGS_DIR / "accelerate"  # the checkout's configs/, or the installed package's copy
 BF16_RTOL = 0.02  # bf16 autocast: a few ulps of 2^-8 per op, summed over a short run
 ORDER = ["quickstart_1gpu", "quickstart_cpu", "lora_bf16", "lora_fp16", "fp16_broken_loss", "deepspeed_zero2",
-         "deepspeed_zero3", "deepspeed_fp16", "fsdp2", "qlora_4bit", "bench_0.5b"]
+         "deepspeed_zero3", "deepspeed_fp16", "fsdp2", "liger", "qlora_4bit", "bench_0.5b"]
 # loop.Verdicts's warning for a step skipped while the fp16 loss scale calibrates
 SKIPPED = re.compile(r"step (\d+): non-finite gradient norm, step skipped \(fp16 loss scale ([0-9.e+]+)\)")
 
@@ -68,7 +70,7 @@ class Check:
 
 def launch(config: str, *args, procs: int | None = None) -> list[str]:
     head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / config)]
-    return [*head, *(["--num_processes", str(procs)] if procs else []), str(REPO / "accel_train" / "train.py"), *args]
+    return [*head, *(["--num_processes", str(procs)] if procs else []), str(PACKAGE_DIR / "train.py"), *args]
 
 
 def python_m(*args) -> list[str]:
@@ -105,6 +107,7 @@ def plan(out: Path) -> list[Check]:
         run("deepspeed_zero3", lambda *a: launch("deepspeed_zero3.yaml", *a, procs=1), *small, needs=["deepspeed"]),
         run("deepspeed_fp16", lambda *a: launch("deepspeed_zero2.yaml", *a, procs=1), *fp16, needs=["deepspeed"]),
         run("fsdp2", lambda *a: launch("fsdp2.yaml", *a, procs=1), *small),
+        run("liger", lambda *a: launch("1gpu.yaml", *a), *small, "model.liger_kernel=true", needs=["liger_kernel"]),
         run("qlora_4bit", python_m, *qlora, needs=["bitsandbytes"]),
         Check("bench_0.5b", [sys.executable, "-m", "accel_train.bench", "--size", "0.5b", "--no-scaling",
                              "--workloads", "skewed", "--steps", "8", "--out", str(out / "bench.json"),
@@ -171,7 +174,7 @@ def judge(check: Check, proc: subprocess.CompletedProcess, results: dict) -> dic
         ok = "on cuda" in log and (final.get("eval_accuracy") or 0) > 0.8
     elif name == "quickstart_cpu":
         ok = "2 process(es) on cpu" in log
-    elif name in ("deepspeed_zero2", "deepspeed_zero3", "fsdp2"):
+    elif name in ("deepspeed_zero2", "deepspeed_zero3", "fsdp2", "liger"):
         reference = results.get("reference_1gpu", {})
         diff = max_relative_difference(losses(check.out), reference.get("losses", []))
         figures["max_rel_loss_diff_vs_1gpu"] = diff
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     checks = plan(args.out)
     wanted = set(args.only or ORDER)
-    if wanted & {"deepspeed_zero2", "deepspeed_zero3", "fsdp2"}:
+    if wanted & {"deepspeed_zero2", "deepspeed_zero3", "fsdp2", "liger"}:
         wanted.add("reference_1gpu")
     checks = [c for c in checks if c.name in wanted]
     if args.dry_run:
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t0 = time.perf_counter()
             proc = subprocess.run(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env},
-                                  capture_output=True, text=True, cwd=REPO)
+                                  capture_output=True, text=True, cwd=PACKAGE_DIR.parent)
             results[check.name] = {**judge(check, proc, results), "seconds": round(time.perf_counter() - t0, 1)}
             print(f"{check.name}: {results[check.name]['status']} ({results[check.name]['seconds']} s)", flush=True)
         report(results, args.out, time.perf_counter() - start)  # after every check: a run cut short keeps them

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import accel_train.bench
 from accel_train.bench import suite
-from accel_train.bench.common import CONTENDERS, SIZES, WORKLOADS, on_cuda, has_trl
+from accel_train.bench.common import CONTENDERS, SIZES, WORKLOADS, has_liger, has_trl, liger_installed, on_cuda
 from accel_train.bench.contenders import TimedOut, child_bare, child_trainer, child_trl, contender_jobs
 from accel_train.bench.grpo import child_generate, child_trl_grpo, grpo_figures
 from accel_train.bench.report import (bench_markdown, bench_report, figures, machine, model_figures, peak_flops,
@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scaling", action="store_true", help="skip the 1- vs 2-process comparison")
     p.add_argument("--grad-ckpt", action="store_true", help="also run ours with gradient checkpointing")
     p.add_argument("--compile", action="store_true", help="also run ours with torch.compile (train.compile=true)")
+    p.add_argument("--liger", action="store_true", help="also run ours with Liger's kernels (model.liger_kernel=true; "
+                                                         "needs liger-kernel and a GPU)")
     p.add_argument("--static-cache", action="store_true", help="grpo: also run ours with its rollouts decoding from a "
                                                                "static KV cache (train.generation_cache=static)")
     p.add_argument("--out", default="bench.json", help="JSON results file (and its tables beside it, .md), written "
@@ -108,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown workload/contender: {', '.join(bad)}")
     if "trl" in args.contenders and not args.child and not has_trl():
         p.error("the trl contender needs TRL: pip install trl")
+    if args.liger and not args.child and not has_liger():
+        p.error("--liger runs Liger's Triton kernels: it needs liger-kernel (pip install liger-kernel) and a GPU")
     if args.max_len < 16 or not 16 <= args.fixed_len <= args.max_len:
         p.error("--max-len must be >= 16, and --fixed-len between 16 and --max-len")
     if args.repeat < 1:
@@ -292,7 +296,7 @@ def run_suite(args) -> dict | None:
 def prepare_group(args, name: str, wd: Path, precision: str, peaks: dict) -> dict:
     """A suite group before its first row: its settings (suite.group_argv), workload files, model FLOPs, matmul peak
     (measured once per model size: `peaks`) and its contenders' runs by name (contenders.contender_jobs)."""
-    g = parse_args([*suite.group_argv(args.suite, name, has_trl()), "--workdir", str(wd), "--seed", str(args.seed),
+    g = parse_args([*suite.group_argv(args.suite, name, has_trl(), has_liger()), "--workdir", str(wd), "--seed", str(args.seed),
                     "--precision", args.precision])
     wd.mkdir(parents=True, exist_ok=True)
     announce(g, precision, wd)
@@ -312,8 +316,8 @@ def run_row(group: dict, name: str, timeout: float | None = None) -> dict:
     if "failed" in group:  # prepare_group raised (run_suite)
         return {"status": "not run: group setup failed", "output": group["failed"]}
     job = group["jobs"].get(name)
-    if job is None:  # the only contender that can be missing is TRL (suite.group_argv)
-        return {"status": "not run: pip install trl"}
+    if job is None:  # TRL's rows, and Liger's, where they cannot run here (suite.group_argv)
+        return {"status": f"not run: {suite.missing(name, has_trl(), has_liger())}"}
     return attempt(lambda: measure(job, group["args"], group["flops"], group["peak"], group["runs"], timeout)) or {
         "status": "measured"}
 
@@ -368,15 +372,16 @@ def dry_run(name: str, time_limit: int | None = None) -> str:
     for group, row, work in rows:
         if group != last:
             lines.append(f"{group}: " + ("as above" if group in seen else
-                                         describe(parse_args(suite.group_argv(name, group, has_trl())))))
+                                         describe(parse_args(suite.group_argv(name, group, has_trl(), False)))))  # variants: no setting
             last = group
             seen.add(group)
-        note = " (not run here: trl is not installed)" if row == "trl" and not has_trl() else ""
+        why = suite.missing(row, has_trl(), liger_installed())  # without torch: a suite runs on a GPU only
+        note = f" (not run here: {why})" if why else ""
         if time_limit is not None and suite.row_estimate(work) > time_limit - elapsed:
             note += " (not run: past --time-limit)"
         else:
             elapsed += suite.row_estimate(work)
-        lines.append(f"    {row:<14} {suite.row_estimate(work):>4} s{note}")
+        lines.append(f"    {row:<17} {suite.row_estimate(work):>4} s{note}")
     limit = f", time limit {time_limit} s" if time_limit is not None else ""
     lines.append(f"total: {suite.estimate(name)} s (an estimate), of a budget of {budget} s{limit}")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
     python -m accel_train.bench --gpu --dry-run          # its rows and their estimated seconds; nothing runs
     python -m accel_train.bench --gpu --out gpu.json --time-limit 360  # ~6 min estimated: gpu.json and gpu.md
-    python -m accel_train.bench --gpu-full               # more sizes, the Trainer, compiled steps (~16 minutes)
+    python -m accel_train.bench --gpu-full               # more sizes, the Trainer, compiled steps (~17 minutes)
 
 A row is one contender (bench/contenders.py) on one group of settings (GROUPS: the bench's own options, one workload
 each); the rows run in the suite's order, the most wanted first, the report (JSON and Markdown) written after every
@@ -19,7 +19,9 @@ The groups:
   grpo_0.5b_64   GRPO: 8 prompts x 8 completions of 64 new tokens a step, rollouts and update;
   full_1.5b_32k  full SFT of Qwen2.5-1.5B's shape, the same samples as lora_0.5b_32k (micro-batches of 8: weights,
                  gradients and AdamW's states in fp32 take 25 GB): ours only in --gpu;
-and --gpu-full's: TRL on full_1.5b_32k, the Trainer on lora_0.5b_32k, LoRA of the 1.5B shape and full SFT of the
+and --gpu-full's: ours with Liger's kernels on lora_0.5b_32k (model.liger_kernel; where liger-kernel is installed and
+a GPU runs it, as TRL's rows use it: on a machine without it, `../shared/gpu/wheels.sh .venv liger-kernel==0.8.5`
+carries its wheel), TRL on full_1.5b_32k, the Trainer on lora_0.5b_32k, LoRA of the 1.5B shape and full SFT of the
 0.5B one (32k tokens a step), 256-token rollouts, and the compiled step (ours+compile) on lora_0.5b_32k and on the
 skewed job (a new shape almost every step).
 
@@ -54,7 +56,7 @@ GROUPS = {
 """Each group's bench options (run.parse_args); the suite adds the contenders its rows name and --no-scaling."""
 
 VARIANTS = {"ours+compile": "--compile", "ours+gradient_checkpointing": "--grad-ckpt",
-            "ours+static_cache": "--static-cache"}
+            "ours+static_cache": "--static-cache", "ours+liger_kernel": "--liger"}
 """Rows of ours with an option (contenders.contender_jobs' names), and the bench option that adds them.
 ours+static_cache (a grpo group's rollouts from a static KV cache) is in no suite yet: a row of it (its process's
 start, and the decode step's compilation) fits neither --gpu's estimate (at most 6 minutes) nor --gpu-full's budget."""
@@ -65,7 +67,8 @@ _GPU = [("lora_0.5b_32k", "ours", 7), ("lora_0.5b_32k", "trl", 6), ("lora_0.5b_3
         ("skewed_0.5b", "ours", 6), ("skewed_0.5b", "trl", 4), ("skewed_0.5b", "bare", 4),
         ("grpo_0.5b_64", "ours", 10), ("grpo_0.5b_64", "trl", 9), ("grpo_0.5b_64", "generate", 6),
         ("full_1.5b_32k", "ours", 17)]  # 1.5B random weights built (~6 s) and saved (~5 s)
-_MORE = [("full_1.5b_32k", "trl", 14), ("lora_0.5b_32k", "trainer", 8),
+_MORE = [("lora_0.5b_32k", "ours+liger_kernel", 7),  # where liger-kernel is installed (TRL's rows then use it too)
+         ("full_1.5b_32k", "trl", 14), ("lora_0.5b_32k", "trainer", 8),
          ("lora_1.5b_32k", "ours", 13), ("lora_1.5b_32k", "trl", 11), ("lora_1.5b_32k", "bare", 10),
          ("full_0.5b_32k", "ours", 9), ("full_0.5b_32k", "trl", 7), ("full_0.5b_32k", "bare", 6),
          ("grpo_0.5b_256", "ours", 27), ("grpo_0.5b_256", "trl", 28), ("grpo_0.5b_256", "generate", 20)]
@@ -74,7 +77,7 @@ _COMPILED = [("lora_0.5b_32k", "ours+compile", 60),  # inductor compiles the for
 
 SUITES = {
     "gpu": (480, _GPU),
-    "gpu-full": (960, [*_GPU, *_MORE, *_COMPILED]),
+    "gpu-full": (1020, [*_GPU, *_MORE, *_COMPILED]),
 }
 """name -> (budget in seconds, rows in the order they run: (group, row, estimated seconds of work)). --gpu's rows are
 the most wanted first, its estimate (~6 min) well within its budget: a session of 8 minutes on a GPU also pays the
@@ -97,10 +100,21 @@ def estimate(name: str) -> int:
     return BENCH_START_S + sum(row_estimate(work) for _, _, work in SUITES[name][1])
 
 
-def group_argv(name: str, group: str, trl: bool = True) -> list[str]:
-    """The bench's options for `group` in suite `name`: GROUPS' settings, the contenders its rows name (TRL's only
-    where `trl`: installed), the variants of ours they name, no 2-process run."""
-    rows = [row for g, row, _ in SUITES[name][1] if g == group]
-    contenders = [c for c in dict.fromkeys(row.split("+")[0] for row in rows) if c != "trl" or trl]
+def group_argv(name: str, group: str, trl: bool = True, liger: bool = True) -> list[str]:
+    """The bench's options for `group` in suite `name`: GROUPS' settings, the contenders its rows name, the variants
+    of ours they name, no 2-process run; not the rows that cannot run here (`trl`: TRL installed, `liger`:
+    liger-kernel installed and a GPU: missing)."""
+    rows = [row for g, row, _ in SUITES[name][1] if g == group and not missing(row, trl, liger)]
+    contenders = dict.fromkeys(row.split("+")[0] for row in rows)
     return [*GROUPS[group], "--contenders", ",".join(contenders), *(VARIANTS[r] for r in rows if r in VARIANTS),
             "--no-scaling"]
+
+
+def missing(row: str, trl: bool, liger: bool) -> str:
+    """Why `row` cannot run here ("" where it can): TRL's without TRL (`trl`), Liger's without liger-kernel and a GPU
+    (`liger`)."""
+    if row == "trl" and not trl:
+        return "trl is not installed"
+    if row == "ours+liger_kernel" and not liger:
+        return "liger-kernel is not installed"
+    return ""

@@ -77,6 +77,16 @@ class ModelConfig:
     """transformers' hub kernels (the `kernels` package's layers, fetched from the Hub). auto: used where they can
     be had; offline without them cached the model keeps its own layers and the run says so. on: required. off: not
     tried."""
+    liger_kernel: bool = False
+    """Liger's Triton kernels (GPUs; pip install 'accel_train[liger]'), as TRL's use_liger_kernel: the model's RMSNorm,
+    RoPE and SwiGLU layers (transformers' apply_liger_kernel, on every model the run builds), and causal_lm's training
+    loss by its fused linear cross-entropy (no logits kept, none recomputed in the backward pass) where the output
+    head is a plain linear layer. Model types and kernels: Liger's (a type it lacks is refused)."""
+    liger_kernel_config: dict[str, bool] = field(default_factory=dict)
+    """The kernels model.liger_kernel applies, as transformers' liger_kernel_config ({rope: false, ...}: the model
+    type's apply_liger_kernel_to_* arguments; a key not among them is refused); unset: Liger's defaults.
+    fused_linear_cross_entropy is causal_lm's loss; cross_entropy (the model's own loss from full logits) is never
+    used: accel_train computes the loss."""
     adapter_from: Optional[str] = None
     """A LoRA adapter folder (a run's output_dir/adapter) to continue training instead of a fresh adapter; its own
     adapter_config.json (r, alpha, targets) applies, lora.r etc. are not used. model.name_or_path must be its base."""
@@ -103,6 +113,14 @@ class ModelConfig:
         if self.quantization and self.random_init:
             raise ConfigError(f"model.quantization={self.quantization} quantizes pretrained weights: it cannot "
                               "be used with random weights (model.random_init)")
+        if self.liger_kernel_config and not self.liger_kernel:
+            raise ConfigError("model.liger_kernel_config chooses Liger's kernels: it needs model.liger_kernel=true")
+        if self.liger_kernel_config.get("cross_entropy"):
+            raise ConfigError("model.liger_kernel_config.cross_entropy is the model's own loss from full logits, which "
+                              "accel_train does not use; its loss by Liger is fused_linear_cross_entropy")
+        if self.liger_kernel_config.get("fused_linear_cross_entropy") and cfg.task != "causal_lm":
+            raise ConfigError(f"model.liger_kernel_config.fused_linear_cross_entropy is causal_lm's loss; task "
+                              f"{cfg.task}'s loss is not a cross-entropy of the output head")
         if self.adapter_from and not cfg.lora.enabled:
             raise ConfigError("model.adapter_from continues a LoRA adapter: it needs lora.enabled=true")
         for key, tokens in (("model.add_tokens", self.add_tokens), ("model.add_special_tokens", self.add_special_tokens)):

@@ -186,7 +186,43 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
             model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
+    if m.liger_kernel:
+        with_liger_kernels(model, m.liger_kernel_config)
     return model
+
+
+def liger_apply_fn(model_type: str):
+    """Liger's apply_liger_kernel_to_* function for `model_type`; a type it has none for: one line (transformers'
+    apply_liger_kernel would only log it)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ConfigError(f"model.liger_kernel: Liger has no kernels for {model_type} models (it has "
+                          f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); train without it")
+    return MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+
+
+LIGER_LOSSES = ("cross_entropy", "fused_linear_cross_entropy")  # Liger's kernels for a model's own loss
+
+
+def with_liger_kernels(model, chosen: dict) -> None:
+    """model.liger_kernel: Liger's kernels in `model`'s layers (transformers' apply_liger_kernel), as
+    model.liger_kernel_config chooses (preflight.check_liger has checked its names). Never the model's own loss
+    (LIGER_LOSSES, in its forward): the tasks compute theirs from its outputs, causal_lm with Liger's fused linear
+    cross-entropy (loss.LossHead)."""
+    from transformers.integrations.liger import apply_liger_kernel
+
+    liger_apply_fn(model.config.model_type)  # a teacher or reward model of another type, too
+    apply_liger_kernel(model, {**chosen, **dict.fromkeys(LIGER_LOSSES, False)})
+
+
+def liger_layer_kernels(model_type: str, chosen: dict) -> list[str]:
+    """The names of the kernels with_liger_kernels puts in a `model_type` model's layers: Liger's defaults, as
+    `chosen` (model.liger_kernel_config) changes them."""
+    import inspect
+
+    return [name for name, p in inspect.signature(liger_apply_fn(model_type)).parameters.items()
+            if name not in LIGER_LOSSES and chosen.get(name, p.default) is True]
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}

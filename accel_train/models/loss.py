@@ -1,7 +1,9 @@
 """Cross-entropy of a causal LM without its full logits (batch x length x vocabulary, 0.6 GB in fp32 for 1,024
 tokens of a 152k vocabulary): computed from the final hidden states at the target positions only (prompt and
 padding carry no loss), in chunks of target tokens, fp32 inside a chunk only, and recomputed chunk by chunk in the
-backward pass (all but the last), so no more than one chunk's logits is ever held.
+backward pass (all but the last), so no more than one chunk's logits is ever held. With model.liger_kernel, Liger's
+fused linear cross-entropy instead (fused_target_loss): its chunks' gradients computed in the forward pass, nothing
+recomputed.
 
 How the hidden states are reached: for the duration of one model call, the output head's forward is replaced by
 one that computes the loss (`LossHead.computing`). The loss is thus computed inside the prepared model's forward:
@@ -104,6 +106,18 @@ class HeadLoss(torch.autograd.Function):
         return None, torch.cat(grads), None, None
 
 
+def fused_target_loss(head: torch.nn.Linear, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum over the target rows (N, H) of the next-token cross-entropy, by Liger's fused linear cross-entropy: it
+    computes the logits chunk by chunk in the forward pass with their gradients (the rows' and a trained head's),
+    keeps none of them, and only scales those gradients in the backward (Liger reads its upstream gradient on the host
+    there, one read a micro-batch). Called inside the head module's forward: under ZeRO-3 the weight is whole there,
+    and nothing of it is needed after."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(rows, head.weight, targets, head.bias, ignore_index=IGNORE_INDEX,
+                                            reduction="sum")
+
+
 @torch.no_grad()
 def target_losses_and_preds(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk: int
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,12 +139,15 @@ def target_losses_and_preds(head_forward, hidden: torch.Tensor, labels: torch.Te
 class LossHead:
     """A causal LM's output head, made to return the loss instead of the logits during one model call."""
 
-    def __init__(self, head: torch.nn.Module, vocab_size: int, chunk: int | None = None, sharded: bool = False):
+    def __init__(self, head: torch.nn.Module, vocab_size: int, chunk: int | None = None, sharded: bool = False,
+                 fused: bool = False):
         self.head = head
         self.chunk = chunk or max(1, chunk_bytes() // (4 * vocab_size))
         """Target tokens per chunk."""
         self.sharded = sharded
         """ZeRO-3 (a frozen head): the training loss is HeadLoss, recomputed in the head's backward."""
+        self.fused = fused
+        """The training loss by Liger's fused linear cross-entropy (model.liger_kernel; a plain linear head)."""
 
     @contextmanager
     def computing(self, labels: torch.Tensor, evaluation: bool = False, positions: torch.Tensor | None = None):
@@ -144,6 +161,11 @@ class LossHead:
         # every batch of another shape would compile the model again.
         @torch.compiler.disable
         def forward(call_head, hidden):
+            if not evaluation and self.fused:
+                _, rows, targets = _targets(hidden, labels, positions)
+                if len(rows):  # none (a batch without targets): Liger's kernel divides by them; the head on no rows
+                    return fused_target_loss(self.head, rows, targets)
+                return _chunk_sum(call_head, rows, targets)
             if not evaluation and self.sharded:
                 _, rows, targets = _targets(hidden, labels, positions)
                 return HeadLoss.apply(functools.partial(_chunk_sum, original), rows, targets, self.chunk)
@@ -179,19 +201,20 @@ def replaced_head(head: torch.nn.Module, compute):
 
 
 def loss_head(model: torch.nn.Module, sharded: bool = False, low_precision: bool = False,
-              check_whole=None) -> LossHead | None:
+              check_whole=None, fused: bool = False) -> LossHead | None:
     """The model's output head as a LossHead (`sharded`: for ZeRO-3, the head frozen), or None (full logits) when
     the model's loss is not its head's cross-entropy alone: one forward of 8 tokens, chunked (3 targets per chunk)
     against full logits (`low_precision`: a prepared model computing in bf16/fp16, compared to 2e-2). `check_whole`
     (dist.check_whole, before prepare): runs the forwards where the weights are whole and gives every rank the
-    answer (under cpu_ram_efficient_loading the others' weights are empty); None: here."""
+    answer (under cpu_ram_efficient_loading the others' weights are empty); None: here. `fused`: the training loss
+    by Liger's fused linear cross-entropy (fused_target_loss; the caller has checked the head is a plain linear)."""
     head = model.get_output_embeddings()
     if head is None:
         return None
     vocab = model.config.get_text_config().vocab_size
     check = functools.partial(_chunks_match, model, head, vocab, sharded, low_precision)
     same = check_whole(check) if check_whole else check()
-    return LossHead(head, vocab, sharded=sharded) if same else None
+    return LossHead(head, vocab, sharded=sharded, fused=fused) if same else None
 
 
 @torch.no_grad()

@@ -68,8 +68,9 @@ HARMLESS_WARNINGS = (
 
 # Loggers of what the libraries say at import that is known-harmless: bitsandbytes, which peft imports wherever it is
 # installed, on a CPU with AVX512-BF16 asks the hub (kernels) for a 4-bit matmul kernel that no accel_train run uses
-# on a CPU, and warns when it is not there (and kernels, that it cannot check its publisher offline).
-HARMLESS_IMPORT_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels")
+# on a CPU, and warns when it is not there (and kernels, that it cannot check its publisher offline); liger-kernel
+# (model.liger_kernel), that the backends of other chips it looks for (CuTe DSL, Ascend) are not installed.
+HARMLESS_IMPORT_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels", "liger_kernel.backends.registry")
 
 
 def quiet_imports() -> None:
@@ -98,6 +99,7 @@ def configure_console(cfg: Config) -> None:
     debug = cfg.log_level == "debug"
     logging.getLogger("accelerate").setLevel(logging.INFO if debug else logging.WARNING)  # a line per checkpoint file
     logging.getLogger("matplotlib").setLevel(logging.INFO if debug else logging.WARNING)  # "generated new fontManager"
+    logging.getLogger("liger_kernel").setLevel(logging.INFO if debug else logging.WARNING)  # "Applying Liger kernels"
     if not debug:
         quiet_libraries()
     else:  # everything, also what quiet_imports held back (accel_train.tools does at its import)

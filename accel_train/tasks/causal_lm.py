@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from accel_train.data import pipeline as data_lib
 from accel_train.components import responses
 from accel_train.config.schema import Config
+from accel_train.config.sections import ConfigError
 from accel_train.runtime.dist import check_whole, gather_setup
 from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX
@@ -41,17 +42,42 @@ def forward(model, batch: dict) -> torch.Tensor:
     return model(**data_lib.model_inputs(batch), use_cache=False).logits
 
 
-def choose_loss_head(model, sharded: bool, low_precision: bool = False, check_whole=None):
+def choose_loss_head(model, sharded: bool, low_precision: bool = False, check_whole=None, fused: bool = False):
     """The causal-LM loss in chunks from the hidden states (loss.loss_head; `check_whole`: its check before prepare,
     dist.check_whole), or None: full logits. Under ZeRO-3 (`sharded`) the chunks are recomputed in the head's
     backward (loss.HeadLoss), which gives no gradient to the head's own weights: a trained head
-    (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits."""
+    (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits, unless the loss is Liger's fused
+    linear cross-entropy (`fused`: fused_loss), which needs nothing of the head after its forward."""
     head = model.get_output_embeddings()
-    if sharded and head is not None and any(p.requires_grad for p in head.parameters()):
+    if sharded and not fused and head is not None and any(p.requires_grad for p in head.parameters()):
         main_logger().info("ZeRO-3 with a trained output head: the loss is computed from full logits (batch x "
                            "length x vocabulary); the chunked loss needs a frozen head under ZeRO-3")
         return None
-    return loss_head(model, sharded=sharded, low_precision=low_precision, check_whole=check_whole)
+    found = loss_head(model, sharded=sharded, low_precision=low_precision, check_whole=check_whole, fused=fused)
+    if fused and found is None:
+        main_logger().info("model.liger_kernel: the model's logits are more than its output head's (the loss is "
+                           "computed from full logits), so not by Liger's fused linear cross-entropy")
+    return found
+
+
+def fused_loss(cfg: Config, model) -> bool:
+    """Whether the training loss is Liger's fused linear cross-entropy (loss.fused_target_loss): model.liger_kernel
+    with its fused_linear_cross_entropy (Liger's default: on), on a plain linear output head. A head that peft wraps
+    (LoRA on it, its new tokens' rows trained) keeps the chunked loss: said once, refused where the config names it."""
+    m = cfg.model
+    if not (m.liger_kernel and m.liger_kernel_config.get("fused_linear_cross_entropy", True)):
+        return False
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):
+        return True
+    kind = type(head)
+    why = (f"the output head is a {kind.__module__}.{kind.__qualname__} (LoRA on it, or new tokens' rows trained), "
+           "not a plain linear layer")
+    if "fused_linear_cross_entropy" in m.liger_kernel_config:
+        raise ConfigError(f"model.liger_kernel_config.fused_linear_cross_entropy: {why}")
+    main_logger().info(f"model.liger_kernel: {why}: the loss is computed in chunks, not by Liger's fused linear "
+                       "cross-entropy")
+    return False
 
 
 def batch_loss(model, batch: dict, head) -> torch.Tensor:
@@ -94,7 +120,8 @@ class SFT(Task):
         engine = Engine(accelerator)
         if engine.whole_before_prepare:
             self.head = choose_loss_head(model, engine.head_whole_only_in_forward,
-                                         check_whole=functools.partial(check_whole, accelerator))
+                                         check_whole=functools.partial(check_whole, accelerator),
+                                         fused=fused_loss(self.cfg, model))
         return train_ds, eval_ds
 
     def start(self, job, tokenizer, eval_ds) -> None:
@@ -102,8 +129,9 @@ class SFT(Task):
 
         engine = Engine(job.accelerator)
         if not engine.whole_before_prepare:  # whole only now: checked on every rank at once (a collective forward)
-            head = choose_loss_head(job.accelerator.unwrap_model(job.model, keep_torch_compile=False),
-                                    engine.head_whole_only_in_forward, job.accelerator.mixed_precision != "no")
+            model = job.accelerator.unwrap_model(job.model, keep_torch_compile=False)
+            head = choose_loss_head(model, engine.head_whole_only_in_forward, job.accelerator.mixed_precision != "no",
+                                    fused=fused_loss(self.cfg, model))
             # one choice for all ranks (under ZeRO-3 the chunked loss gathers the head again in the backward)
             self.head = head if all(gather_setup(job.accelerator, head is not None)) else None
         cfg = self.cfg  # tried on token ids, as the run gives them

@@ -10,8 +10,10 @@ generates, torch's FSDP2 classes, checked for what generation uses of them (laun
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
+import os
 from pathlib import Path
 
 from accel_train.runtime.checkpoint import resolve_resume
@@ -46,6 +48,7 @@ def preflight(cfg: Config, split: bool = True) -> Path | None:
         check_metrics(cfg.eval.generation_metrics, key="eval.generation_metrics")
     resume = resolve_resume(cfg)
     read_gguf(cfg, say=split)
+    check_liger(cfg)  # reads the model's config.json: after read_gguf has made a .gguf a folder
     return resume
 
 
@@ -143,6 +146,33 @@ def check_model_source(cfg: Config) -> None:
     cfg.model.name_or_path = read_model(
         path, "model.name_or_path", cfg.model.revision, cfg.model.random_init, convert=False,
         hint="pass model.random_init=true to train from random weights built from its config.json")
+
+
+def check_liger(cfg: Config) -> None:
+    """model.liger_kernel: liger-kernel installed, a GPU to run its Triton kernels (or Triton's interpreter,
+    TRITON_INTERPRET=1, on the host: the tests'), and kernels for the model's type, named as Liger names them
+    (transformers' apply_liger_kernel says nothing of a type Liger lacks, and drops a kernel name it does not know)."""
+    m = cfg.model
+    if not m.liger_kernel:
+        return
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("model.liger_kernel needs liger-kernel (Triton kernels for GPUs): pip install liger-kernel")
+    import torch
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("model.liger_kernel runs Liger's Triton kernels on a GPU; this machine has none: train "
+                          "without it")
+    from transformers import AutoConfig
+
+    from accel_train.models.build import liger_apply_fn
+
+    kind = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
+                                      trust_remote_code=m.trust_remote_code).model_type
+    names = set(inspect.signature(liger_apply_fn(kind)).parameters) - {"model"}
+    unknown = sorted(set(m.liger_kernel_config) - names)
+    if unknown:
+        raise ConfigError(f"model.liger_kernel_config: {', '.join(unknown)} not among Liger's kernels for {kind} "
+                          f"models ({', '.join(sorted(names))})")
 
 
 def check_adapter_source(cfg: Config) -> None:

@@ -41,8 +41,8 @@ from accel_train.models.merge import merge_adapter
 from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
-                                      check_packing, count_parameters, matmul_parameters, model_width, quantization,
-                                      varlen_attention)
+                                      check_packing, count_parameters, liger_layer_kernels, matmul_parameters,
+                                      model_width, quantization, varlen_attention)
 from accel_train.runtime.engine import Engine, share_zero3_master_weights, tensor_sharded, whole_model
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
@@ -215,7 +215,11 @@ def setup_model(cfg: Config, accelerator, task, tokenizer, resume: Path | None) 
            if how == "fsdp_cpu_ram_efficient_loading" and not cfg.model.quantization else
            "whole on each process, until accelerator.prepare shards it" if engine.shards_weights else
            "whole on each process" if accelerator.num_processes > 1 else "")
-    main_logger().info(f"model: built in {seconds:.1f} s" + (f", {how}" if how else ""))
+    said = f"model: built in {seconds:.1f} s" + (f", {how}" if how else "")
+    if cfg.model.liger_kernel:
+        kernels = liger_layer_kernels(model.config.model_type, cfg.model.liger_kernel_config)
+        said += f"; Liger's kernels: {', '.join(kernels) or 'none in its layers'}"
+    main_logger().info(said)
     return model
 
 
