@@ -78,10 +78,11 @@ class ModelConfig:
     be had; offline without them cached the model keeps its own layers and the run says so. on: required. off: not
     tried."""
     liger_kernel: bool = False
-    """Liger's Triton kernels (GPUs; pip install 'accel_train[liger]'), as TRL's use_liger_kernel: the model's RMSNorm,
-    RoPE and SwiGLU layers (transformers' apply_liger_kernel, on every model the run builds), and causal_lm's training
-    loss by its fused linear cross-entropy (no logits kept, none recomputed in the backward pass) where the output
-    head is a plain linear layer. Model types and kernels: Liger's (a type it lacks is refused)."""
+    """Liger's Triton kernels (GPUs; pip install 'accel_train[liger]'), as TRL's use_liger_kernel: the trained model's
+    RMSNorm, RoPE and SwiGLU layers (transformers' apply_liger_kernel; Liger's RoPE serves every model of the type in
+    the process, a reference or teacher too), and causal_lm's training loss by its fused linear cross-entropy (no
+    logits kept, none recomputed in the backward pass) where the output head is a plain linear layer. Model types
+    and kernels: Liger's (a type it lacks is refused). Liger's changes to transformers last until the process exits."""
     liger_kernel_config: dict[str, bool] = field(default_factory=dict)
     """The kernels model.liger_kernel applies, as transformers' liger_kernel_config ({rope: false, ...}: the model
     type's apply_liger_kernel_to_* arguments; a key not among them is refused); unset: Liger's defaults.

@@ -186,8 +186,11 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
             model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
-    if m.liger_kernel:
-        with_liger_kernels(model, m.liger_kernel_config)
+    patched = LIGER_PATCHED.get(model.config.model_type)
+    if patched is not None and (not m.liger_kernel or patched != m.liger_kernel_config):
+        raise ConfigError(f"model.liger_kernel: this process put Liger's kernels in transformers' "
+                          f"{model.config.model_type} modules for an earlier run (model.liger_kernel_config={patched}); "
+                          "they stay until it exits: start this run in a new process")
     return model
 
 
@@ -203,17 +206,26 @@ def liger_apply_fn(model_type: str):
 
 
 LIGER_LOSSES = ("cross_entropy", "fused_linear_cross_entropy")  # Liger's kernels for a model's own loss
+LIGER_PATCHED: dict[str, dict] = {}
+"""model type -> the model.liger_kernel_config with_liger_kernels applied in this process. Liger replaces transformers'
+modeling module's classes and RoPE function for the whole process (a model built later, or another model of the
+type, has them too): build_model refuses another choice in the same process."""
 
 
 def with_liger_kernels(model, chosen: dict) -> None:
-    """model.liger_kernel: Liger's kernels in `model`'s layers (transformers' apply_liger_kernel), as
-    model.liger_kernel_config chooses (preflight.check_liger has checked its names). Never the model's own loss
+    """model.liger_kernel: Liger's kernels in the trained model's layers (transformers' apply_liger_kernel), as
+    model.liger_kernel_config chooses (preflight.check_liger has checked its names); called just before
+    accelerator.prepare places the model, once the setup checks' forwards on the host copy have run: a Triton kernel
+    cannot take a host tensor on a GPU machine. The frozen models (a reference, a teacher, a reward model) keep
+    their layers, but for Liger's RoPE, which is its modeling module's (process-wide). Never the model's own loss
     (LIGER_LOSSES, in its forward): the tasks compute theirs from its outputs, causal_lm with Liger's fused linear
     cross-entropy (loss.LossHead)."""
     from transformers.integrations.liger import apply_liger_kernel
 
-    liger_apply_fn(model.config.model_type)  # a teacher or reward model of another type, too
+    kind = model.config.model_type
+    liger_apply_fn(kind)
     apply_liger_kernel(model, {**chosen, **dict.fromkeys(LIGER_LOSSES, False)})
+    LIGER_PATCHED[kind] = dict(chosen)
 
 
 def liger_layer_kernels(model_type: str, chosen: dict) -> list[str]:

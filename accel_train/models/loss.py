@@ -108,14 +108,15 @@ class HeadLoss(torch.autograd.Function):
 
 def fused_target_loss(head: torch.nn.Linear, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum over the target rows (N, H) of the next-token cross-entropy, by Liger's fused linear cross-entropy: it
-    computes the logits chunk by chunk in the forward pass with their gradients (the rows' and a trained head's),
-    keeps none of them, and only scales those gradients in the backward (Liger reads its upstream gradient on the host
-    there, one read a micro-batch). Called inside the head module's forward: under ZeRO-3 the weight is whole there,
-    and nothing of it is needed after."""
+    computes the logits chunk by chunk in the forward pass with their gradients (the rows' and a trained head's,
+    accumulated in fp32), keeps none of them, and only scales those gradients in the backward. Liger reads the host
+    twice a micro-batch (its target count, and whether the upstream gradient is 1), and under fp16 its gradients are
+    computed before the loss scale applies. Called inside the head module's forward: under ZeRO-3 the weight is
+    whole there, and nothing of it is needed after."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy(rows, head.weight, targets, head.bias, ignore_index=IGNORE_INDEX,
-                                            reduction="sum")
+                                            reduction="sum", accum_dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -163,7 +164,7 @@ class LossHead:
         def forward(call_head, hidden):
             if not evaluation and self.fused:
                 _, rows, targets = _targets(hidden, labels, positions)
-                if len(rows):  # none (a batch without targets): Liger's kernel divides by them; the head on no rows
+                if len(rows):  # none (a batch without targets): Liger's chunking divides by 0; the head on no rows
                     return fused_target_loss(self.head, rows, targets)
                 return _chunk_sum(call_head, rows, targets)
             if not evaluation and self.sharded:

@@ -42,42 +42,42 @@ def forward(model, batch: dict) -> torch.Tensor:
     return model(**data_lib.model_inputs(batch), use_cache=False).logits
 
 
-def choose_loss_head(model, sharded: bool, low_precision: bool = False, check_whole=None, fused: bool = False):
+def choose_loss_head(model, sharded: bool, low_precision: bool = False, check_whole=None, liger: dict | None = None):
     """The causal-LM loss in chunks from the hidden states (loss.loss_head; `check_whole`: its check before prepare,
     dist.check_whole), or None: full logits. Under ZeRO-3 (`sharded`) the chunks are recomputed in the head's
     backward (loss.HeadLoss), which gives no gradient to the head's own weights: a trained head
     (lora.modules_to_save, LoRA on lm_head, full fine-tuning) keeps full logits, unless the loss is Liger's fused
-    linear cross-entropy (`fused`: fused_loss), which needs nothing of the head after its forward."""
-    head = model.get_output_embeddings()
+    linear cross-entropy, which needs nothing of the head after its forward. `liger`: model.liger_kernel_config
+    under model.liger_kernel, whose fused_linear_cross_entropy (Liger's default: on) makes the loss Liger's where
+    the head is a plain linear layer (not one peft wraps: LoRA on it, its new tokens' rows trained) and its output
+    the logits: said in one line, either way (refused where the config names it: a key given is not ignored)."""
+    head, kind = model.get_output_embeddings(), type(model.get_output_embeddings())
+    wanted = liger is not None and liger.get("fused_linear_cross_entropy", True)
+    why = None if not wanted or isinstance(head, torch.nn.Linear) else (
+        f"the output head is a {kind.__module__}.{kind.__qualname__} (LoRA on it, or new tokens' rows trained), not a "
+        "plain linear layer")
+    fused = wanted and why is None
     if sharded and not fused and head is not None and any(p.requires_grad for p in head.parameters()):
         main_logger().info("ZeRO-3 with a trained output head: the loss is computed from full logits (batch x "
                            "length x vocabulary); the chunked loss needs a frozen head under ZeRO-3")
-        return None
-    found = loss_head(model, sharded=sharded, low_precision=low_precision, check_whole=check_whole, fused=fused)
+        found = None
+    else:
+        found = loss_head(model, sharded=sharded, low_precision=low_precision, check_whole=check_whole, fused=fused)
     if fused and found is None:
-        main_logger().info("model.liger_kernel: the model's logits are more than its output head's (the loss is "
-                           "computed from full logits), so not by Liger's fused linear cross-entropy")
+        why = "the model's logits are more than its output head's"
+    if why and "fused_linear_cross_entropy" in liger:
+        raise ConfigError(f"model.liger_kernel_config.fused_linear_cross_entropy: {why}")
+    if why:
+        main_logger().info(f"model.liger_kernel: {why}: the loss is computed "
+                           f"{'in chunks' if found else 'from full logits'}, not by Liger's fused linear cross-entropy")
+    elif fused:
+        main_logger().info("model.liger_kernel: the loss is Liger's fused linear cross-entropy")
     return found
 
 
-def fused_loss(cfg: Config, model) -> bool:
-    """Whether the training loss is Liger's fused linear cross-entropy (loss.fused_target_loss): model.liger_kernel
-    with its fused_linear_cross_entropy (Liger's default: on), on a plain linear output head. A head that peft wraps
-    (LoRA on it, its new tokens' rows trained) keeps the chunked loss: said once, refused where the config names it."""
-    m = cfg.model
-    if not (m.liger_kernel and m.liger_kernel_config.get("fused_linear_cross_entropy", True)):
-        return False
-    head = model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear):
-        return True
-    kind = type(head)
-    why = (f"the output head is a {kind.__module__}.{kind.__qualname__} (LoRA on it, or new tokens' rows trained), "
-           "not a plain linear layer")
-    if "fused_linear_cross_entropy" in m.liger_kernel_config:
-        raise ConfigError(f"model.liger_kernel_config.fused_linear_cross_entropy: {why}")
-    main_logger().info(f"model.liger_kernel: {why}: the loss is computed in chunks, not by Liger's fused linear "
-                       "cross-entropy")
-    return False
+def liger_config(cfg: Config) -> dict | None:
+    """choose_loss_head's `liger`: model.liger_kernel_config, under model.liger_kernel."""
+    return cfg.model.liger_kernel_config if cfg.model.liger_kernel else None
 
 
 def batch_loss(model, batch: dict, head) -> torch.Tensor:
@@ -121,7 +121,7 @@ class SFT(Task):
         if engine.whole_before_prepare:
             self.head = choose_loss_head(model, engine.head_whole_only_in_forward,
                                          check_whole=functools.partial(check_whole, accelerator),
-                                         fused=fused_loss(self.cfg, model))
+                                         liger=liger_config(self.cfg))
         return train_ds, eval_ds
 
     def start(self, job, tokenizer, eval_ds) -> None:
@@ -131,7 +131,7 @@ class SFT(Task):
         if not engine.whole_before_prepare:  # whole only now: checked on every rank at once (a collective forward)
             model = job.accelerator.unwrap_model(job.model, keep_torch_compile=False)
             head = choose_loss_head(model, engine.head_whole_only_in_forward, job.accelerator.mixed_precision != "no",
-                                    fused=fused_loss(self.cfg, model))
+                                    liger=liger_config(self.cfg))
             # one choice for all ranks (under ZeRO-3 the chunked loss gathers the head again in the backward)
             self.head = head if all(gather_setup(job.accelerator, head is not None)) else None
         cfg = self.cfg  # tried on token ids, as the run gives them

@@ -162,6 +162,10 @@ def check_liger(cfg: Config) -> None:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("model.liger_kernel runs Liger's Triton kernels on a GPU; this machine has none: train "
                           "without it")
+    peft_head = cfg.lora.enabled and "lm_head" in {*cfg.lora.target_modules, *cfg.lora.modules_to_save}
+    if m.liger_kernel_config.get("fused_linear_cross_entropy") and peft_head:  # the others: causal_lm.choose_loss_head
+        raise ConfigError("model.liger_kernel_config.fused_linear_cross_entropy takes a plain linear output head: "
+                          "lm_head in lora.target_modules or lora.modules_to_save makes it peft's")
     from transformers import AutoConfig
 
     from accel_train.models.build import liger_apply_fn

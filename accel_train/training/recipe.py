@@ -42,7 +42,7 @@ from accel_train.models.generation import PREDICTIONS_FILE, stopping_config
 from accel_train.training.loop import TrainingJob, final_evaluation, fit
 from accel_train.models.build import (apply_lora, attention_cost, attention_size, build_model, build_tokenizer,
                                       check_packing, count_parameters, liger_layer_kernels, matmul_parameters,
-                                      model_width, quantization, varlen_attention)
+                                      model_width, quantization, varlen_attention, with_liger_kernels)
 from accel_train.runtime.engine import Engine, share_zero3_master_weights, tensor_sharded, whole_model
 from accel_train.training.memory import check_fits
 from accel_train.training.optimizers import build_optimizer, build_scheduler
@@ -281,6 +281,8 @@ def wrap(cfg: Config, accelerator, task, model, optimizer, scheduler, train_dl, 
         + (f", betas {tuple(g['betas'])}, eps {g['eps']:g}" if "betas" in g else "") for g in optimizer.param_groups) + ")"
     train_dl, eval_dl = prepare_dataloaders(accelerator, train_dl, eval_dl)
     eval_sources = {tag: accelerator.prepare(dl) for tag, dl in eval_sources.items()}  # evened out, as eval_dl
+    if cfg.model.liger_kernel:  # after every forward on the host copy (build.with_liger_kernels)
+        with_liger_kernels(model, cfg.model.liger_kernel_config)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     keep_until_exit(accelerator, model)  # the DDP wrapper holds the process group: never freed before exit
     if type(model).__name__ == "DeepSpeedEngine":
