@@ -123,14 +123,15 @@ def _forkserver():
         from unittest import mock
 
         scripts = str(REPO / "tests" / "scripts")
-        server = {"PYTHONPATH": os.pathsep.join(filter(None, (scripts, os.environ.get("PYTHONPATH")))),
-                  # Triton (which DeepSpeed imports here) in its interpreter: a Triton function's mode is fixed as it is
-                  # defined, its own helpers' at its import, and test_liger's children run Liger's kernels on the host
-                  # through it (with TRITON_INTERPRET=1 in their environment, as model.liger_kernel asks there);
-                  # nothing else here calls a Triton kernel
-                  "TRITON_INTERPRET": "1"}
-        if not torch.accelerator.is_available() and "DS_ACCELERATOR" not in os.environ:
-            server["DS_ACCELERATOR"] = "cpu"
+        server = {"PYTHONPATH": os.pathsep.join(filter(None, (scripts, os.environ.get("PYTHONPATH"))))}
+        if not torch.accelerator.is_available():
+            # Triton (which DeepSpeed imports here) in its interpreter: a Triton function's mode is fixed as it is
+            # defined, its own helpers' at its import, and test_liger's children run Liger's kernels on the host
+            # through it (with TRITON_INTERPRET=1 in their environment, as model.liger_kernel asks there); nothing
+            # else calls a Triton kernel on a machine without an accelerator
+            server["TRITON_INTERPRET"] = "1"
+            if "DS_ACCELERATOR" not in os.environ:
+                server["DS_ACCELERATOR"] = "cpu"
         with mock.patch.dict(os.environ, server):
             forkserver.ensure_running()
         _SERVER.append(ctx)

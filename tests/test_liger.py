@@ -28,6 +28,9 @@ from accel_train.config.sections import ConfigError
 from accel_train.training import preflight
 
 INTERPRET = {"TRITON_INTERPRET": "1"}  # the tests' fork server runs Triton in its interpreter too (conftest)
+# On a machine with a GPU, Liger's kernels run for real: accel-train gpu-check's `liger` compares a run's losses
+pytestmark = pytest.mark.skipif(torch.accelerator.is_available(), reason="Triton's interpreter is the CPU's: on a "
+                                "GPU, accel-train gpu-check --only liger")
 # The fused loss alone: the one kernel of Liger's that Triton's interpreter runs.
 FUSED_ONLY = ["model.liger_kernel=true", "model.liger_kernel_config.rope=false",
               "model.liger_kernel_config.rms_norm=false", "model.liger_kernel_config.swiglu=false"]
@@ -122,20 +125,23 @@ def test_the_fused_loss_has_the_chunked_losss_value_and_gradients():
 def test_the_layer_kernels_are_put_in_the_model_as_chosen_and_kept_to_their_process():
     """build.with_liger_kernels on a built model, in processes of their own (Liger changes transformers' modeling
     module for the process): without model.liger_kernel the model's own layers; with it Liger's RMSNorm in every
-    norm, SwiGLU in every MLP and its RoPE; model.liger_kernel_config.swiglu=false keeps the model's MLP. Another
-    choice later in the same process (a notebook's second run) is refused: the classes stay replaced."""
+    norm, SwiGLU in every MLP and its RoPE; model.liger_kernel_config.swiglu=false keeps the model's MLP; the
+    modeling module's classes are transformers' again after. Another run of the type in the same process (a
+    notebook's second), with Liger or without, is refused by its preflight: Liger's RoPE stays the module's."""
     liger = ["model.liger_kernel=true"]
     seen = {**probe("kernels", json.dumps({"plain": [], "no_swiglu": [*liger, "model.liger_kernel_config.swiglu=false"],
-                                           "plain again": [], "all": liger})),
+                                           "plain again": [], "again": [*liger, "model.liger_kernel_config.swiglu=false"]})),
             **probe("kernels", json.dumps({"liger": liger}))}
-    layers = len(seen["plain"]["swiglu"])
-    assert seen["plain"] == {"rms_norm": [False] * (2 * layers + 1), "swiglu": [False] * layers, "rope": False}
-    assert seen["liger"] == {"rms_norm": [True] * (2 * layers + 1), "swiglu": [True] * layers, "rope": True}
+    layers, own = len(seen["plain"]["swiglu"]), ["transformers.models.llama.modeling_llama"] * 2
+    assert seen["plain"] == {"rms_norm": [False] * (2 * layers + 1), "swiglu": [False] * layers, "rope": False,
+                             "module's classes": own}
+    # the module's classes put back: a model loaded later (the merge's) is transformers' own
+    assert seen["liger"] == {"rms_norm": [True] * (2 * layers + 1), "swiglu": [True] * layers, "rope": True,
+                             "module's classes": own}
     assert seen["no_swiglu"] == {**seen["liger"], "swiglu": [False] * layers}
-    refused = ("model.liger_kernel: this process put Liger's kernels in transformers' llama modules for an earlier run "
-               "(model.liger_kernel_config={'swiglu': False}); they stay until it exits: start this run in a new "
-               "process")
-    assert seen["plain again"] == seen["all"] == refused
+    refused = ("model.liger_kernel: an earlier run in this process put Liger's kernels in transformers' llama models, "
+               "where they stay until it exits: start this run in a new process")
+    assert seen["plain again"] == seen["again"] == refused
 
 
 def test_a_batch_without_targets_gives_the_head_a_zero_gradient():
@@ -184,9 +190,8 @@ def test_a_head_peft_wraps_keeps_the_chunked_loss_and_says_so(tmp_path):
 
 REFUSED = {
     # a CPU, without Triton's interpreter: Liger's kernels need a GPU
-    "no GPU": pytest.param([], {}, "model.liger_kernel runs Liger's Triton kernels on a GPU; this machine has none: "
-                                   "train without it", marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                                                                reason="this machine has a GPU")),
+    "no GPU": ([], {}, "model.liger_kernel runs Liger's Triton kernels on a GPU; this machine has none: train "
+                       "without it"),
     "a kernel Liger lacks": (["model.liger_kernel_config.layer_norm=true"], INTERPRET,
                              "model.liger_kernel_config: layer_norm not among Liger's kernels for llama models "
                              "(cross_entropy, fused_linear_cross_entropy, rms_norm, rope, swiglu)"),

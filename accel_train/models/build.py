@@ -186,11 +186,6 @@ def build_model(cfg: Config, tokenizer, head_kwargs: dict | None = None, weights
             model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     set_pad_token_id(model, tokenizer)
-    patched = LIGER_PATCHED.get(model.config.model_type)
-    if patched is not None and (not m.liger_kernel or patched != m.liger_kernel_config):
-        raise ConfigError(f"model.liger_kernel: this process put Liger's kernels in transformers' "
-                          f"{model.config.model_type} modules for an earlier run (model.liger_kernel_config={patched}); "
-                          "they stay until it exits: start this run in a new process")
     return model
 
 
@@ -206,10 +201,10 @@ def liger_apply_fn(model_type: str):
 
 
 LIGER_LOSSES = ("cross_entropy", "fused_linear_cross_entropy")  # Liger's kernels for a model's own loss
-LIGER_PATCHED: dict[str, dict] = {}
-"""model type -> the model.liger_kernel_config with_liger_kernels applied in this process. Liger replaces transformers'
-modeling module's classes and RoPE function for the whole process (a model built later, or another model of the
-type, has them too): build_model refuses another choice in the same process."""
+LIGER_PATCHED: set[str] = set()
+"""The model types with_liger_kernels has patched in this process: their modeling module's RoPE function is Liger's
+until it exits (preflight.check_liger refuses another run of the type in it: its setup checks' forwards on the host
+copy would call Liger's kernel on host tensors)."""
 
 
 def with_liger_kernels(model, chosen: dict) -> None:
@@ -217,15 +212,23 @@ def with_liger_kernels(model, chosen: dict) -> None:
     model.liger_kernel_config chooses (preflight.check_liger has checked its names); called just before
     accelerator.prepare places the model, once the setup checks' forwards on the host copy have run: a Triton kernel
     cannot take a host tensor on a GPU machine. The frozen models (a reference, a teacher, a reward model) keep
-    their layers, but for Liger's RoPE, which is its modeling module's (process-wide). Never the model's own loss
-    (LIGER_LOSSES, in its forward): the tasks compute theirs from its outputs, causal_lm with Liger's fused linear
-    cross-entropy (loss.LossHead)."""
+    their layers, but for Liger's RoPE, which is its modeling module's (process-wide). Liger also replaces the
+    module's layer classes, for every model built after: put back here (a model loaded later, as the merge's, is
+    transformers' own: Liger's SwiGLU has no biases). Never the model's own loss (LIGER_LOSSES, in its forward): the
+    tasks compute theirs from its outputs, causal_lm with Liger's fused linear cross-entropy (loss.LossHead)."""
+    import sys
+
     from transformers.integrations.liger import apply_liger_kernel
+    from transformers.trainer_utils import unwrap_peft_model
 
     kind = model.config.model_type
     liger_apply_fn(kind)
+    module = sys.modules[type(unwrap_peft_model(model)).__module__]
+    classes = {name: value for name, value in vars(module).items() if isinstance(value, type)}
     apply_liger_kernel(model, {**chosen, **dict.fromkeys(LIGER_LOSSES, False)})
-    LIGER_PATCHED[kind] = dict(chosen)
+    for name, value in classes.items():
+        setattr(module, name, value)
+    LIGER_PATCHED.add(kind)
 
 
 def liger_layer_kernels(model_type: str, chosen: dict) -> list[str]:

@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from accel_train.runtime.checkpoint import resolve_resume
@@ -151,8 +152,14 @@ def check_model_source(cfg: Config) -> None:
 def check_liger(cfg: Config) -> None:
     """model.liger_kernel: liger-kernel installed, a GPU to run its Triton kernels (or Triton's interpreter,
     TRITON_INTERPRET=1, on the host: the tests'), and kernels for the model's type, named as Liger names them
-    (transformers' apply_liger_kernel says nothing of a type Liger lacks, and drops a kernel name it does not know)."""
+    (transformers' apply_liger_kernel says nothing of a type Liger lacks, and drops a kernel name it does not know).
+    In a process where an earlier run put Liger's kernels in the model's type (a notebook's), no run of it, with them
+    or without: Liger's RoPE stays the type's until the process exits (models.build.LIGER_PATCHED)."""
     m = cfg.model
+    patched = getattr(sys.modules.get("accel_train.models.build"), "LIGER_PATCHED", set())  # none: not imported
+    if patched and (kind := model_type(cfg)) in patched:
+        raise ConfigError(f"model.liger_kernel: an earlier run in this process put Liger's kernels in transformers' "
+                          f"{kind} models, where they stay until it exits: start this run in a new process")
     if not m.liger_kernel:
         return
     if importlib.util.find_spec("liger_kernel") is None:
@@ -166,17 +173,23 @@ def check_liger(cfg: Config) -> None:
     if m.liger_kernel_config.get("fused_linear_cross_entropy") and peft_head:  # the others: causal_lm.choose_loss_head
         raise ConfigError("model.liger_kernel_config.fused_linear_cross_entropy takes a plain linear output head: "
                           "lm_head in lora.target_modules or lora.modules_to_save makes it peft's")
-    from transformers import AutoConfig
-
     from accel_train.models.build import liger_apply_fn
 
-    kind = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
-                                      trust_remote_code=m.trust_remote_code).model_type
+    kind = model_type(cfg)
     names = set(inspect.signature(liger_apply_fn(kind)).parameters) - {"model"}
     unknown = sorted(set(m.liger_kernel_config) - names)
     if unknown:
         raise ConfigError(f"model.liger_kernel_config: {', '.join(unknown)} not among Liger's kernels for {kind} "
                           f"models ({', '.join(sorted(names))})")
+
+
+def model_type(cfg: Config) -> str:
+    """model.name_or_path's model type, from its config.json."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    return AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
+                                      trust_remote_code=m.trust_remote_code).model_type
 
 
 def check_adapter_source(cfg: Config) -> None:

@@ -43,9 +43,10 @@ def gradients() -> dict:
 
 
 def kernels(builds: dict) -> dict:
-    """Each build of the default config with its overrides, in order, in this process (models.build: build_model,
-    then with_liger_kernels under model.liger_kernel): which of its layers are Liger's (each norm's RMSNorm, each
-    MLP's SwiGLU, the modeling module's RoPE), or the ConfigError the build raised."""
+    """Each build of the default config with its overrides, in order, in this process, as a run builds (its
+    preflight's check_liger, build_model, then with_liger_kernels under model.liger_kernel): which of its layers are
+    Liger's (each norm's RMSNorm, each MLP's SwiGLU, the modeling module's RoPE; whether the module's own classes
+    are transformers' after), or the ConfigError that refused it."""
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
@@ -54,11 +55,13 @@ def kernels(builds: dict) -> dict:
     from accel_train.config.load import load_config
     from accel_train.config.sections import ConfigError
     from accel_train.models.build import build_model, build_tokenizer, with_liger_kernels
+    from accel_train.training.preflight import check_liger
 
     seen = {}
     for name, overrides in builds.items():
         cfg = load_config("configs/train/default.yaml", overrides)
         try:
+            check_liger(cfg)
             model = build_model(cfg, build_tokenizer(cfg))
         except ConfigError as e:
             seen[name] = str(e)
@@ -68,7 +71,8 @@ def kernels(builds: dict) -> dict:
         norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
         seen[name] = {"rms_norm": [m.forward.__func__ is LigerRMSNorm.forward for m in norms],
                       "swiglu": [layer.mlp.forward.__func__ is LigerSwiGLUMLP.forward for layer in model.model.layers],
-                      "rope": modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb}
+                      "rope": modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb,
+                      "module's classes": [c.__module__ for c in (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)]}
     return seen
 
 
