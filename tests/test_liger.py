@@ -29,8 +29,9 @@ from accel_train.training import preflight
 
 INTERPRET = {"TRITON_INTERPRET": "1"}  # the tests' fork server runs Triton in its interpreter too (conftest)
 # On a machine with a GPU, Liger's kernels run for real: accel-train gpu-check's `liger` compares a run's losses
-pytestmark = pytest.mark.skipif(torch.accelerator.is_available(), reason="Triton's interpreter is the CPU's: on a "
-                                "GPU, accel-train gpu-check --only liger")
+pytestmark = [pytest.mark.skipif(torch.accelerator.is_available(), reason="Triton's interpreter is the CPU's: on a "
+                                 "GPU, accel-train gpu-check --only liger"),
+              pytest.mark.xdist_group("liger")]  # one worker: the chunked runs computed once
 # The fused loss alone: the one kernel of Liger's that Triton's interpreter runs.
 FUSED_ONLY = ["model.liger_kernel=true", "model.liger_kernel_config.rope=false",
               "model.liger_kernel_config.rms_norm=false", "model.liger_kernel_config.swiglu=false"]
