@@ -130,8 +130,9 @@ def test_the_layer_kernels_are_put_in_the_model_as_chosen_and_kept_to_their_proc
     modeling module's classes are transformers' again after. Another run of the type in the same process (a
     notebook's second), with Liger or without, is refused by its preflight: Liger's RoPE stays the module's."""
     liger = ["model.liger_kernel=true"]
-    seen = {**probe("kernels", json.dumps({"plain": [], "no_swiglu": [*liger, "model.liger_kernel_config.swiglu=false"],
-                                           "plain again": [], "again": [*liger, "model.liger_kernel_config.swiglu=false"]})),
+    no_swiglu = [*liger, "model.liger_kernel_config.swiglu=false"]
+    builds = {"plain": [], "no_swiglu": no_swiglu, "plain again": [], "again": no_swiglu}
+    seen = {**probe("kernels", json.dumps(builds)),
             **probe("kernels", json.dumps({"liger": liger}))}
     layers, own = len(seen["plain"]["swiglu"]), ["transformers.models.llama.modeling_llama"] * 2
     assert seen["plain"] == {"rms_norm": [False] * (2 * layers + 1), "swiglu": [False] * layers, "rope": False,
@@ -237,7 +238,9 @@ def test_liger_mistakes_in_the_config_alone(tmp_path):
 
     BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
         tmp_path / "bert")
-    cfg = load_config("configs/train/default.yaml", ["model.liger_kernel=true", f"model.name_or_path={tmp_path / 'bert'}"])
+    cfg = load_config("configs/train/default.yaml",
+                      ["model.liger_kernel=true", f"model.name_or_path={tmp_path / 'bert'}"])
     with mock.patch.dict("os.environ", INTERPRET), \
-            pytest.raises(ConfigError, match=r"^model.liger_kernel: Liger has no kernels for bert models \(it has .*llama"):
+            pytest.raises(ConfigError, match=r"^model.liger_kernel: Liger has no kernels for bert models \(it has "
+                                             r".*llama"):
         preflight.check_liger(cfg)

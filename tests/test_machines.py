@@ -319,7 +319,7 @@ def test_gpu_check_plan_is_complete_and_every_run_is_a_valid_configuration(tmp_p
     # the files each command launches are there (moved into bench/, gpu_check once named accel_train/accel_train/
     # train.py and accel_train/configs/: a GPU session would have found it only by losing its minutes to it)
     for check in checks:
-        named = [*(p for p in check.cmd if p.endswith(".py")), *([configs[check.name]] if check.name in configs else [])]
+        named = [p for p in check.cmd if p.endswith(".py")] + ([configs[check.name]] if check.name in configs else [])
         assert all(Path(path).is_file() for path in named), (check.name, named)
     proc = python_m("--out", tmp_path, "--dry-run", "--only", "fsdp2", tool="gpu-check")
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2  # the comparison brings its reference

@@ -268,8 +268,9 @@ def child_result(steps: list[tuple], mean_loss: float) -> dict:
 def contender_jobs(args, wd: Path, workload: str, precision: str, scale: bool) -> list[tuple[str, Callable]]:
     """One round of `workload`: each contender's run (a function returning its record, given its process's time
     limit as `timeout`, None for none), named, in --contenders' order, then ours' gradient-checkpointing, compile and
-    Liger variants ("ours+compile", "ours+liger_kernel"; on grpo its static KV cache, "ours+static_cache"), then (`scale`) ours on 2 processes
-    ("ours x2"). A name is the contender's whatever its options (TRL's depend on the machine)."""
+    Liger variants ("ours+compile", "ours+liger_kernel"; on grpo its static KV cache, "ours+static_cache"), then
+    (`scale`) ours on 2 processes ("ours x2"). A name is the contender's whatever its options (TRL's depend on the
+    machine)."""
     jobs, run_on = [], (args, wd, workload, precision)
     for contender in args.contenders:
         if contender == "ours":

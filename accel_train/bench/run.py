@@ -296,7 +296,8 @@ def run_suite(args) -> dict | None:
 def prepare_group(args, name: str, wd: Path, precision: str, peaks: dict) -> dict:
     """A suite group before its first row: its settings (suite.group_argv), workload files, model FLOPs, matmul peak
     (measured once per model size: `peaks`) and its contenders' runs by name (contenders.contender_jobs)."""
-    g = parse_args([*suite.group_argv(args.suite, name, has_trl(), has_liger()), "--workdir", str(wd), "--seed", str(args.seed),
+    g = parse_args([*suite.group_argv(args.suite, name, has_trl(), has_liger()), "--workdir", str(wd),
+                    "--seed", str(args.seed),
                     "--precision", args.precision])
     wd.mkdir(parents=True, exist_ok=True)
     announce(g, precision, wd)
@@ -371,8 +372,9 @@ def dry_run(name: str, time_limit: int | None = None) -> str:
     last, seen, elapsed = None, set(), suite.BENCH_START_S
     for group, row, work in rows:
         if group != last:
+            # its settings (without variants: --liger's check would refuse them on a machine without a GPU)
             lines.append(f"{group}: " + ("as above" if group in seen else
-                                         describe(parse_args(suite.group_argv(name, group, has_trl(), False)))))  # variants: no setting
+                                         describe(parse_args(suite.group_argv(name, group, has_trl(), False)))))
             last = group
             seen.add(group)
         why = suite.missing(row, has_trl(), liger_installed())  # without torch: a suite runs on a GPU only

@@ -72,7 +72,8 @@ def kernels(builds: dict) -> dict:
         seen[name] = {"rms_norm": [m.forward.__func__ is LigerRMSNorm.forward for m in norms],
                       "swiglu": [layer.mlp.forward.__func__ is LigerSwiGLUMLP.forward for layer in model.model.layers],
                       "rope": modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb,
-                      "module's classes": [c.__module__ for c in (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)]}
+                      "module's classes": [c.__module__ for c in (modeling_llama.LlamaRMSNorm,
+                                                                  modeling_llama.LlamaMLP)]}
     return seen
 
 
