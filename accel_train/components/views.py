@@ -44,11 +44,12 @@ def batch_efficiency(cfg: Config, lengths: list[int], tokenizer, packs: bool) ->
     import os
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils.generic import is_flash_attention_requested
 
     from accel_train.data.pipeline import LengthGroupedSampler, PackingCollator, width_multiple
     from accel_train.models.build import attention_cost, attn_implementation, model_width
+    from accel_train.models.sources import model_config
     from accel_train.runtime.dist import choose_precision
 
     precision, _ = choose_precision(cfg.train.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
@@ -67,8 +68,7 @@ def batch_efficiency(cfg: Config, lengths: list[int], tokenizer, packs: bool) ->
         return (f"padding (batch {batch}): efficiency {real / padded:.3f} ({grouped}, each padded to its longest "
                 f"sample{rounded}; data.group_by_length={str(cfg.data.group_by_length).lower()})")
     with torch.device("meta"):  # the shapes only: no memory, no weights
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
-                                            trust_remote_code=cfg.model.trust_remote_code)
+        config = model_config(cfg)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
     # the attention training would run here (model.attn_implementation), by transformers' test as training's
     # (models.build.varlen_attention): flash-attention packs every batch into one row

@@ -18,7 +18,7 @@ from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.data import chat_template
 from accel_train.data.chat_template import trained_tokens
-from accel_train.models.sources import check_model, one_line, trained_folder
+from accel_train.models.sources import check_model, model_config, one_line, trained_folder
 from accel_train.runtime.tracking import get_logger, quiet_libraries
 
 logger = get_logger(__name__)
@@ -92,8 +92,7 @@ def grow_embeddings(model: torch.nn.Module, tokenizer, mean_resizing: bool = Tru
 def model_width(cfg: Config) -> int | None:
     """Hidden size from the model's config.json (None when it has none), without building the model."""
     try:
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
-                                            trust_remote_code=cfg.model.trust_remote_code)
+        config = model_config(cfg)
     except OSError:
         return None  # build_tokenizer reports an unreachable model in one line
     return getattr(config.get_text_config(), "hidden_size", None)
@@ -231,13 +230,20 @@ def with_liger_kernels(model, chosen: dict) -> None:
     LIGER_PATCHED.add(kind)
 
 
+def liger_arguments(model_type: str) -> dict:
+    """Liger's kernels for a `model_type` model (its apply_liger_kernel_to_* arguments but the model) and their
+    defaults: the names model.liger_kernel_config may give."""
+    import inspect
+
+    return {name: p.default for name, p in inspect.signature(liger_apply_fn(model_type)).parameters.items()
+            if name != "model"}
+
+
 def liger_layer_kernels(model_type: str, chosen: dict) -> list[str]:
     """The names of the kernels with_liger_kernels puts in a `model_type` model's layers: Liger's defaults, as
     `chosen` (model.liger_kernel_config) changes them."""
-    import inspect
-
-    return [name for name, p in inspect.signature(liger_apply_fn(model_type)).parameters.items()
-            if name not in LIGER_LOSSES and chosen.get(name, p.default) is True]
+    return [name for name, default in liger_arguments(model_type).items()
+            if name not in LIGER_LOSSES and chosen.get(name, default) is True]
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}

@@ -162,14 +162,13 @@ class LossHead:
         # every batch of another shape would compile the model again.
         @torch.compiler.disable
         def forward(call_head, hidden):
-            if not evaluation and self.fused:
+            if not evaluation and (self.fused or self.sharded):  # from the target rows alone
                 _, rows, targets = _targets(hidden, labels, positions)
+                if not self.fused:
+                    return HeadLoss.apply(functools.partial(_chunk_sum, original), rows, targets, self.chunk)
                 if len(rows):  # none (a batch without targets): Liger's chunking divides by 0; the head on no rows
                     return fused_target_loss(self.head, rows, targets)
                 return _chunk_sum(call_head, rows, targets)
-            if not evaluation and self.sharded:
-                _, rows, targets = _targets(hidden, labels, positions)
-                return HeadLoss.apply(functools.partial(_chunk_sum, original), rows, targets, self.chunk)
             if not evaluation:
                 return summed_target_loss(call_head, hidden, labels, self.chunk, positions)
             token_loss, out["preds"] = target_losses_and_preds(call_head, hidden, labels, self.chunk)

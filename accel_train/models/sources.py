@@ -140,6 +140,15 @@ def check_hub_model(repo_id: str, revision: str | None, key: str) -> None:
                           "give a local model folder") from None
 
 
+def model_config(cfg):
+    """The config.json of the run's model (model.name_or_path at model.revision), without its weights: transformers'
+    AutoConfig. Each caller says, its own way, what a model it cannot read means there."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    return AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+
+
 def one_line(e: Exception) -> str:
     return (" ".join(str(e).split()) or type(e).__name__)[:200]
 

@@ -27,10 +27,10 @@ import psutil
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from transformers import AutoConfig
 
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
+from accel_train.models.sources import model_config
 from accel_train.runtime.dist import gather_setup
 
 GB = 1e9
@@ -133,8 +133,7 @@ def _available(device: torch.device) -> tuple[str, float]:
 def check_fits(cfg: Config, accelerator: Accelerator) -> None:
     """Refuse, on every rank alike, a job whose lower-bound estimate exceeds the memory of the place it runs."""
     try:
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
-                                            trust_remote_code=cfg.model.trust_remote_code)
+        config = model_config(cfg)
     except (OSError, ValueError):
         config = None  # build_tokenizer and build_model say what is wrong with the model in one line
     from accel_train.models.build import AUTO_CLASS, head_of

@@ -10,7 +10,6 @@ generates, torch's FSDP2 classes, checked for what generation uses of them (laun
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from accel_train.config.sections import ConfigError
 from accel_train.config import registry
 from accel_train.data import chat_template
 from accel_train.data.sources import check_data_source
-from accel_train.models.sources import gguf_folder, is_gguf, read_model, trained_task
+from accel_train.models.sources import gguf_folder, is_gguf, model_config, read_model, trained_task
 from accel_train.metrics import check_metric_for_best, check_metrics
 from accel_train.runtime.launched import check_engine, first_process, is_local_main, launched_world_size
 from accel_train.runtime.tracking import check_trackers
@@ -157,7 +156,7 @@ def check_liger(cfg: Config) -> None:
     or without: Liger's RoPE stays the type's until the process exits (models.build.LIGER_PATCHED)."""
     m = cfg.model
     patched = getattr(sys.modules.get("accel_train.models.build"), "LIGER_PATCHED", set())  # none: not imported
-    if patched and (kind := model_type(cfg)) in patched:
+    if patched and (kind := model_config(cfg).model_type) in patched:
         raise ConfigError(f"model.liger_kernel: an earlier run in this process put Liger's kernels in transformers' "
                           f"{kind} models, where they stay until it exits: start this run in a new process")
     if not m.liger_kernel:
@@ -173,23 +172,14 @@ def check_liger(cfg: Config) -> None:
     if m.liger_kernel_config.get("fused_linear_cross_entropy") and peft_head:  # the others: causal_lm.choose_loss_head
         raise ConfigError("model.liger_kernel_config.fused_linear_cross_entropy takes a plain linear output head: "
                           "lm_head in lora.target_modules or lora.modules_to_save makes it peft's")
-    from accel_train.models.build import liger_apply_fn
+    from accel_train.models.build import liger_arguments
 
-    kind = model_type(cfg)
-    names = set(inspect.signature(liger_apply_fn(kind)).parameters) - {"model"}
-    unknown = sorted(set(m.liger_kernel_config) - names)
+    kind = model_config(cfg).model_type
+    names = liger_arguments(kind)
+    unknown = sorted(set(m.liger_kernel_config) - set(names))
     if unknown:
         raise ConfigError(f"model.liger_kernel_config: {', '.join(unknown)} not among Liger's kernels for {kind} "
                           f"models ({', '.join(sorted(names))})")
-
-
-def model_type(cfg: Config) -> str:
-    """model.name_or_path's model type, from its config.json."""
-    from transformers import AutoConfig
-
-    m = cfg.model
-    return AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
-                                      trust_remote_code=m.trust_remote_code).model_type
 
 
 def check_adapter_source(cfg: Config) -> None:
