@@ -204,13 +204,16 @@ def test_a_skipped_step_leaves_nothing_in_the_logged_loss_and_the_loop_reads_the
     """The loop's own host reads of a tensor's value (a device sync each on a GPU; tests/scripts/host_reads.py)
     between two logs: one a step, the gather before its forwards, with accumulation, and a step skipped for its
     non-finite gradient (its verdict read with the next gather): warned once, and its NaN loss kept out of the
-    logged mean."""
+    logged mean. No copy of host data to the device waits for it either (on a GPU a blocking copy synchronises the
+    stream): neither the loader's batches (accelerate's non_blocking, from pinned memory) nor the loop's own."""
     seen = tmp_path / "reads.json"
     proc = python_script("tests/scripts/host_reads.py", seen, f"output_dir={tmp_path / 'out'}", "data.builtin_size=200",
                          "train.max_steps=6", "train.log_every=100", "train.grad_accum_steps=2", "train.eval_every=null",
                          "track.log_with=[]", env={"ACCEL_TRAIN_FAULT": "nan@step=3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(seen.read_text()) == [1] * 6  # the last step's log follows its count
+    counted = json.loads(seen.read_text())
+    assert counted["reads"] == [1] * 6  # the last step's log follows its count
+    assert counted["blocking_copies"] == [0] * 6 and counted["device_syncs"] is None  # every sync: on a GPU only
     assert proc.stderr.count("step 3: non-finite gradient norm, step skipped (1 in a row, 1 in all)") == 1
     train, _ = read_metrics(tmp_path / "out")
     assert [r["step"] for r in train] == [6] and math.isfinite(train[0]["loss"])
@@ -260,9 +263,13 @@ def test_regional_compilation_asked_by_the_accelerate_config_trains_on_2_process
     """An accelerate config may ask for regional compilation (dynamo_use_regional_compilation: accelerate's
     compile_regions, which train.compile follows). It compiles a shallow copy of the DDP wrapper, whose unwrapping
     with the compile kept (unwrap_model's default) gives back that DDP copy: before, setup stopped on
-    `'DistributedDataParallel' object has no attribute 'config'`. Run C (2 processes) compiled so gives run C's losses
-    and adapter. Dynamo traces and compiles each graph as a run does, then runs it on its eager backend
-    (TORCH_COMPILE_OVERRIDE_BACKENDS): inductor's C++ build would take minutes here."""
+    `'DistributedDataParallel' object has no attribute 'config'`. Run D (2 processes, accumulation 2: the compiled
+    model's forwards under DDP's no_sync, then the synchronising one) compiled so gives run C's losses, evaluation
+    and adapter, as D does eagerly (test_topology). Dynamo traces and compiles each graph as a run does, then runs it
+    on its eager backend (TORCH_COMPILE_OVERRIDE_BACKENDS): inductor's C++ build would take minutes here. (The
+    whole-model compile, train.compile's own, traces the model again in each frame enclosing the loss head's break,
+    dynamo resuming none inside a context manager: 70 s launched here; test_loss compares it with eager in one
+    process.)"""
     from safetensors.torch import load_file
     from test_topology import TOPOLOGIES, overrides
 
@@ -270,7 +277,7 @@ def test_regional_compilation_asked_by_the_accelerate_config_trains_on_2_process
     config.write_text((ACCEL_CONFIGS / "cpu_2proc.yaml").read_text()
                       + "dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_use_regional_compilation: true\n")
     out = tmp_path / "out"
-    proc = forked_launch(str(config), *overrides(ddp_reference["data"], out), *TOPOLOGIES["C"][1],
+    proc = forked_launch(str(config), *overrides(ddp_reference["data"], out), *TOPOLOGIES["D"][1],
                          "train.compile=true", env={"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     train, evals = read_metrics(out)

@@ -132,7 +132,9 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         # once per process, which is right only for schedules built for num_processes times more steps.
         step_scheduler_with_optimizer=False,
         # Seedable sampler: one shuffle per epoch from (seed, epoch), the same on every rank, then sharded.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        # non_blocking: a batch's copy to the GPU from the loader's pinned memory (data.pipeline) is queued, not
+        # waited for (a blocking copy synchronises the stream: a host sync a micro-batch); no-op on a CPU.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s),
                                                 **({"backend": "gloo"} if deepspeed_on_cpu else {}))],
         log_with=cfg.track.log_with or None,

@@ -159,7 +159,9 @@ class Verdicts:
     def flag(self, device) -> torch.Tensor:
         """The pending verdict as the gather carries it (1: finite, or none pending), unread."""
         finite = self.pending[0] if self.pending is not None else True
-        return torch.as_tensor(finite, device=device).long().reshape(1)
+        if isinstance(finite, torch.Tensor):
+            return finite.long().reshape(1)
+        return torch.tensor([int(finite)]).to(device, non_blocking=True)  # queued (see `shared` in fit)
 
     def judge(self, finite: bool | None = None) -> None:
         """The policy on the pending step (the last counted: state.step), its verdict `finite` as the gather read
@@ -321,7 +323,8 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Task.counts_data_as_loaded), the window's counts, which normalise the loss; the host reads the last
             # step's verdict with them where the device skipped it (Verdicts).
             counted_now = task.counts_data_as_loaded
-            shared = torch.tensor([len(window), job.preemption.signum], device=accelerator.device)
+            # (built on the host and queued: torch.tensor(..., device=) would wait for the GPU's queue, a second sync)
+            shared = torch.tensor([len(window), job.preemption.signum]).to(accelerator.device, non_blocking=True)
             stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(shared[:0])
             rows = accelerator.gather(torch.cat([verdicts.flag(accelerator.device), shared, stats])[None]).tolist()
             verdicts.judge(bool(rows[0][0]))  # the global norm's: the same on every rank
