@@ -475,8 +475,11 @@ def test_gpu_suite_dry_run_lists_its_rows_within_8_minutes(capsys):
     assert all(g.no_scaling for g in (lora, full, skewed, grpo))
     assert bench.main(["--gpu-full", "--dry-run"]) is None
     assert int(re.search(r"^total: (\d+) s", capsys.readouterr().out, re.M)[1]) <= suite.SUITES["gpu-full"][0]
-    assert {("lora_0.5b_32k", "trainer"), ("lora_0.5b_32k", "ours+compile"), ("full_1.5b_32k", "trl")} <= {
+    assert {("lora_0.5b_32k", "trainer"), ("lora_0.5b_32k", "ours+compile"), ("full_1.5b_32k", "trl"),
+            ("grpo_0.5b_64", "ours+static_cache"), ("grpo_0.5b_256", "ours+static_cache")} <= {
         (g, r) for g, r, _ in suite.SUITES["gpu-full"][1]}
+    static = bench.parse_args(suite.group_argv("gpu-full", "grpo_0.5b_64"))  # the cache that rollouts are read from
+    assert static.static_cache and static.contenders == ["ours", "trl", "generate"]
     # a limit that leaves a second past the first three rows: none of the others starts
     limit = suite.BENCH_START_S + sum(suite.row_estimate(work) for _, _, work in suite.SUITES["gpu"][1][:3]) + 1
     assert bench.main(["--gpu", "--dry-run", "--time-limit", str(limit)]) is None
@@ -514,7 +517,7 @@ def test_gpu_suite_runs_its_rows_in_order_and_writes_the_report_after_each(tmp_p
     ones; test_bench_quick_writes_every_figure runs them on the CPU): the rows run in the suite's order with their
     groups' settings, each process given its time limit (suite.row_timeout), the report (JSON and Markdown) is on
     disk after every row, and a row whose process fails (the full 1.5B, out of memory) is reported so, with the end
-    of its output."""
+    of its output. Each group is judged against issue 54's GPU targets (bench.common.GPU_TARGETS)."""
     out, calls = tmp_path / "gpu.json", []
 
     def row(contender, args, workload, processes, options, timeout):
@@ -526,6 +529,8 @@ def test_gpu_suite_runs_its_rows_in_order_and_writes_the_report_after_each(tmp_p
 
     fake_processes(monkeypatch, row)
     monkeypatch.setattr(bench, "on_cuda", lambda: True)
+    monkeypatch.setattr("accel_train.bench.report.on_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(bench, "has_trl", lambda: True)
     monkeypatch.setattr(common, "has_liger", lambda: False)  # TRL's options, whatever this machine has
     monkeypatch.setattr(bench, "peak_flops", lambda args, wd, precision: 1e15)  # the GPU's matmul probe
@@ -547,7 +552,16 @@ def test_gpu_suite_runs_its_rows_in_order_and_writes_the_report_after_each(tmp_p
     assert groups["lora_0.5b_32k"]["model"]["parameters"] > groups["lora_0.5b_32k"]["model"]["trained_parameters"]
     assert groups["grpo_0.5b_64"]["ratios"]["ours_vs_trl_grpo"] == 1.0
     assert all(r["mfu"] is not None for g in ("lora_0.5b_32k", "skewed_0.5b") for r in groups[g]["results"])
+    # issue 54's floors: the small job >= 1.0x the bare loop and 1.5x TRL, MFU 0.35 (LoRA) / 0.40 (full), GRPO 3x
+    # TRL in steps/s at no more memory; the CPU's (2 processes ÷ 1) is not a GPU's
+    goals = {g: groups[g]["targets"] for g in groups}
+    assert (goals["skewed_0.5b"]["ours_vs_bare_skewed"], goals["skewed_0.5b"]["ours_vs_trl_skewed"]) == (1.0, 1.5)
+    assert (goals["lora_0.5b_32k"]["mfu_of_peak"], goals["full_1.5b_32k"]["mfu_of_peak"]) == (0.35, 0.40)
+    assert goals["grpo_0.5b_64"]["ours_vs_trl_grpo"] == 3.0 and "scaling_efficiency" not in goals["grpo_0.5b_64"]
+    assert groups["grpo_0.5b_64"]["targets_at_most"]["memory_ours_vs_trl_grpo"] == 1.0
     table = out.with_suffix(".md").read_text()
+    assert "| ours_vs_trl_skewed | 1.000 | >= 1.5 |" in table and "| ours_vs_trl_grpo | 1.000 | >= 3.0 |" in table
+    assert "| memory_ours_vs_trl_grpo | 1.000 | <= 1.0 |" in table
     assert "### full_1.5b_32k: 1.5b model; full fine-tuning" in table and "| fixed | bare | 1 x 1 |" in table
     assert "| full_1.5b_32k | ours | ours-fixed-1p failed (exit 1) |" in table
     assert "CUDA out of memory" in capsys.readouterr().err
@@ -607,6 +621,18 @@ def test_gpu_suite_goes_on_past_every_row_that_fails(tmp_path, monkeypatch, caps
     assert "OSError: disk full" in capsys.readouterr().err
 
 
+def ends(pid: int) -> bool:
+    """Whether process `pid` ends within 30 s (a SIGKILL lands asynchronously): its pidfd turns readable then."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True  # gone already
+    try:
+        return bool(select.select([fd], [], [], 30)[0])
+    finally:
+        os.close(fd)
+
+
 def test_a_contender_past_its_time_is_killed_with_every_process_it_started():
     """run_process: past its time limit the contender's process group is killed (a process it started included:
     none keeps the GPU) and TimedOut carries the end of its stderr; a failed process exits with its stderr's end."""
@@ -615,14 +641,7 @@ def test_a_contender_past_its_time_is_killed_with_every_process_it_started():
     with pytest.raises(contenders.TimedOut) as stop:
         contenders.run_process([sys.executable, "-c", script], "hang", timeout=3)
     assert str(stop.value) == "timed out after 3 s" and stop.value.output.startswith("started")
-    try:  # the grandchild's end: its pidfd turns readable when it exits (SIGKILL lands asynchronously)
-        grandchild = os.pidfd_open(int(stop.value.output.split()[1]))
-    except ProcessLookupError:
-        grandchild = None  # gone already
-    if grandchild is not None:
-        ended, _, _ = select.select([grandchild], [], [], 30)
-        os.close(grandchild)
-        assert ended, "the contender's own child outlived the kill of its process group"
+    assert ends(int(stop.value.output.split()[1])), "the contender's own child outlived the kill of its process group"
     with pytest.raises(SystemExit) as stop:
         contenders.run_process([sys.executable, "-c", "import sys; sys.exit('boom')"], "bad")
     assert stop.value.code == "bench: bad failed (exit 1):\nboom\n"
@@ -646,20 +665,35 @@ def test_trainer_token_counts_stay_on_the_device_until_the_step_ends():
 
 def test_gpu_check_writes_its_report_after_every_check(tmp_path, monkeypatch):
     """gpu_check's JSON and Markdown hold every finished check before the next one starts (each run replaced by a
-    failed process here): a run cut short keeps them."""
+    failed process here): a run cut short keeps them. A check past its time is stopped (its status says so) and the
+    next one runs."""
     done = []
 
-    def fake_run(cmd, **kw):
+    def fake_run(check):
         if done:
             assert list(json.loads((tmp_path / "gpu_check.json").read_text())["checks"]) == done
-        done.append(next(c.name for c in gpu_check.plan(tmp_path) if c.cmd == cmd))
-        return subprocess.CompletedProcess(cmd, 1, "", "boom")
+        done.append(check.name)
+        return subprocess.CompletedProcess(check.cmd, None if check.name == "lora_bf16" else 1, "", "boom")
 
     monkeypatch.setattr(gpu_check, "prepare_inputs", lambda out: None)
-    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
+    monkeypatch.setattr(gpu_check, "run_check", fake_run)
     assert gpu_check.main(["--out", str(tmp_path), "--only", "lora_bf16", "fp16_broken_loss", "fsdp2"]) == 1
     assert done == ["lora_bf16", "fp16_broken_loss", "reference_1gpu", "fsdp2"]
+    checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    assert checks["lora_bf16"]["status"] == "timed out after 300 s" and checks["fsdp2"]["status"] == "fail"
     assert "| fsdp2 | fail |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_gpu_check_past_its_time_is_killed_with_every_process_it_started():
+    """gpu_check.run_check: past the check's time its process group is killed (what it started included: none
+    keeps the GPU), with what it wrote; the return code None says it did not end by itself."""
+    script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(60)']); print('started', child.pid, flush=True); time.sleep(60)")
+    proc = gpu_check.run_check(gpu_check.Check("hang", [sys.executable, "-c", script], timeout_s=3))
+    assert proc.returncode is None and proc.stdout.startswith("started")
+    assert ends(int(proc.stdout.split()[1])), "the check's own child outlived the kill of its process group"
+    done = gpu_check.run_check(gpu_check.Check("done", [sys.executable, "-c", "print('ok')"]))
+    assert (done.returncode, done.stdout) == (0, "ok\n")
 
 
 @pytest.mark.parametrize("requested, launcher, native, width, expected", [

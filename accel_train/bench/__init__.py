@@ -102,7 +102,8 @@ The figures:
                     blocks included, no halving for causal masks)
   peak memory (MB)  as above; memory_ours_vs_trainer_*: ours' peak over Trainer's at equal batch
   ours_vs_*         ours' tokens/s over the other contender's on the same samples; targets (TARGETS, in the JSON's
-                    "targets") are floors, TARGETS_AT_MOST ceilings; no test asserts a speed
+                    "targets") are floors, TARGETS_AT_MOST ceilings, on a GPU with issue 54's over them (GPU_TARGETS:
+                    ours >= 1.0x bare and 1.5x TRL on the small job, MFU 0.35 / 0.40 full); no test asserts a speed
 Run-to-run noise on a shared 2-core machine is about +-10%: a single ratio near 1 moves either side of it (use
 --repeat). Where ours' speed comes from, each in its module: packing with a row width chosen by cost (data.py),
 the causal-LM loss without full logits (loss.py), length-grouped classification batches and rank-balanced
@@ -111,6 +112,7 @@ widths rounded to 32 (packed) or 8 (padded) under bf16 (dist.py, data.py), one h
 (loop.py); on grpo, each prompt's forward and backward once for its group (logprobs.prompt_once), rollouts through the
 adapter merged into the weights (generation.merged_adapter) and drawn without a multinomial over the vocabulary
 (generation.SeededSampler). train.gradient_checkpointing and train.compile stay off by default: on the small model they
-cost 24% of the throughput (for 3% less memory) and recompiled for every new batch shape.
+cost 24% of the throughput (for 3% less memory); compilation, once per kind of batch with dynamic shapes, is paid
+in each run's first steps.
 """
 

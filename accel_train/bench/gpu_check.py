@@ -4,7 +4,8 @@
 
 Each check is a real run through the entries users use (accelerate launch, python -m); DIR/gpu_check.json and
 DIR/gpu_check.md report what passed, what failed and what could not run (a package missing), with the figures,
-rewritten after every check (a run cut short keeps the checks it finished):
+rewritten after every check (a run cut short keeps the checks it finished; a check past its time, 5 minutes or the
+bench's 10, is stopped with every process it started, and the next one runs):
 
     quickstart_1gpu      the default recipe on configs/accelerate/1gpu.yaml learns (eval accuracy > 0.8)
     quickstart_cpu       the README's first command (configs/accelerate/cpu_2proc.yaml) runs on the CPU beside a GPU
@@ -16,7 +17,7 @@ rewritten after every check (a run cut short keeps the checks it finished):
                          warning naming the scale, which never rises), every other step's loss is finite, it learns
     fsdp2                1 process: the same comparison
     liger                the 1-GPU run with Liger's kernels (model.liger_kernel: its RMSNorm, RoPE, SwiGLU and fused
-                         linear cross-entropy): the same comparison (liger-kernel carried: wheels.sh's extra argument)
+                         linear cross-entropy): the same comparison (needs `pip install 'accel_train[liger]'`)
     qlora_4bit           LoRA on a 4-bit base trains; its adapter loads on the bf16 base
     bench_0.5b           python -m accel_train.bench --size 0.5b: ours vs transformers.Trainer vs a bare loop
 
@@ -56,6 +57,7 @@ class Check:
     needs: list[str] = field(default_factory=list)  # Python packages the check cannot run without
     env: dict = field(default_factory=dict)
     out: Path | None = None  # the run's output_dir
+    timeout_s: int = 300  # stopped past it, and the checks after it run: a hung check loses nothing else
 
     def args(self) -> list[str]:
         """The accel_train arguments of the command (after the script or the module); [] for another program."""
@@ -111,7 +113,7 @@ def plan(out: Path) -> list[Check]:
         run("qlora_4bit", python_m, *qlora, needs=["bitsandbytes"]),
         Check("bench_0.5b", [sys.executable, "-m", "accel_train.bench", "--size", "0.5b", "--no-scaling",
                              "--workloads", "skewed", "--steps", "8", "--out", str(out / "bench.json"),
-                             "--workdir", str(out / "bench")]),
+                             "--workdir", str(out / "bench")], timeout_s=600),
     ]
 
 
@@ -241,6 +243,26 @@ def report(results: dict, out: Path, seconds: float) -> str:
     return table
 
 
+def run_check(check: Check) -> subprocess.CompletedProcess:
+    """The check's command to its end, or until its time is up: then the process and every one it started
+    (accelerate's workers) are killed, none left holding the GPU, and the return code is None."""
+    from accel_train.bench.contenders import kill_group
+
+    proc = subprocess.Popen(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=PACKAGE_DIR.parent,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=check.timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        code = None
+    finally:
+        kill_group(proc)  # on any way out: nothing of it outlives the check
+    return subprocess.CompletedProcess(check.cmd, code, out, err)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="accel-train gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for the runs and the report")
@@ -265,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             results[check.name] = {"status": f"not run: pip install {' '.join(missing)}"}
         else:
             t0 = time.perf_counter()
-            proc = subprocess.run(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env},
-                                  capture_output=True, text=True, cwd=PACKAGE_DIR.parent)
-            results[check.name] = {**judge(check, proc, results), "seconds": round(time.perf_counter() - t0, 1)}
+            proc = run_check(check)
+            verdict = judge(check, proc, results) if proc.returncode is not None else {
+                "status": f"timed out after {check.timeout_s} s", "log_tail": (proc.stdout + proc.stderr)[-1500:]}
+            results[check.name] = {**verdict, "seconds": round(time.perf_counter() - t0, 1)}
             print(f"{check.name}: {results[check.name]['status']} ({results[check.name]['seconds']} s)", flush=True)
         report(results, args.out, time.perf_counter() - start)  # after every check: a run cut short keeps them
     print(report(results, args.out, time.perf_counter() - start))

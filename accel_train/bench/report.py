@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 
 from accel_train.config import registry
-from accel_train.bench.common import (CLASSES, GRPO_MEDIANS, MEDIANS, TARGETS_AT_MOST, TASK_OF, adapter, on_cuda,
-                                      rounded, targets, trl_options)
+from accel_train.bench.common import (CLASSES, GRPO_MEDIANS, MEDIANS, TASK_OF, adapter, on_cuda, rounded, targets,
+                                      targets_at_most, trl_options)
 from accel_train.bench.workloads import model_shape
 
 
@@ -27,14 +27,14 @@ def bench_report(args, wd: Path, info: dict, precision: str, flops: dict, peak: 
             "precision": precision, "model": {"parameters": n_params, "trained_parameters": n_trained,
                                               "matmul_weights": matmul_weights, "attention_size": attention,
                                               **model_shape(args, wd)},
-            "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(on_cuda()),
-            "targets_at_most": TARGETS_AT_MOST, "wall_seconds": round(seconds, 1)}
+            "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(on_cuda(), args.full),
+            "targets_at_most": targets_at_most(on_cuda()), "wall_seconds": round(seconds, 1)}
 
 
 def bench_markdown(report: dict) -> str:
     """The tables, then a row for each contender's run that failed (why: the status its process ended with)."""
     text = markdown(report["results"], report["ratios"], report["peak_flops"], report["machine"],
-                    report["settings"]["repeat"], report["targets"])
+                    report["settings"]["repeat"], report["targets"], report["targets_at_most"])
     failed = report.get("failed") or []
     rows = [f"| {f['workload']} | {f['contender']} | {f['status']} |" for f in failed]
     return text + ("\n\nFailed runs:\n\n| workload | contender | status |\n|---|---|---|\n" + "\n".join(rows)
@@ -140,7 +140,8 @@ def machine() -> dict:
             "gpus": torch.cuda.device_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
-def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat: int, goals: dict) -> str:
+def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat: int, goals: dict,
+             ceilings: dict) -> str:
     medians = f" (median of {repeat} runs)" if repeat > 1 else ""
     lines = [f"Machine: {info['gpu'] or info['cpu']} ({info['cores']} cores), torch {info['torch']}; "
              f"measured matmul peak {peak / 1e12:.2f} TFLOP/s{medians}"]
@@ -166,7 +167,7 @@ def markdown(results: list[dict], ratios: dict, peak: float, info: dict, repeat:
                   f"{r['peak_memory_mb']:.0f} |" for r in grpo]
     lines += ["", "| ratio | value | target |", "|---|---:|---:|"]
     for k, v in ratios.items():
-        target = f">= {goals[k]}" if k in goals else f"<= {TARGETS_AT_MOST[k]}" if k in TARGETS_AT_MOST else ""
+        target = f">= {goals[k]}" if k in goals else f"<= {ceilings[k]}" if k in ceilings else ""
         if v is not None:
             lines.append(f"| {k} | {v:.3f} | {target} |")
     return "\n".join(lines)

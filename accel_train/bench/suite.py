@@ -2,7 +2,7 @@
 
     python -m accel_train.bench --gpu --dry-run          # its rows and their estimated seconds; nothing runs
     python -m accel_train.bench --gpu --out gpu.json --time-limit 360  # ~6 min estimated: gpu.json and gpu.md
-    python -m accel_train.bench --gpu-full               # more sizes, the Trainer, compiled steps (~17 minutes)
+    python -m accel_train.bench --gpu-full               # more sizes, the Trainer, static cache, compiled (~19 min)
 
 A row is one contender (bench/contenders.py) on one group of settings (GROUPS: the bench's own options, one workload
 each); the rows run in the suite's order, the most wanted first, the report (JSON and Markdown) written after every
@@ -14,16 +14,19 @@ The groups:
                  micro-batches of 8: Trainer's and the bare loop's full fp32 logits of 8,192 tokens fit an 80 GB
                  GPU): the chip's work, where MFU should be high. TRL is padded there (nothing to pad: its
                  padding-free rows would cost it the causal kernels of sdpa), with liger-kernel where installed;
-  skewed_0.5b    the bench's small job: 16 samples of skewed lengths up to 1,024 tokens a step (about 2.9k real
-                 tokens), where the host, not the chip, is the limit; TRL padding-free;
+  skewed_0.5b    the bench's small job: 16 samples of skewed lengths up to 1,024 tokens a step (about 3k real
+                 tokens: a log-normal with median 128), where the host, not the chip, is the limit; TRL
+                 padding-free;
   grpo_0.5b_64   GRPO: 8 prompts x 8 completions of 64 new tokens a step, rollouts and update;
   full_1.5b_32k  full SFT of Qwen2.5-1.5B's shape, the same samples as lora_0.5b_32k (micro-batches of 8: weights,
                  gradients and AdamW's states in fp32 take 25 GB): ours only in --gpu;
-and --gpu-full's: ours with Liger's kernels on lora_0.5b_32k (model.liger_kernel; where liger-kernel is installed and
-a GPU runs it, as TRL's rows use it: on a machine without it, `../shared/gpu/wheels.sh .venv liger-kernel==0.8.5`
-carries its wheel), TRL on full_1.5b_32k, the Trainer on lora_0.5b_32k, LoRA of the 1.5B shape and full SFT of the
-0.5B one (32k tokens a step), 256-token rollouts, and the compiled step (ours+compile) on lora_0.5b_32k and on the
-skewed job (a new shape almost every step).
+and --gpu-full's: ours' rollouts from a static KV cache (train.generation_cache=static, whose decode step transformers
+compiles on a GPU) on both grpo groups, the measurement that chooses the cache; ours with Liger's kernels on
+lora_0.5b_32k (model.liger_kernel; where liger-kernel is installed and a GPU runs it, as TRL's rows use it: on a GPU
+machine without a package index, `pip download liger-kernel==0.8.5` where there is one, and install the wheels
+there), TRL on full_1.5b_32k, the Trainer on lora_0.5b_32k, LoRA of the 1.5B shape and full SFT of the 0.5B one (32k
+tokens a step), 256-token rollouts, and the compiled step (ours+compile) on lora_0.5b_32k and on the skewed job (a
+new shape almost every step).
 
 Estimates (the seconds in SUITES): each row's work once its process has started, a guess until a GPU run measures
 it (the report's "rows" record every row's seconds: set the table from them), plus START_S to start its process
@@ -57,9 +60,7 @@ GROUPS = {
 
 VARIANTS = {"ours+compile": "--compile", "ours+gradient_checkpointing": "--grad-ckpt",
             "ours+static_cache": "--static-cache", "ours+liger_kernel": "--liger"}
-"""Rows of ours with an option (contenders.contender_jobs' names), and the bench option that adds them.
-ours+static_cache (a grpo group's rollouts from a static KV cache) is in no suite yet: a row of it (its process's
-start, and the decode step's compilation) fits neither --gpu's estimate (at most 6 minutes) nor --gpu-full's budget."""
+"""Rows of ours with an option (contenders.contender_jobs' names), and the bench option that adds them."""
 
 # ours under LoRA on random weights copies its base and saves it (output_dir/base_model: ~2 s at 0.5B); full
 # fine-tuning saves the whole model (~6 GB at 1.5B in fp32)
@@ -67,17 +68,20 @@ _GPU = [("lora_0.5b_32k", "ours", 7), ("lora_0.5b_32k", "trl", 6), ("lora_0.5b_3
         ("skewed_0.5b", "ours", 6), ("skewed_0.5b", "trl", 4), ("skewed_0.5b", "bare", 4),
         ("grpo_0.5b_64", "ours", 10), ("grpo_0.5b_64", "trl", 9), ("grpo_0.5b_64", "generate", 6),
         ("full_1.5b_32k", "ours", 17)]  # 1.5B random weights built (~6 s) and saved (~5 s)
-_MORE = [("lora_0.5b_32k", "ours+liger_kernel", 7),  # where liger-kernel is installed (TRL's rows then use it too)
+# the static cache's rows: transformers compiles its decode step (inductor) in the warm-up step's rollouts
+_MORE = [("grpo_0.5b_64", "ours+static_cache", 60),
+         ("lora_0.5b_32k", "ours+liger_kernel", 7),  # where liger-kernel is installed (TRL's rows then use it too)
          ("full_1.5b_32k", "trl", 14), ("lora_0.5b_32k", "trainer", 8),
          ("lora_1.5b_32k", "ours", 13), ("lora_1.5b_32k", "trl", 11), ("lora_1.5b_32k", "bare", 10),
          ("full_0.5b_32k", "ours", 9), ("full_0.5b_32k", "trl", 7), ("full_0.5b_32k", "bare", 6),
-         ("grpo_0.5b_256", "ours", 27), ("grpo_0.5b_256", "trl", 28), ("grpo_0.5b_256", "generate", 20)]
+         ("grpo_0.5b_256", "ours", 27), ("grpo_0.5b_256", "trl", 28), ("grpo_0.5b_256", "generate", 20),
+         ("grpo_0.5b_256", "ours+static_cache", 70)]
 _COMPILED = [("lora_0.5b_32k", "ours+compile", 60),  # inductor compiles the forward and backward in the warm-up
              ("skewed_0.5b", "ours+compile", 62)]  # and again on the skewed job's new shapes
 
 SUITES = {
     "gpu": (480, _GPU),
-    "gpu-full": (1020, [*_GPU, *_MORE, *_COMPILED]),
+    "gpu-full": (1200, [*_GPU, *_MORE, *_COMPILED]),
 }
 """name -> (budget in seconds, rows in the order they run: (group, row, estimated seconds of work)). --gpu's rows are
 the most wanted first, its estimate (~6 min) well within its budget: a session of 8 minutes on a GPU also pays the
