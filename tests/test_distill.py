@@ -303,7 +303,8 @@ def test_a_teacher_is_read_as_any_model_is(teacher, tmp_path, monkeypatch, given
 def test_on_policy_steps_sample_the_responses_through_generation_config(teacher, monkeypatch):
     """distill.on_policy=1: every step's responses are the student's, sampled after each sample's prompt with the
     settings generation.generation_config gives (called once per micro-batch), ending at the end of turn or at
-    max_new_tokens; the labels cover them and nothing else; the same (seed, step) samples the same."""
+    max_new_tokens; the labels cover them and nothing else; the same (seed, step) samples the same, from a static KV
+    cache (train.generation_cache=static) as from the dynamic one."""
     new = 6
     cfg = load_config(None, ["task=distill", f"distill.teacher={teacher}", "distill.on_policy=1",
                              f"distill.max_new_tokens={new}", "distill.temperature=1.5"])
@@ -344,6 +345,15 @@ def test_on_policy_steps_sample_the_responses_through_generation_config(teacher,
     assert any(not torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(window, later))
     assert len({tuple(r) for r in responses}) > 1
     assert sum(distill.on_policy_step(42, step, 0.5) for step in range(200)) == pytest.approx(100, abs=20)
+    static = tasks.make(load_config(None, ["task=distill", f"distill.teacher={teacher}", "distill.on_policy=1",
+                                           f"distill.max_new_tokens={new}", "distill.temperature=1.5",
+                                           "train.generation_cache=static"]))
+    static.start(SimpleNamespace(accelerator=fresh_accelerator(mixed_precision="no"), model=student), tokenizer, None)
+    calls.clear()
+    from_static = static.step_batches(static.window(iter(batches), 3, 2), 2, 3)
+    assert [c["cache"] for c in calls] == ["static"] * 2
+    for a, b in zip(window, from_static):
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_on_policy_needs_a_prompt_in_every_sample_said_before_training(tmp_path):

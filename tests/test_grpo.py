@@ -686,18 +686,13 @@ def test_a_groups_prompt_runs_once_with_the_whole_rows_numbers(route, arch):
                                    msg=name)
 
 
-def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls_sample():
-    """A window of two micro-batches (2 and 1 prompts, 4 completions each) is generated in one generate call of
-    12 rows, and split back into its micro-batches' completions; with grpo.generation_batch_size=1 in three calls
-    of 4 rows: the same tokens as each micro-batch generated alone (each row draws its own noise, by its prompt's
-    index); with train.generation_cache=static (the shared prompts copied into a StaticCache) the same tokens too,
-    and so are grpo's greedy answers (generate's own static cache). A rollout generates through the merged adapter
-    and scores with the adapter's own weights back."""
+def tiny_lora_policy():
+    """(a LoRA policy on the tiny model, its tokenizer, a 1-process accelerator's stand-in, 3 chat prompts and their
+    ids) for the rollouts' tests in one process."""
     import contextlib
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora.layer import Linear as LoraLinear
     from transformers import AutoConfig
 
     from accel_train.config.schema import CONFIGS_DIR
@@ -706,13 +701,26 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)),
                            LoraConfig(r=4, target_modules="all-linear")).eval()
-    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     accelerator = SimpleNamespace(unwrap_model=lambda m, **_: m, device=torch.device("cpu"), **ONE_PROCESS,
                                   autocast=contextlib.nullcontext, num_processes=1)
     texts = ["abcab", "reverse xyz", "q"]
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
            for t in texts]
+    return model, tokenizer, accelerator, texts, ids
+
+
+def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls_sample():
+    """A window of two micro-batches (2 and 1 prompts, 4 completions each) is generated in one generate call of
+    12 rows, and split back into its micro-batches' completions; with grpo.generation_batch_size=1 in three calls
+    of 4 rows: the same tokens as each micro-batch generated alone (each row draws its own noise, by its prompt's
+    index); with train.generation_cache=static (the shared prompts copied into a StaticCache) the same tokens too,
+    and so are grpo's greedy answers (generate's own static cache). A rollout generates through the merged adapter
+    and scores with the adapter's own weights back."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    model, tokenizer, accelerator, texts, ids = tiny_lora_policy()
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     batches = [{"prompt_ids": ids[:2], "index": torch.tensor([0, 1]), "prompts": texts[:2],
                 "columns": {"response": ["bacba", "zyx esrever"]}},
                {"prompt_ids": ids[2:], "index": torch.tensor([2]), "prompts": texts[2:], "columns": {"response": ["q"]}}]
@@ -756,6 +764,42 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     merged.clear()
     micro = rollouts.roll(batches, step=3)  # generation_batch_size=1: three calls
     assert len(micro) == 2 and merged == [{True}] * 3 and scored == [{False}] * 2, (merged, scored)
+
+
+def test_rollouts_from_a_static_cache_with_the_decode_step_compiled_as_on_a_gpu_sample_the_same_tokens(caplog):
+    """On a GPU, generate() compiles the decode step of a static KV cache (torch.compile with transformers'
+    CompileConfig; on a CPU it runs eagerly). Forced here (CompileConfig's _compile_all_devices, dynamo's graphs run
+    on its eager backend: inductor's C++ build would take minutes): a window's rollouts through the compiled step,
+    the shared prompts copied into a StaticCache, sample the tokens the dynamic cache samples, each row by its own
+    seeded noise; the next step's window (other seeds, the same shapes) compiles nothing more. Nothing is said of it
+    (transformers warned of the sizing left in the config at every rollout: "max_cache_len ... will be ignored")."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, tokenizer, accelerator, texts, ids = tiny_lora_policy()
+    batches = [{"prompt_ids": ids, "index": torch.tensor([0, 1, 2]), "prompts": texts,
+                "columns": {"response": ["bacba", "zyx esrever", "q"]}}]
+    got, compiled = {}, []
+    for cache in ("dynamic", "static"):
+        cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
+                                     "grpo.answer_field=response", "grpo.log_completions=false",
+                                     f"train.generation_cache={cache}"])
+        sampler = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer).sampler
+        if cache == "static":
+            sampler.generation_config.compile_config = CompileConfig()
+            sampler.generation_config.compile_config._compile_all_devices = True  # as on a GPU
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
+            for step in (3, 4):
+                got[cache, step] = [c.ids for c in sampler.generate_window(model, batches, step=step)]
+                compiled.append(counters["stats"]["unique_graphs"])
+    assert compiled[:2] == [0, 0] and compiled[2] > 0, compiled  # dynamic: eager; static: the decode step compiled
+    assert compiled[3] == compiled[2], compiled  # the next step's window: the same compiled step, no recompilation
+    for step in (3, 4):
+        assert got["static", step] == got["dynamic", step]
+    assert got["static", 3] != got["static", 4] and len({tuple(c) for c in got["static", 3][0]}) > 1  # sampled
+    assert not [r for r in caplog.records if "max_cache_len" in r.getMessage()]
 
 
 def test_a_static_cache_takes_the_shared_prompt_where_every_layer_holds_it_whole():

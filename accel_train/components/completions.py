@@ -219,9 +219,9 @@ class CompletionSampler:
         # (not when synced: a prompt forward more on one rank than on another would break the lock-step)
         cache = None if self.synced else shared_prompt_cache(model, input_ids, attention_mask, repeats,
                                                              self.static_length if static else None)
-        if cache is not None and static:  # static already: generate() refuses a cache_implementation beside it
-            config = copy.deepcopy(config)
-            config.cache_implementation = None
+        if cache is not None and static:  # static already: generate() refuses a cache_implementation beside it,
+            config = copy.deepcopy(config)  # and warns of a max_cache_len without one
+            config.cache_implementation = config.max_cache_len = None
         input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
         processors = LogitsProcessorList([sampler(input_ids.shape[1])] if sampler else [])
         more = {CACHE_ARG: cache} if cache is not None else {}
