@@ -219,6 +219,22 @@ def test_a_skipped_step_leaves_nothing_in_the_logged_loss_and_the_loop_reads_the
     assert [r["step"] for r in train] == [6] and math.isfinite(train[0]["loss"])
 
 
+@pytest.mark.parametrize("task", ["grpo", "distill"])
+def test_a_steps_rollouts_are_copied_to_the_device_without_waiting_for_it(tmp_path, task):
+    """grpo's rollouts and distill's on-policy samples build their rows on the host at every step, then copy them
+    to the device queued behind its work (data.pipeline.on_device: pinned memory, non_blocking): none of the step's
+    copies waits for the GPU (tests/scripts/host_reads.py; on a GPU each would synchronise the stream)."""
+    args = {"grpo": ["task=grpo", "data.path=builtin:reverse", "grpo.answer_field=response"],
+            "distill": ["task=distill", "data.path=builtin:addition", "distill.teacher=configs/model/tiny-llama",
+                        "distill.on_policy=1"]}[task]
+    seen = tmp_path / "copies.json"
+    proc = python_script("tests/scripts/host_reads.py", seen, *args, f"{task}.max_new_tokens=4", "data.builtin_size=16",
+                         "train.max_steps=2", "train.eval_every=null", "track.log_with=[]",
+                         f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(seen.read_text())["blocking_copies"] == [0, 0]
+
+
 def test_accumulation_marks_only_the_last_micro_batch_as_the_boundary(tmp_path):
     """Under DeepSpeed accelerate's backward steps the engine whenever sync_gradients is true: it must be false on
     every micro-batch but the last of each window (with it always true, accumulation 4 made 4 updates a step)."""

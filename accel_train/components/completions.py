@@ -29,6 +29,7 @@ from accel_train.components.rewards import RewardError
 from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.data.formats import stop_token_ids
+from accel_train.data.pipeline import on_device
 from accel_train.models.generation import (CACHE_ARG, SeededSampler, generation_config, left_padded, row_seed,
                                            run_cache, shared_prompt_cache, until_stop)
 
@@ -130,7 +131,8 @@ class CompletionSampler:
         """grpo.num_generations sampled completions per prompt (prompt-major)."""
         G, device = self.g.num_generations, self.device
         noise = torch.stack([torch.rand(self.g.max_new_tokens, generator=torch.Generator().manual_seed(
-            row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)]).to(device)
+            row_seed(self.cfg.seed, step, int(i), j))) for i in batch["index"].tolist() for j in range(G)])
+        noise = on_device(noise, device)
         return self.turns(model, batch, G, noise, multi)
 
     def turns(self, model, batch: dict, repeats: int, noise: torch.Tensor | None = None, multi: bool = True

@@ -19,6 +19,7 @@ import math
 import torch
 
 from accel_train.components.pairs import as_turns, renderer
+from accel_train.data.pipeline import on_device
 
 
 class RewardModel:
@@ -52,8 +53,8 @@ class RewardModel:
         for start in range(0, forwards * batch_size, batch_size):
             part = rows[start: start + batch_size] or [[pad]]
             width = max(len(r) for r in part)
-            ids = torch.tensor([r + [pad] * (width - len(r)) for r in part], device=device)
-            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part], device=device)
+            ids = on_device([r + [pad] * (width - len(r)) for r in part], device)
+            mask = on_device([[1] * len(r) + [0] * (width - len(r)) for r in part], device)
             scores = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float().tolist()
             out += scores if start < len(rows) else []
         return out

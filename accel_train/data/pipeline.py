@@ -550,6 +550,16 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", 
                 "max_length_k")
 
 
+def on_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`data` (numbers, or a host tensor) on `device`, its copy to a GPU queued behind the work there, not waited
+    for: from pinned host memory, non_blocking. (torch.tensor(data, device=cuda) or a host tensor's .to(cuda) copies
+    from pageable memory and synchronises the stream: the host waits for every kernel queued before it.)"""
+    host = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def model_inputs(batch: dict) -> dict:
     """What the model is called with (the loop computes the loss from the logits and labels)."""
     return {k: v for k, v in batch.items() if k in MODEL_INPUTS}

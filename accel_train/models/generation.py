@@ -56,6 +56,7 @@ from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX, stop_token_ids
+from accel_train.data.pipeline import on_device
 from accel_train.metrics import compute_metrics, load_metrics
 
 PREDICTIONS_FILE = "eval_predictions.jsonl"  # one row per eval sample and evaluation, with its step
@@ -358,6 +359,6 @@ class SeededSampler(LogitsProcessor):
 
 def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    ids = on_device([[pad_id] * (width - len(r)) + r for r in rows], device)
+    mask = on_device([[0] * (width - len(r)) + [1] * len(r) for r in rows], device)
     return ids, mask

@@ -519,7 +519,7 @@ def epoch_batches(accelerator: Accelerator, train_dl, epoch: int, skip: int):
     the same samples on any number of processes with the same effective batch."""
     if isinstance(train_dl.dataset, IterableDataset):
         train_dl.dataset.set_epoch(epoch)  # a new shuffle; a resumed stream is read again from its start
-        return (send_to_device(b, accelerator.device) for b in islice(train_dl, skip, None))
+        return (send_to_device(b, accelerator.device, non_blocking=True) for b in islice(train_dl, skip, None))
     train_dl.set_epoch(epoch)  # new shuffle per epoch, identical on every rank before sharding
     loader = accelerator.skip_first_batches(train_dl, skip)
     loader.set_epoch(epoch)

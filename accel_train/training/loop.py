@@ -161,7 +161,7 @@ class Verdicts:
         finite = self.pending[0] if self.pending is not None else True
         if isinstance(finite, torch.Tensor):
             return finite.long().reshape(1)
-        return torch.tensor([int(finite)]).to(device, non_blocking=True)  # queued (see `shared` in fit)
+        return data_lib.on_device([int(finite)], device)
 
     def judge(self, finite: bool | None = None) -> None:
         """The policy on the pending step (the last counted: state.step), its verdict `finite` as the gather read
@@ -241,8 +241,9 @@ class LossSums:
     def means(self, accelerator) -> dict:
         """The means since the last log over every rank (one collective, on every rank); the sums start again."""
         sums = accelerator.reduce(self.sums, reduction="sum")
-        *sums, targets = torch.cat([sums.double(), torch.as_tensor(self.targets, device=sums.device).double()[None]]
-                                   ).tolist()  # one host read
+        targets = self.targets if isinstance(self.targets, torch.Tensor) else data_lib.on_device(self.targets,
+                                                                                                   sums.device)
+        *sums, targets = torch.cat([sums.double(), targets.double()[None]]).tolist()  # one host read
         means = {k: s / targets if targets else math.nan  # nan: only skipped steps
                  for k, s in zip(self.names, sums)}
         self.sums.zero_()
@@ -323,8 +324,7 @@ def fit(cfg: Config, job: TrainingJob) -> dict:
             # Task.counts_data_as_loaded), the window's counts, which normalise the loss; the host reads the last
             # step's verdict with them where the device skipped it (Verdicts).
             counted_now = task.counts_data_as_loaded
-            # (built on the host and queued: torch.tensor(..., device=) would wait for the GPU's queue, a second sync)
-            shared = torch.tensor([len(window), job.preemption.signum]).to(accelerator.device, non_blocking=True)
+            shared = data_lib.on_device([len(window), job.preemption.signum], accelerator.device)  # queued
             stats = window_stats(window, task, accelerator.device) if counted_now else torch.zeros_like(shared[:0])
             rows = accelerator.gather(torch.cat([verdicts.flag(accelerator.device), shared, stats])[None]).tolist()
             verdicts.judge(bool(rows[0][0]))  # the global norm's: the same on every rank

@@ -3,8 +3,8 @@ host wait for a GPU, into the JSON file OUT:
   reads            host reads of a tensor's value (item, tolist, bool, float, int, index) in accel_train's own code
                    (the model's libraries' are not counted): each a device sync on a GPU;
   blocking_copies  host data copied to the device by a call that waits for the copy: torch.tensor/as_tensor given
-                   a device in accel_train's code, and a batch sent by accelerate's prepared loader without
-                   non_blocking (on a GPU, each synchronises the stream);
+                   a device in accel_train's code, and a batch sent without non_blocking by accelerate's prepared
+                   loader or by a stream's loop (dist.epoch_batches) (on a GPU, each synchronises the stream);
   device_syncs     on a GPU, every synchronising CUDA call, whoever makes it (torch's sync debug mode): null on a CPU.
     python tests/scripts/host_reads.py OUT [key=value ...]
 """
@@ -17,7 +17,7 @@ import accelerate.data_loader
 import torch
 
 from accel_train.cli import main
-from accel_train.runtime import tracking
+from accel_train.runtime import dist, tracking
 from accel_train.training import loop, recipe
 
 OURS = str(recipe.__file__).rsplit("/training/", 1)[0]  # the accel_train package's folder
@@ -63,7 +63,7 @@ def sending(batch, device, *args, non_blocking=False, **kwargs):
     return send(batch, device, *args, non_blocking=non_blocking, **kwargs)
 
 
-accelerate.data_loader.send_to_device = sending
+accelerate.data_loader.send_to_device = dist.send_to_device = sending
 per_step = {"reads": [], "blocking_copies": [], "device_syncs": [] if torch.cuda.is_available() else None}
 recorded: list = [[]]  # the list of the loop's warnings since the last step (on a GPU), each sync's among them
 step, fit = tracking.RunLog.step, loop.fit

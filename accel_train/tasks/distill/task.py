@@ -376,7 +376,8 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], cfg: Config, st
     # greedy: the sampler picks the token
     config = generation_config(model, tokenizer, d.max_new_tokens, **run_cache(cfg, d.max_new_tokens))
     noise = torch.stack([torch.rand(d.max_new_tokens, generator=torch.Generator().manual_seed(
-        row_seed(cfg.seed, step, prompt_key(p), 0))) for p in prompts]).to(device)
+        row_seed(cfg.seed, step, prompt_key(p), 0))) for p in prompts])
+    noise = data_lib.on_device(noise, device)
     input_ids, attention_mask = left_padded(prompts, tokenizer.pad_token_id, device)
     sampler = SeededSampler(noise, input_ids.shape[1], d.temperature, 1.0)
     was_training = model.training
@@ -396,9 +397,9 @@ def on_policy_batch(prompts: list[list[int]], responses: list[list[int]], pad_id
     width = max(len(r) for r in rows)
     pad = lambda values, fill: [v + [fill] * (width - len(v)) for v in values]  # noqa: E731
     labels = [[IGNORE_INDEX] * len(p) + r for p, r in zip(prompts, responses)]
-    return {"input_ids": torch.tensor(pad(rows, pad_id), device=device),
-            "attention_mask": torch.tensor(pad([[1] * len(r) for r in rows], 0), device=device),
-            "labels": torch.tensor(pad(labels, IGNORE_INDEX), device=device)}
+    return {"input_ids": data_lib.on_device(pad(rows, pad_id), device),
+            "attention_mask": data_lib.on_device(pad([[1] * len(r) for r in rows], 0), device),
+            "labels": data_lib.on_device(pad(labels, IGNORE_INDEX), device)}
 
 
 # ---------------------------------------------------------------------------------------------------- the task

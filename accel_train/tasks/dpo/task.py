@@ -156,8 +156,8 @@ def step_nll_scale(accelerator, window: list[dict], loss_type: str) -> float:
     collective: every rank calls it for every step)."""
     counts = torch.zeros(2, device=accelerator.device)
     for batch in window:
-        counts += torch.stack([torch.tensor(batch["input_ids"].shape[0] // 2, device=counts.device),
-                               nll_mask(batch, loss_type).sum()]).to(counts.dtype)
+        counts[0] += batch["input_ids"].shape[0] // 2  # a host number: no copy to the device
+        counts[1] += nll_mask(batch, loss_type).sum()
     if accelerator.num_processes > 1:
         counts = accelerator.reduce(counts, reduction="sum")
     pairs, tokens = counts.tolist()

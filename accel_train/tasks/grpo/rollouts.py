@@ -30,6 +30,7 @@ from accel_train.config.schema import Config
 from accel_train.config.sections import ConfigError
 from accel_train.runtime.engine import Engine
 from accel_train.data.formats import IGNORE_INDEX
+from accel_train.data.pipeline import on_device
 from accel_train.models.generation import left_padded, merged_adapter, position_ids
 from accel_train.runtime.tracking import get_logger
 
@@ -232,9 +233,9 @@ class Rollouts:
         width = max(len(c) for c in completions)
         masks = masks if masks is not None else [[1] * len(c) for c in completions]
         prompt_ids, prompt_mask = left_padded([p for p in prompts for _ in range(G)], pad, device)
-        completion_ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions], device=device)
-        completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions], device=device)
-        trained = torch.tensor([m + [0] * (width - len(m)) for m in masks], device=device)
+        completion_ids = on_device([c + [pad] * (width - len(c)) for c in completions], device)
+        completion_mask = on_device([[1] * len(c) + [0] * (width - len(c)) for c in completions], device)
+        trained = on_device([m + [0] * (width - len(m)) for m in masks], device)
         labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
                             completion_ids.masked_fill(trained == 0, IGNORE_INDEX)], 1)
         targets = {"dapo": trained.sum(), "grpo": len(completions),
@@ -242,7 +243,7 @@ class Rollouts:
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
         return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention_mask,
                 "position_ids": position_ids(attention_mask), "labels": labels, "completion_width": width,
-                "group": G, "advantages": advantages.to(device, torch.float32), "targets": targets}
+                "group": G, "advantages": on_device(advantages, device, torch.float32), "targets": targets}
 
     def write(self, records: list[dict]) -> None:
         """Every rank's rollouts into rollouts.jsonl, by the main process (a collective: every rank rolls out at the

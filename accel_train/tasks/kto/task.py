@@ -245,7 +245,8 @@ class KtoLoss:
         for i, batch in enumerate(batches):
             ratios = self.kl_ratios(batch)
             if real is None or i < real:
-                sums += torch.stack([ratios.sum(), torch.tensor(float(len(ratios)), device=sums.device)])
+                sums[0] += ratios.sum()
+                sums[1] += len(ratios)  # a host number: no copy to the device
         total, count = self.accelerator.reduce(sums, reduction="sum")
         return (total / count).clamp(min=0) if count else total.new_zeros(())
 
