@@ -59,7 +59,7 @@ machine's generation speed, child_generate), on the same LoRA model, prompts and
 with --quick), the built-in exact_match reward (TRL given the same function), one optimizer step per rollout
 (num_iterations 1, TRL's steps_per_generation 1), beta 0, the DAPO loss; --warmup steps, then --grpo-steps
 measured (4 with --quick). Each step is timed whole, from the end of the last: generation with the KV cache, rewards and advantages, the policy's
-forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_grpo, target 1.5), generated
+forward and backward, the optimizer. Reported: steps/s (the ratio ours_vs_trl_grpo, target 1.5; 3 on a GPU), generated
 tokens/s (completion tokens) and train tokens/s (prompt + completion tokens trained on) over the measured steps;
 from the whole run's split (summary.json's "rollouts" for ours, the same sums timed around TRL's
 _generate_and_score_completions): the rollouts' share of the time and the tokens generated per second of it (ours'

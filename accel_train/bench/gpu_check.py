@@ -33,6 +33,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -243,23 +244,38 @@ def report(results: dict, out: Path, seconds: float) -> str:
     return table
 
 
+STOP_GRACE_S = 60  # a timed-out check's SIGTERM to its SIGKILL: torchrun's agent stops its workers in 30 s
+
+
 def run_check(check: Check) -> subprocess.CompletedProcess:
-    """The check's command to its end, or until its time is up: then the process and every one it started
-    (accelerate's workers) are killed, none left holding the GPU, and the return code is None."""
+    """The check's command to its end, or until its time is up (the return code is then None): SIGTERM to its
+    process group, so that what it started in sessions of their own stops too (accelerate launch's torchrun agent
+    terminates its workers, SIGKILL 30 s later; the bench kills its contenders' groups), then SIGKILL to the group
+    after STOP_GRACE_S: none left holding the GPU. Its output is kept unless a process outside the group still holds
+    the pipes a minute on."""
     from accel_train.bench.contenders import kill_group
 
     proc = subprocess.Popen(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=PACKAGE_DIR.parent,
                             start_new_session=True)
+    code = None
     try:
         out, err = proc.communicate(timeout=check.timeout_s)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        code = None
+        out = err = ""
+        for stop, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 60)):
+            try:
+                os.killpg(proc.pid, stop)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
     finally:
-        kill_group(proc)  # on any way out: nothing of it outlives the check
+        kill_group(proc)  # on any way out (Ctrl-C included): nothing of its group outlives the check
     return subprocess.CompletedProcess(check.cmd, code, out, err)
 
 

@@ -27,8 +27,13 @@ def bench_report(args, wd: Path, info: dict, precision: str, flops: dict, peak: 
             "precision": precision, "model": {"parameters": n_params, "trained_parameters": n_trained,
                                               "matmul_weights": matmul_weights, "attention_size": attention,
                                               **model_shape(args, wd)},
-            "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(on_cuda(), args.full),
+            "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(on_cuda(), args.full, fixed_tokens(args, first)),
             "targets_at_most": targets_at_most(on_cuda()), "wall_seconds": round(seconds, 1)}
+
+
+def fixed_tokens(args, first: str | None) -> int:
+    """Tokens a step of the run whose MFU is reported (`first` workload), where they are fixed: batch x fixed_len."""
+    return args.batch * args.fixed_len if (first or args.workloads[0]) == "fixed" else 0
 
 
 def bench_markdown(report: dict) -> str:
