@@ -766,40 +766,48 @@ def test_a_steps_prompts_are_generated_in_one_call_and_sample_what_smaller_calls
     assert len(micro) == 2 and merged == [{True}] * 3 and scored == [{False}] * 2, (merged, scored)
 
 
-def test_rollouts_from_a_static_cache_with_the_decode_step_compiled_as_on_a_gpu_sample_the_same_tokens(caplog):
+def test_rollouts_from_a_static_cache_with_the_decode_step_compiled_sample_the_same_tokens(monkeypatch):
     """On a GPU, generate() compiles the decode step of a static KV cache (torch.compile with transformers'
-    CompileConfig; on a CPU it runs eagerly). Forced here (CompileConfig's _compile_all_devices, dynamo's graphs run
-    on its eager backend: inductor's C++ build would take minutes): a window's rollouts through the compiled step,
-    the shared prompts copied into a StaticCache, sample the tokens the dynamic cache samples, each row by its own
-    seeded noise; the next step's window (other seeds, the same shapes) compiles nothing more. Nothing is said of it
-    (transformers warned of the sizing left in the config at every rollout: "max_cache_len ... will be ignored")."""
+    CompileConfig: inductor, CUDA graphs; on a CPU it runs eagerly). Forced here through dynamo
+    (CompileConfig's _compile_all_devices; the graphs run on dynamo's eager backend: inductor's C++ build would take
+    minutes, its kernels are gpu-check's): a window's rollouts through the compiled step, the shared prompts copied
+    into a StaticCache, sample the tokens the dynamic cache samples, each row by its own seeded noise; the next
+    step's window (other seeds, the same shapes) compiles nothing more. transformers says nothing of it (it warned
+    once a process "max_cache_len ... will be ignored" of the sizing left in the config beside the prompts' own
+    cache)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
+    from transformers.generation import configuration_utils
 
+    warned = []
+    monkeypatch.setattr(configuration_utils.logger, "warning_once", lambda message, *a, **k: warned.append(message))
     model, tokenizer, accelerator, texts, ids = tiny_lora_policy()
     batches = [{"prompt_ids": ids, "index": torch.tensor([0, 1, 2]), "prompts": texts,
                 "columns": {"response": ["bacba", "zyx esrever", "q"]}}]
     got, compiled = {}, []
-    for cache in ("dynamic", "static"):
-        cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
-                                     "grpo.answer_field=response", "grpo.log_completions=false",
-                                     f"train.generation_cache={cache}"])
-        sampler = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer).sampler
-        if cache == "static":
-            sampler.generation_config.compile_config = CompileConfig()
-            sampler.generation_config.compile_config._compile_all_devices = True  # as on a GPU
-        torch._dynamo.reset()
-        counters.clear()
-        with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
-            for step in (3, 4):
-                got[cache, step] = [c.ids for c in sampler.generate_window(model, batches, step=step)]
-                compiled.append(counters["stats"]["unique_graphs"])
+    try:
+        for cache in ("dynamic", "static"):
+            cfg = load_config(overrides=["task=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6",
+                                         "grpo.answer_field=response", "grpo.log_completions=false",
+                                         f"train.generation_cache={cache}"])
+            sampler = grpo_rollouts.Rollouts(cfg, accelerator, model, tokenizer).sampler
+            if cache == "static":
+                sampler.generation_config.compile_config = CompileConfig()
+                sampler.generation_config.compile_config._compile_all_devices = True  # as on a GPU
+            torch._dynamo.reset()
+            counters.clear()
+            with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
+                for step in (3, 4):
+                    got[cache, step] = [c.ids for c in sampler.generate_window(model, batches, step=step)]
+                    compiled.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()  # nothing of it left to the worker's next tests
     assert compiled[:2] == [0, 0] and compiled[2] > 0, compiled  # dynamic: eager; static: the decode step compiled
     assert compiled[3] == compiled[2], compiled  # the next step's window: the same compiled step, no recompilation
     for step in (3, 4):
         assert got["static", step] == got["dynamic", step]
     assert got["static", 3] != got["static", 4] and len({tuple(c) for c in got["static", 3][0]}) > 1  # sampled
-    assert not [r for r in caplog.records if "max_cache_len" in r.getMessage()]
+    assert not [m for m in warned if "max_cache_len" in m], warned
 
 
 def test_a_static_cache_takes_the_shared_prompt_where_every_layer_holds_it_whole():
