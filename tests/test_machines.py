@@ -235,6 +235,23 @@ def test_a_steps_rollouts_are_copied_to_the_device_without_waiting_for_it(tmp_pa
     assert json.loads(seen.read_text())["blocking_copies"] == [0, 0]
 
 
+def test_the_step_profile_accounts_for_every_phase_of_a_step(tmp_path):
+    """tests/scripts/step_profile.py (where a step's time goes, torch.profiler; its results in
+    step_profile_results.json): each phase of the loop's step marked once a step (twice for the forward and
+    backward with accumulation 2), their host time inside the step's wall time."""
+    out = tmp_path / "profile.json"
+    proc = python_script("tests/scripts/step_profile.py", out, "--warmup", "1", "--steps", "2", "data.builtin_size=100",
+                         "data.eval_fraction=0", "train.grad_accum_steps=2", "track.log_with=[]",
+                         f"output_dir={tmp_path / 'run'}")  # 3 steps of 32 samples: no epoch's end among them
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = json.loads(out.read_text())
+    calls = {name: phase["calls"] for name, phase in profile["phases_ms_a_step"].items()}
+    assert calls == {"window": 1, "gather": 1, "step_batches": 1, "forward_loss": 2, "backward": 2, "clip": 1,
+                     "optimizer_step": 1, "zero_grad": 1, "scheduler": 1, "run_log": 1}, calls
+    assert len(profile["step_wall_s"]) == 2 and profile["host_ms_a_step_outside_phases"] >= 0
+    assert profile["top_ops_by_self_host_ms_a_step"] and "device_waits_a_step" not in profile  # a GPU's
+
+
 def test_accumulation_marks_only_the_last_micro_batch_as_the_boundary(tmp_path):
     """Under DeepSpeed accelerate's backward steps the engine whenever sync_gradients is true: it must be false on
     every micro-batch but the last of each window (with it always true, accumulation 4 made 4 updates a step)."""
