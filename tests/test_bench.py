@@ -685,14 +685,20 @@ def test_gpu_check_writes_its_report_after_every_check(tmp_path, monkeypatch):
     assert "| fsdp2 | fail |" in (tmp_path / "gpu_check.md").read_text()
 
 
-def test_a_gpu_check_past_its_time_is_killed_with_every_process_it_started():
-    """gpu_check.run_check: past the check's time its process group is killed (what it started included: none
-    keeps the GPU), with what it wrote; the return code None says it did not end by itself."""
+def test_a_gpu_check_past_its_time_is_killed_with_every_process_it_started(monkeypatch):
+    """gpu_check.run_check: past the check's time its process group gets SIGTERM (what it started included: none
+    keeps the GPU), and SIGKILL where that does not end it (a process ignoring SIGTERM), with what it wrote; the
+    return code None says it did not end by itself."""
     script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
               "time.sleep(60)']); print('started', child.pid, flush=True); time.sleep(60)")
     proc = gpu_check.run_check(gpu_check.Check("hang", [sys.executable, "-c", script], timeout_s=3))
     assert proc.returncode is None and proc.stdout.startswith("started")
     assert ends(int(proc.stdout.split()[1])), "the check's own child outlived the kill of its process group"
+    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 1)
+    deaf = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); " \
+           "time.sleep(60)"
+    proc = gpu_check.run_check(gpu_check.Check("deaf", [sys.executable, "-c", deaf], timeout_s=2))
+    assert proc.returncode is None and ends(int(proc.stdout.split()[0])), "SIGTERM ignored, and no SIGKILL after"
     done = gpu_check.run_check(gpu_check.Check("done", [sys.executable, "-c", "print('ok')"]))
     assert (done.returncode, done.stdout) == (0, "ok\n")
 

@@ -244,39 +244,44 @@ def report(results: dict, out: Path, seconds: float) -> str:
     return table
 
 
-STOP_GRACE_S = 60  # a timed-out check's SIGTERM to its SIGKILL: torchrun's agent stops its workers in 30 s
+STOP_GRACE_S = 60  # a stopped check's SIGTERM to its SIGKILL: torchrun's agent stops its workers in 30 s
 
 
 def run_check(check: Check) -> subprocess.CompletedProcess:
-    """The check's command to its end, or until its time is up (the return code is then None): SIGTERM to its
-    process group, so that what it started in sessions of their own stops too (accelerate launch's torchrun agent
-    terminates its workers, SIGKILL 30 s later; the bench kills its contenders' groups), then SIGKILL to the group
-    after STOP_GRACE_S: none left holding the GPU. Its output is kept unless a process outside the group still holds
-    the pipes a minute on."""
-    from accel_train.bench.contenders import kill_group
-
+    """The check's command to its end, or until its time is up (the return code is then None). Stopped (its time
+    up, or gpu_check itself interrupted): SIGTERM to its process group, so that what it started in sessions of their
+    own stops too (accelerate launch's torchrun agent terminates its workers, SIGKILL 30 s later; the bench kills its
+    contenders' groups), then SIGKILL to the group after STOP_GRACE_S: none left holding the GPU. Its output is kept
+    unless a process outside the group still holds the pipes a minute on."""
     proc = subprocess.Popen(check.cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **check.env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=PACKAGE_DIR.parent,
                             start_new_session=True)
-    code = None
     try:
         out, err = proc.communicate(timeout=check.timeout_s)
-        code = proc.returncode
+        return subprocess.CompletedProcess(check.cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        out = err = ""
-        for stop, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 60)):
-            try:
-                os.killpg(proc.pid, stop)
-            except ProcessLookupError:
-                pass
-            try:
-                out, err = proc.communicate(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop(proc)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            out = err = ""
+        return subprocess.CompletedProcess(check.cmd, None, out, err)
     finally:
-        kill_group(proc)  # on any way out (Ctrl-C included): nothing of its group outlives the check
-    return subprocess.CompletedProcess(check.cmd, code, out, err)
+        stop(proc)  # on any way out (Ctrl-C included): nothing it started outlives the check
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to `proc`'s process group while its leader runs, SIGKILL to the group STOP_GRACE_S later (or now,
+    where the leader has ended: whatever is left of its group)."""
+    from accel_train.bench.contenders import kill_group
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=STOP_GRACE_S)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    kill_group(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

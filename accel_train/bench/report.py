@@ -27,7 +27,8 @@ def bench_report(args, wd: Path, info: dict, precision: str, flops: dict, peak: 
             "precision": precision, "model": {"parameters": n_params, "trained_parameters": n_trained,
                                               "matmul_weights": matmul_weights, "attention_size": attention,
                                               **model_shape(args, wd)},
-            "peak_flops": peak, "results": results, "ratios": ratios, "targets": targets(on_cuda(), args.full, fixed_tokens(args, first)),
+            "peak_flops": peak, "results": results, "ratios": ratios,
+            "targets": targets(on_cuda(), args.full, fixed_tokens(args, first)),
             "targets_at_most": targets_at_most(on_cuda()), "wall_seconds": round(seconds, 1)}
 
 

@@ -555,7 +555,7 @@ def on_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     for: from pinned host memory, non_blocking. (torch.tensor(data, device=cuda) or a host tensor's .to(cuda) copies
     from pageable memory and synchronises the stream: the host waits for every kernel queued before it.)"""
     host = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 

@@ -5,7 +5,8 @@ step_batches, the forward and loss (task.loss), backward, clipping, the optimize
 the run log's count. Writes OUT (JSON): each step's wall seconds; each phase's milliseconds a step (CPU: the host's
 time inside it, the kernels' included where they run there; on a GPU also its kernels' device time); the host's
 milliseconds a step outside every phase; the operators with the most self host time; on a GPU the CUDA calls that
-wait for the device (stream/device synchronisations, blocking copies) a step.
+wait for the device (stream/device synchronisations, blocking copies) a step. On a GPU each step ends with a
+synchronisation of the script's own (not counted), so that a step's wall time holds its kernels.
 
     python tests/scripts/step_profile.py OUT [--warmup 3] [--steps 5] [key=value ...]
 
@@ -28,6 +29,7 @@ PHASES = {"window": ("task", "window"), "step_batches": ("task", "step_batches")
           "forward_loss": ("task", "loss"), "backward": ("accelerator", "backward"),
           "clip": ("accelerator", "clip_grad_norm_"), "optimizer_step": ("optimizer", "step"),
           "zero_grad": ("optimizer", "zero_grad"), "scheduler": ("scheduler", "step")}
+# the CUDA calls that wait for the device (torch's blocking copies: cudaMemcpyAsync then cudaStreamSynchronize)
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 parser = argparse.ArgumentParser()
@@ -35,6 +37,8 @@ parser.add_argument("out")
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--steps", type=int, default=5)
 args, overrides = parser.parse_known_args()
+if args.warmup < 1 or args.steps < 1:
+    parser.error("--warmup and --steps: 1 or more")
 cuda = torch.cuda.is_available()
 prof = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
 marks: list[float] = []
@@ -91,7 +95,9 @@ result = {
     "top_ops_by_self_host_ms_a_step": [{"op": e.key, "self_host_ms": ms(e.self_cpu_time_total), "calls": e.count / n,
                                         **({"self_device_ms": ms(e.self_device_time_total)} if cuda else {})}
                                        for e in ops],
-    **({"device_waits_a_step": {e.key: e.count / n for e in events if e.key.startswith(WAITS)}} if cuda else {}),
+    # less the script's own synchronisation at each step's end (the step's kernels inside its wall time)
+    **({"device_waits_a_step": {e.key: e.count / n - (e.key == "cudaDeviceSynchronize") for e in events
+                                if e.key in WAITS}} if cuda else {}),
 }
 with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
