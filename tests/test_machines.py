@@ -219,20 +219,28 @@ def test_a_skipped_step_leaves_nothing_in_the_logged_loss_and_the_loop_reads_the
     assert [r["step"] for r in train] == [6] and math.isfinite(train[0]["loss"])
 
 
-@pytest.mark.parametrize("task", ["grpo", "distill"])
-def test_a_steps_rollouts_are_copied_to_the_device_without_waiting_for_it(tmp_path, task):
-    """grpo's rollouts and distill's on-policy samples build their rows on the host at every step, then copy them
-    to the device queued behind its work (data.pipeline.on_device: pinned memory, non_blocking): none of the step's
-    copies waits for the GPU (tests/scripts/host_reads.py; on a GPU each would synchronise the stream)."""
-    args = {"grpo": ["task=grpo", "data.path=builtin:reverse", "grpo.answer_field=response"],
+@pytest.mark.parametrize("task", ["dpo", "kto", "grpo", "distill"])
+def test_each_objectives_step_copies_nothing_that_waits_for_the_device(tmp_path, task):
+    """Each objective's step, as tests/scripts/host_reads.py counts it (on a GPU a blocking copy or a host read
+    synchronises the stream): grpo's rollouts and distill's on-policy samples build their rows on the host, then copy
+    them to the device queued behind its work (data.pipeline.on_device: pinned memory, non_blocking), none waiting
+    (2 a step before); orpo's NLL scale and kto's reference point stay on the device: the step's one host read is
+    the loop's gather (2 a step before). Generation reads the host as it decodes: grpo's and distill's reads are
+    not counted here."""
+    args = {"dpo": ["task=dpo", "dpo.loss_type=orpo", "data.path=builtin:reverse_pref"],
+            "kto": ["task=kto", "data.path=builtin:reverse_pref"],
+            "grpo": ["task=grpo", "data.path=builtin:reverse", "grpo.answer_field=response", "grpo.max_new_tokens=4"],
             "distill": ["task=distill", "data.path=builtin:addition", "distill.teacher=configs/model/tiny-llama",
-                        "distill.on_policy=1"]}[task]
-    seen = tmp_path / "copies.json"
-    proc = python_script("tests/scripts/host_reads.py", seen, *args, f"{task}.max_new_tokens=4", "data.builtin_size=16",
-                         "train.max_steps=2", "train.eval_every=null", "track.log_with=[]",
+                        "distill.on_policy=1", "distill.max_new_tokens=4"]}[task]
+    seen = tmp_path / "counts.json"
+    proc = python_script("tests/scripts/host_reads.py", seen, *args, "data.builtin_size=40", "train.max_steps=2",
+                         "train.eval_every=null", "train.log_every=100", "track.log_with=[]",
                          f"output_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(seen.read_text())["blocking_copies"] == [0, 0]
+    counted = json.loads(seen.read_text())
+    assert counted["blocking_copies"] == [0, 0]
+    if task in ("dpo", "kto"):
+        assert counted["reads"] == [1, 1]
 
 
 def test_the_step_profile_accounts_for_every_phase_of_a_step(tmp_path):

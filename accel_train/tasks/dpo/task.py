@@ -151,17 +151,17 @@ class PreferenceLoss:
         return loss, torch.cat([loss.detach()[None], terms[:, 2:].detach().sum(0)])
 
 
-def step_nll_scale(accelerator, window: list[dict], loss_type: str) -> float:
+def step_nll_scale(accelerator, window: list[dict], loss_type: str) -> torch.Tensor:
     """orpo, cpo: the step's pairs / the step's chosen NLL tokens, over its micro-batches on every rank (a
-    collective: every rank calls it for every step)."""
+    collective: every rank calls it for every step), on the device: the host reads nothing (the loop's gather is
+    the step's one read)."""
     counts = torch.zeros(2, device=accelerator.device)
     for batch in window:
         counts[0] += batch["input_ids"].shape[0] // 2  # a host number: no copy to the device
         counts[1] += nll_mask(batch, loss_type).sum()
     if accelerator.num_processes > 1:
         counts = accelerator.reduce(counts, reduction="sum")
-    pairs, tokens = counts.tolist()
-    return pairs / max(tokens, 1.0)
+    return counts[0] / counts[1].clamp(min=1.0)
 
 
 @torch.no_grad()

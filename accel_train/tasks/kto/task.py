@@ -248,7 +248,7 @@ class KtoLoss:
                 sums[0] += ratios.sum()
                 sums[1] += len(ratios)  # a host number: no copy to the device
         total, count = self.accelerator.reduce(sums, reduction="sum")
-        return (total / count).clamp(min=0) if count else total.new_zeros(())
+        return (total / count.clamp(min=1)).clamp(min=0)  # 0 without any; on the device: the host reads nothing
 
     def __call__(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed row losses, detached sums of the logged values over the batch's rows)."""
