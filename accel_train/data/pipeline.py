@@ -551,10 +551,13 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", 
 
 
 def on_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`data` (numbers, or a host tensor) on `device`, its copy to a GPU queued behind the work there, not waited
+    """`data` (numbers, or a tensor) on `device`, a host's copy to a GPU queued behind the work there, not waited
     for: from pinned host memory, non_blocking. (torch.tensor(data, device=cuda) or a host tensor's .to(cuda) copies
     from pageable memory and synchronises the stream: the host waits for every kernel queued before it.)"""
-    host = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if isinstance(data, torch.Tensor):
+        host = data if dtype is None else data.to(dtype)
+    else:
+        host = torch.tensor(data, dtype=dtype)
     if torch.device(device).type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -159,9 +159,7 @@ class Verdicts:
     def flag(self, device) -> torch.Tensor:
         """The pending verdict as the gather carries it (1: finite, or none pending), unread."""
         finite = self.pending[0] if self.pending is not None else True
-        if isinstance(finite, torch.Tensor):
-            return finite.long().reshape(1)
-        return data_lib.on_device([int(finite)], device)
+        return data_lib.on_device(finite, device, torch.long).reshape(1)
 
     def judge(self, finite: bool | None = None) -> None:
         """The policy on the pending step (the last counted: state.step), its verdict `finite` as the gather read
@@ -241,9 +239,8 @@ class LossSums:
     def means(self, accelerator) -> dict:
         """The means since the last log over every rank (one collective, on every rank); the sums start again."""
         sums = accelerator.reduce(self.sums, reduction="sum")
-        targets = self.targets if isinstance(self.targets, torch.Tensor) else data_lib.on_device(self.targets,
-                                                                                                   sums.device)
-        *sums, targets = torch.cat([sums.double(), targets.double()[None]]).tolist()  # one host read
+        targets = data_lib.on_device(self.targets, sums.device, torch.double)[None]
+        *sums, targets = torch.cat([sums.double(), targets]).tolist()  # one host read
         means = {k: s / targets if targets else math.nan  # nan: only skipped steps
                  for k, s in zip(self.names, sums)}
         self.sums.zero_()
