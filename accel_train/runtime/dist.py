@@ -131,9 +131,7 @@ def make_accelerator(cfg: Config, model_width: int | None = None) -> Accelerator
         # The scheduler is stepped once per optimizer step by train.py; accelerate's default would step it
         # once per process, which is right only for schedules built for num_processes times more steps.
         step_scheduler_with_optimizer=False,
-        # Seedable sampler: one shuffle per epoch from (seed, epoch), the same on every rank, then sharded.
-        # non_blocking: a batch's copy to the GPU from the loader's pinned memory (data.pipeline) is queued, not
-        # waited for (a blocking copy synchronises the stream: a host sync a micro-batch); no-op on a CPU.
+        # One shuffle per epoch from (seed, epoch) on every rank, then sharded; batch copies to a GPU queued.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s),
                                                 **({"backend": "gloo"} if deepspeed_on_cpu else {}))],
